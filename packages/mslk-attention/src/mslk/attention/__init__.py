@@ -1,0 +1,4 @@
+"""mslk.attention: Fused attention (spec §2-§4): memory_efficient_attention, the attn_bias masks, partial attention and merge.
+
+Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
+"""

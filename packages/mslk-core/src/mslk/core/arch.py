@@ -1,0 +1,156 @@
+"""Every hardware question MSLK asks: vendor, compute capability, SM count, FP8 flavour.
+
+Answers are cached per device. Nothing here runs at import time, so `import mslk` never initialises CUDA.
+Code elsewhere in MSLK asks these functions, never `torch.cuda` directly, so that tests can mock one place.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from mslk.core import env
+
+Vendor = Literal["nvidia", "amd", "none"]
+
+# FP8 element type and its largest finite value per platform (spec §7.1). Dequantization scales are
+# amax / FP8_MAX; quantizers floor amax at FP8_EPS.
+FP8_EPS = 1e-12
+_FP8_TRITON_TYPE = {torch.float8_e4m3fn: "float8e4nv", torch.float8_e4m3fnuz: "float8e4b8"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What MSLK needs to know about one GPU."""
+
+    index: int
+    vendor: Vendor
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    gfx_arch: str | None  # ROCm only, e.g. "gfx942" (without the ":sramecc+:xnack-" feature suffix)
+
+    @classmethod
+    def from_properties(cls, props: Any, *, index: int, hip: bool) -> DeviceInfo:
+        """Build from `torch.cuda.get_device_properties(index)` (or a stand-in with the same attributes)."""
+        gfx = getattr(props, "gcnArchName", None) if hip else None
+        return cls(
+            index=index,
+            vendor="amd" if hip else "nvidia",
+            name=props.name,
+            capability=(props.major, props.minor),
+            sm_count=props.multi_processor_count,
+            gfx_arch=gfx.split(":")[0] if gfx else None,
+        )
+
+    def fp8_dtype(self) -> torch.dtype:
+        """The FP8 (e4m3) flavour of this device: OCP e4m3fn on CUDA and gfx950, e4m3fnuz on gfx942."""
+        if self.vendor == "nvidia":
+            return torch.float8_e4m3fn
+        if self.gfx_arch == "gfx942":
+            return torch.float8_e4m3fnuz
+        if self.gfx_arch == "gfx950":
+            return torch.float8_e4m3fnuz if env.ROCM_FORCE_FP8FNUZ_TYPE.enabled() else torch.float8_e4m3fn
+        raise RuntimeError(
+            f"Unsupported GPU arch {self.gfx_arch} for FP8: MSLK's FP8 kernels need gfx942 or gfx950 on ROCm"
+        )
+
+
+@functools.cache
+def has_gpu() -> bool:
+    """True when torch sees a CUDA or ROCm device (does not create a CUDA context)."""
+    return torch.cuda.is_available()
+
+
+def vendor() -> Vendor:
+    if not has_gpu():
+        return "none"
+    return "amd" if torch.version.hip is not None else "nvidia"
+
+
+def is_cuda() -> bool:
+    return vendor() == "nvidia"
+
+
+def is_rocm() -> bool:
+    return vendor() == "amd"
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is not None and torch.device(device).index is not None:
+        return torch.device(device).index
+    return torch.cuda.current_device()
+
+
+@functools.cache
+def _device_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo.from_properties(props, index=index, hip=torch.version.hip is not None)
+
+
+def device_info(device: torch.device | int | None = None) -> DeviceInfo:
+    """The GPU `device` (default: the current one). Raises RuntimeError when there is no GPU."""
+    if not has_gpu():
+        raise RuntimeError("no CUDA or ROCm device is visible to torch (torch.cuda.is_available() is False)")
+    return _device_info(_index(device))
+
+
+def capability(device: torch.device | int | None = None) -> tuple[int, int]:
+    return device_info(device).capability
+
+
+def sm_count(device: torch.device | int | None = None) -> int:
+    return device_info(device).sm_count
+
+
+def gfx_arch(device: torch.device | int | None = None) -> str | None:
+    return device_info(device).gfx_arch if is_rocm() else None
+
+
+def fp8_dtype(device: torch.device | int | None = None) -> torch.dtype:
+    """The platform's FP8 e4m3 flavour; e4m3fn where there is no GPU (CPU reference paths)."""
+    if (isinstance(device, torch.device) and device.type == "cpu") or not has_gpu():
+        return torch.float8_e4m3fn
+    return device_info(device).fp8_dtype()
+
+
+def fp8_max(device: torch.device | int | None = None) -> float:
+    """Largest finite value of the platform FP8 flavour: 448 (e4m3fn) or 240 (e4m3fnuz)."""
+    return torch.finfo(fp8_dtype(device)).max
+
+
+def triton_fp8_type(dtype: torch.dtype):
+    """The Triton element type for a torch FP8 dtype (`tl.float8e4nv` for e4m3fn, `tl.float8e4b8` fnuz)."""
+    import triton.language as tl
+
+    try:
+        name = _FP8_TRITON_TYPE[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} is not an FP8 e4m3 dtype (expected one of {list(_FP8_TRITON_TYPE)})") from None
+    return getattr(tl, name)
+
+
+def cuda_version() -> tuple[int, int] | None:
+    """CUDA version torch was built with, or None (ROCm or CPU build)."""
+    if torch.version.cuda is None:
+        return None
+    major, minor = torch.version.cuda.split(".")[:2]
+    return int(major), int(minor)
+
+
+def hip_version() -> tuple[int, int] | None:
+    if torch.version.hip is None:
+        return None
+    major, minor = torch.version.hip.split(".")[:2]
+    return int(major), int(minor)
+
+
+def clear_cache() -> None:
+    """Forget cached answers (tests that mock devices call this)."""
+    has_gpu.cache_clear()
+    _device_info.cache_clear()

@@ -1,0 +1,318 @@
+"""How a domain declares its ops and backends, and how a call picks a backend.
+
+An op is one `torch.library` schema (namespace `mslk` or the one spec/API.md gives) with:
+- a reference implementation in plain PyTorch: the CPU kernel and the oracle of every test;
+- GPU backends in priority order, each saying whether it is usable on this machine (`available`) and
+  whether it can serve given inputs (`supports`, a list of reasons why not);
+- a fake kernel, so torch.compile and torch.export trace it without running it;
+- samples (small random inputs) that `mslk check` and the opcheck conformance test run.
+
+The torch op (`torch.ops.mslk.NAME`) dispatches to the first backend that supports the inputs. When none
+does, NotSupportedError lists the inputs, every backend's reasons and a next step. A backend can be pinned
+with MSLK_BACKEND or with `op(..., backend=NAME)`; a pinned backend that cannot serve the inputs raises
+ValueError with its reasons instead of falling back.
+
+Example (a domain module)::
+
+    axpy = registry.Op(
+        "mslk::axpy(Tensor x, Tensor y, float alpha=1.0) -> Tensor",
+        domain="example",
+        reference=lambda x, y, alpha=1.0: alpha * x + y,
+        fake=lambda x, y, alpha=1.0: torch.empty_like(x),
+        samples=lambda device: [registry.Sample((randn(5, device=device), randn(5, device=device)))],
+    )
+
+    @axpy.backend("triton", available=registry.triton_missing, supports=_axpy_triton_supports)
+    def _axpy_triton(x, y, alpha=1.0): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mslk.core import env
+
+log = logging.getLogger("mslk.dispatch")
+
+REFERENCE = "reference"
+
+
+class NotSupportedError(NotImplementedError):
+    """No backend of an op can serve the given inputs; the message says why for each backend."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One call of an op on small random inputs: what `mslk check` and opcheck run."""
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    name: str = ""
+
+
+@dataclass
+class Backend:
+    """One implementation of an op.
+
+    `devices`: device types it runs on. `available()`: None when usable on this machine, else why not
+    (checked once and cached). `supports(*args, **kwargs)`: reasons why it cannot serve these inputs.
+    """
+
+    name: str
+    impl: Callable[..., Any]
+    devices: frozenset[str]
+    supports: Callable[..., Iterable[str]] | None = None
+    available: Callable[[], str | None] | None = None
+
+    @functools.cached_property
+    def unavailable_reason(self) -> str | None:
+        return self.available() if self.available is not None else None
+
+    def reasons(self, device_type: str, args: tuple, kwargs: dict) -> list[str]:
+        if device_type not in self.devices:
+            return [f"device={device_type} (supported: {', '.join(sorted(self.devices))})"]
+        if self.unavailable_reason is not None:
+            return [self.unavailable_reason]
+        return list(self.supports(*args, **kwargs)) if self.supports is not None else []
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """Availability check for Triton backends: None when Triton imports, else why not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"triton is not available ({type(exc).__name__}: {exc})"
+    return None
+
+
+# Native libraries of the domains: name -> None when loaded, else why not. `mslk env` prints them.
+native_libraries: dict[str, str | None] = {}
+
+
+def record_native(name: str, error: str | None) -> None:
+    native_libraries[name] = error
+
+
+_libraries: dict[str, torch.library.Library] = {}  # kept alive: a collected Library unregisters its ops
+OPS: dict[str, Op] = {}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    if namespace not in _libraries:
+        _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _libraries[namespace]
+
+
+class Op:
+    """A public op: schema, reference, fake, backends, samples. See the module docstring."""
+
+    def __init__(
+        self,
+        schema: str,
+        *,
+        domain: str,
+        reference: Callable[..., Any],
+        fake: Callable[..., Any] | None = None,
+        samples: Callable[[torch.device], Iterable[Sample]] | None = None,
+        reference_devices: Sequence[str] = ("cpu",),
+        next_step: str | None = None,
+        tolerance: float | None = None,
+    ):
+        parsed = torch._C.parse_schema(schema)
+        self.qualname: str = parsed.name  # "mslk::name"
+        if "::" not in self.qualname:
+            raise ValueError(f"op schema needs a namespace (`mslk::name(...)`), got {schema!r}")
+        if self.qualname in OPS:
+            raise ValueError(f"op {self.qualname} is defined twice")
+        self.namespace, self.name = self.qualname.split("::")
+        self.arg_names: list[str] = [arg.name for arg in parsed.arguments]
+        self.domain = domain
+        self.reference = reference
+        self.samples = samples
+        self.next_step = next_step
+        self.tolerance = tolerance  # relative error `mslk check` accepts; None: by output dtype
+        self.backends: list[Backend] = [Backend(REFERENCE, reference, frozenset(reference_devices))]
+
+        lib = _library(self.namespace)
+        lib.define(schema.split("::", 1)[1])
+        for key in ("CPU", "CUDA"):
+            lib.impl(self.name, self._dispatch, key)
+        if fake is not None:
+            torch.library.register_fake(self.qualname, fake, lib=lib)
+        OPS[self.qualname] = self
+
+    # -- declaring backends -------------------------------------------------------------------------
+    def backend(
+        self,
+        name: str,
+        *,
+        devices: Sequence[str] = ("cuda",),
+        supports: Callable[..., Iterable[str]] | None = None,
+        available: Callable[[], str | None] | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator registering `impl` as a backend, after those already registered (before reference)."""
+        if any(b.name == name for b in self.backends):
+            raise ValueError(f"{self.qualname} already has a backend named {name!r}")
+
+        def register(impl: Callable[..., Any]) -> Callable[..., Any]:
+            self.backends.insert(-1, Backend(name, impl, frozenset(devices), supports, available))
+            return impl
+
+        return register
+
+    # -- calling ------------------------------------------------------------------------------------
+    @property
+    def torch_op(self):
+        return getattr(getattr(torch.ops, self.namespace), self.name)
+
+    def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+        """Call through torch.ops (autograd, compile, export); `backend=` runs that backend directly."""
+        if backend is None:
+            return self.torch_op(*args, **kwargs)
+        return self.select(args, kwargs, pinned=backend).impl(*args, **kwargs)
+
+    def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        return self.select(args, kwargs).impl(*args, **kwargs)
+
+    def get_backend(self, name: str) -> Backend:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise ValueError(
+            f"{self.qualname} has no backend {name!r} (it has: {', '.join(b.name for b in self.backends)})"
+        )
+
+    def select(self, args: tuple, kwargs: dict, pinned: str | None = None) -> Backend:
+        """The backend that serves these inputs: the pinned one, else the first that supports them."""
+        pinned = pinned or self._pinned_by_env()
+        device_type = _device_type(args, kwargs)
+        if pinned is not None:
+            chosen = self.get_backend(pinned)
+            reasons = chosen.reasons(device_type, args, kwargs)
+            if reasons:
+                raise ValueError(
+                    format_not_supported(
+                        f"Operator `{self.qualname}` does not support inputs:",
+                        self.inputs(args, kwargs),
+                        {chosen.name: reasons},
+                    )
+                )
+        else:
+            all_reasons = {}
+            for candidate in self.backends:
+                reasons = candidate.reasons(device_type, args, kwargs)
+                if not reasons:
+                    chosen = candidate
+                    break
+                all_reasons[candidate.name] = reasons
+            else:
+                raise NotSupportedError(
+                    format_not_supported(
+                        f"No operator found for `{self.qualname}` with inputs:",
+                        self.inputs(args, kwargs),
+                        all_reasons,
+                        next_step=self.next_step or _default_next_step(self),
+                    )
+                )
+        if env.LOG_DISPATCH.enabled():
+            log.info("%s -> %s%s", self.qualname, chosen.name, " (pinned)" if pinned else "")
+        return chosen
+
+    def _pinned_by_env(self) -> str | None:
+        per_op, anywhere = _parse_pins(env.BACKEND.get())
+        pinned = per_op.get(self.qualname) or per_op.get(self.name)
+        if pinned is not None:
+            return pinned
+        names = {b.name for b in self.backends}
+        return next((name for name in anywhere if name in names), None)
+
+    def inputs(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by schema name, for error messages."""
+        return {**dict(zip(self.arg_names, args)), **kwargs}
+
+    def usable_backends(self, device_type: str) -> list[Backend]:
+        """Backends that could run on this device type here (inputs aside)."""
+        return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_pins(value: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    per_op, anywhere = {}, []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        op, sep, backend = item.partition("=")
+        if sep:
+            per_op[op.strip()] = backend.strip()
+        else:
+            anywhere.append(item)
+    return per_op, tuple(anywhere)
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    return item.device.type
+    return "cpu"
+
+
+def _default_next_step(op: Op) -> str:
+    return (
+        f"run `mslk env` to see which backends of {op.qualname} are usable on this machine, "
+        "or move the inputs to a device and layout that a backend above supports."
+    )
+
+
+def describe(value: Any, detailed: bool = True) -> str:
+    """One input in an error message: tensors by shape and dtype (and device and strides if detailed)."""
+    if isinstance(value, torch.Tensor):
+        text = f"shape={tuple(value.shape)} ({value.dtype})"
+        if detailed:
+            text += f" device={value.device} stride={tuple(value.stride())}"
+        return text
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        inner = ", ".join(describe(v, detailed) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
+def format_not_supported(
+    headline: str,
+    inputs: dict[str, Any],
+    reasons: dict[str, list[str]],
+    next_step: str | None = None,
+    detailed: bool = True,
+) -> str:
+    """The dispatch error text, in the format xFormers/MSLK users know::
+
+        No operator found for `op` with inputs:
+             query       : shape=(2, 498, 8, 32) (torch.float16)
+        `backend` is not supported because:
+            reason
+    """
+    lines = [headline]
+    lines += [f"     {name:<12}: {describe(value, detailed)}" for name, value in inputs.items()]
+    for backend, why in reasons.items():
+        lines.append(f"`{backend}` is not supported because:")
+        lines += [f"    {reason}" for reason in why]
+    if next_step:
+        lines.append(f"Next step: {next_step}")
+    return "\n".join(lines)
+
+
+def get(name: str) -> Op:
+    """An op by `ns::name` or by bare name (namespace mslk)."""
+    qualname = name if "::" in name else f"mslk::{name}"
+    try:
+        return OPS[qualname]
+    except KeyError:
+        raise KeyError(f"no MSLK op named {name!r} is registered (is its domain package installed?)") from None
