@@ -34,3 +34,30 @@ def installed_distributions() -> dict[str, str]:
         if name == "mslk" or name.startswith("mslk-"):
             found[name] = dist.version
     return dict(sorted(found.items()))
+
+
+def compatibility_problems() -> list[str]:
+    """Where the installed torch and MSLK distributions break the ranges MSLK packages declare.
+
+    The ranges in each distribution's metadata come from compat.toml (tools/compat.py checks that), so
+    this is the verdict against compat.toml for what is actually installed.
+    """
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    installed = installed_distributions()
+    problems = []
+    for dist in installed:
+        for text in importlib.metadata.requires(dist) or []:
+            req = Requirement(text)
+            name = req.name.lower().replace("_", "-")
+            if name != "torch" and not name.startswith("mslk"):
+                continue
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            have = installed.get(name) if name != "torch" else package_version("torch")
+            if have is None:
+                problems.append(f"{dist} needs {req}, which is not installed")
+            elif not req.specifier.contains(Version(have), prereleases=True):
+                problems.append(f"{dist} needs {req}, found {name} {have}")
+    return problems

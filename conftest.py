@@ -1,0 +1,20 @@
+"""Repository-wide pytest setup for the test tiers of DESIGN.md §4."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # T1: without a GPU, Triton kernels run under the interpreter. Set before any kernel module is imported,
+    # since @triton.jit decides at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="tier T2: needs a GPU (run ci/gpu.sh on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

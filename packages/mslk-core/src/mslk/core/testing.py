@@ -1,0 +1,184 @@
+"""Test helpers shared by every domain: skip decorators, random inputs, poisoned outputs, relative-error
+tolerances, and the conformance checks (reference comparison, fake kernel, opcheck) of a registered op.
+
+The skip decorators keep the reference library's names (spec U-02; `mslk.testing.device` re-exports them)
+and work on unittest classes and pytest functions alike.
+"""
+
+from __future__ import annotations
+
+import math
+import unittest
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mslk.core import arch
+from mslk.core.registry import Op, Sample
+
+# ---------------------------------------------------------------------------------------------- skips
+
+
+def skipUnlessCuda() -> Callable:
+    return unittest.skipUnless(arch.is_cuda(), "needs an NVIDIA GPU")
+
+
+def skipUnlessRocm() -> Callable:
+    return unittest.skipUnless(arch.is_rocm(), "needs an AMD GPU (ROCm)")
+
+
+def skipUnlessGpu() -> Callable:
+    return unittest.skipUnless(arch.has_gpu(), "needs a GPU (CUDA or ROCm)")
+
+
+def skipUnlessCudaCapability(major_min: int, major_max: int | None = None, *, minor_min: int = 0) -> Callable:
+    """Skip unless an NVIDIA GPU has capability >= (major_min, minor_min) and major <= major_max.
+    Passes on ROCm (capability numbers mean nothing there), as in the reference library."""
+    if arch.is_rocm():
+        return unittest.skipIf(False, "")
+    ok = arch.is_cuda() and arch.capability() >= (major_min, minor_min)
+    ok = ok and (major_max is None or arch.capability()[0] <= major_max)
+    upper = f" and <= {major_max}.x" if major_max is not None else ""
+    return unittest.skipUnless(ok, f"needs an NVIDIA GPU of capability >= {major_min}.{minor_min}{upper}")
+
+
+def skipUnlessCudaVersion(major_min: int) -> Callable:
+    version = arch.cuda_version()
+    ok = arch.is_cuda() and version is not None and version[0] >= major_min
+    return unittest.skipUnless(ok, f"needs CUDA >= {major_min}")
+
+
+def skipUnlessGfxArch(gfx: str, *more: str) -> Callable:
+    """Skip unless the ROCm GPU is one of the gfx archs. Passes on CUDA, as in the reference library."""
+    if arch.is_cuda():
+        return unittest.skipIf(False, "")
+    wanted = (gfx, *more)
+    ok = arch.is_rocm() and arch.gfx_arch() in wanted
+    return unittest.skipUnless(ok, f"needs a ROCm GPU of arch {', '.join(wanted)}")
+
+
+# ----------------------------------------------------------------------------------- random inputs
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, device: Any = "cpu", std: float = 1.0) -> torch.Tensor:
+    """Fresh normal random values (drawn in fp32, then cast): never zeros, never a fixed pattern."""
+    return (torch.randn(*shape, device=device) * std).to(dtype)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or the dtype's max (integers), so an element a kernel never wrote shows up."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max if t.dtype != torch.bool else True)
+
+
+def empty_poisoned(*shape: int, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+    return poison_(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def padded_rows(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values in a non-contiguous tensor whose rows are `pad` elements apart beyond their length
+    (last-dim stride stays 1, as most kernels require)."""
+    storage = poison_(torch.empty(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype, device=t.device))
+    view = storage[..., : t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+# ------------------------------------------------------------------------------------- tolerances
+
+_DEFAULT_TOLERANCE = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+    torch.float8_e4m3fn: 8e-2,
+    torch.float8_e4m3fnuz: 8e-2,
+    torch.float8_e5m2: 0.15,
+}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Relative error `||out - ref|| / ||ref||` allowed for an output of `dtype`; 0 (exact) for integers."""
+    return _DEFAULT_TOLERANCE.get(dtype, 0.0 if not dtype.is_floating_point else 0.15)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """`||out - ref|| / ||ref||` in float64; inf when shapes differ or anything is NaN."""
+    if out.shape != ref.shape:
+        return math.inf
+    out64, ref64 = out.detach().cpu().to(torch.float64), ref.detach().cpu().to(torch.float64)
+    if out64.isnan().any() or ref64.isnan().any():
+        return math.inf
+    diff = torch.linalg.vector_norm(out64 - ref64).item()
+    norm = torch.linalg.vector_norm(ref64).item()
+    return diff / norm if norm > 0 else diff
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None, what: str = "output") -> None:
+    tol = default_tolerance(out.dtype) if tol is None else tol
+    if out.dtype != ref.dtype and not (out.dtype.is_floating_point and ref.dtype.is_floating_point):
+        raise AssertionError(f"{what}: dtype {out.dtype}, reference {ref.dtype}")
+    err = rel_error(out, ref)
+    if not err <= tol:
+        raise AssertionError(
+            f"{what}: relative error {err:.3g} > {tol:.3g} (shape {tuple(out.shape)}, ref {tuple(ref.shape)}, "
+            f"dtype {out.dtype})"
+        )
+
+
+# ------------------------------------------------------------------------- conformance of an op
+
+
+def _flat(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def check_against_reference(op: Op, sample: Sample) -> list[str]:
+    """Run `op` through torch.ops on the sample (on its device) and the reference on CPU copies; also
+    check that the fake kernel predicts each output's shape and dtype. Returns what went wrong."""
+    out = _flat(op.torch_op(*sample.args, **sample.kwargs))
+    ref = _flat(op.reference(*_to(sample.args, "cpu"), **_to(sample.kwargs, "cpu")))
+    problems = []
+    if len(out) != len(ref):
+        return [f"{len(out)} outputs, the reference gives {len(ref)}"]
+    for i, (o, r) in enumerate(zip(out, ref)):
+        if not isinstance(o, torch.Tensor):
+            if o != r:
+                problems.append(f"output {i}: {o!r}, reference {r!r}")
+            continue
+        try:
+            assert_rel_close(o, r, op.tolerance, what=f"output {i}")
+        except AssertionError as exc:
+            problems.append(str(exc))
+    problems += _fake_problems(op, sample, out)
+    return problems
+
+
+def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in sample.args)
+        fake = _flat(op.torch_op(*args, **sample.kwargs))
+    return [
+        f"output {i}: the fake kernel says {tuple(f.shape)} {f.dtype}, the kernel gives {tuple(r.shape)} {r.dtype}"
+        for i, (f, r) in enumerate(zip(fake, real))
+        if isinstance(r, torch.Tensor) and (f.shape != r.shape or f.dtype != r.dtype)
+    ]
+
+
+def run_opcheck(op: Op, device: Any = "cpu") -> None:
+    """torch.library.opcheck on every sample of `op` (schema, fake kernel, autograd registration)."""
+    if op.samples is None:
+        raise ValueError(f"{op.qualname} declares no samples")
+    for sample in op.samples(torch.device(device)):
+        torch.library.opcheck(op.torch_op.default, sample.args, sample.kwargs)

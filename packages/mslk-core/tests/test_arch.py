@@ -1,0 +1,102 @@
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mslk.utils.device as ref_device
+from mslk.core import arch
+from mslk.utils.triton.fp8_utils import get_fp8_constants
+
+H200 = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132)
+MI300X = SimpleNamespace(name="AMD Instinct MI300X", major=9, minor=4, multi_processor_count=304, gcnArchName="gfx942:sramecc+:xnack-")
+MI355X = SimpleNamespace(name="AMD Instinct MI355X", major=9, minor=5, multi_processor_count=256, gcnArchName="gfx950")
+MI250 = SimpleNamespace(name="AMD Instinct MI250X", major=9, minor=0, multi_processor_count=110, gcnArchName="gfx90a")
+
+
+@pytest.fixture
+def mock_gpu(monkeypatch):
+    """Pretend torch sees one GPU with the given properties; counts property queries."""
+    queries = []
+
+    def install(props, hip=None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: queries.append(i) or props)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.version, "cuda", None if hip else "13.0")
+        arch.clear_cache()
+        return queries
+
+    yield install
+    monkeypatch.undo()
+    arch.clear_cache()
+
+
+def test_nvidia(mock_gpu):
+    queries = mock_gpu(H200)
+    assert arch.vendor() == "nvidia" and arch.is_cuda() and not arch.is_rocm()
+    assert arch.capability() == (9, 0)
+    assert arch.sm_count() == 132
+    assert arch.fp8_dtype() == torch.float8_e4m3fn and arch.fp8_max() == 448.0
+    assert arch.gfx_arch() is None
+    assert queries == [0], "device properties are queried once and cached"
+    assert ref_device.compute_capability_at_least(9) and not ref_device.compute_capability_at_least(9, 1)
+    assert ref_device.compute_capability_in(8, 9) and not ref_device.compute_capability_in(10)
+    assert ref_device.cuda_version_at_least(13) and not ref_device.cuda_version_at_least(14)
+    assert not ref_device.supports_float8_fnuz()
+    assert get_fp8_constants()[0] == torch.float8_e4m3fn and get_fp8_constants()[2] == 448.0
+
+
+def test_gfx942_uses_fnuz(mock_gpu):
+    mock_gpu(MI300X, hip="7.1.0")
+    assert arch.vendor() == "amd" and arch.gfx_arch() == "gfx942"
+    assert arch.fp8_dtype() == torch.float8_e4m3fnuz and arch.fp8_max() == 240.0
+    assert ref_device.supports_float8_fnuz() and ref_device.is_gfx942() and not ref_device.is_gfx950()
+    assert ref_device.rocm_version_at_least(7, 1) and not ref_device.rocm_version_at_least(7, 2)
+    assert not ref_device.compute_capability_at_least(9), "capability predicates are CUDA-only"
+
+
+def test_gfx950_uses_ocp_unless_forced(mock_gpu, monkeypatch):
+    mock_gpu(MI355X, hip="7.2.0")
+    assert arch.fp8_dtype() == torch.float8_e4m3fn and arch.fp8_max() == 448.0
+    monkeypatch.setenv("MSLK_ROCM_FORCE_FP8FNUZ_TYPE", "1")
+    assert arch.fp8_dtype() == torch.float8_e4m3fnuz
+
+
+def test_old_rocm_has_no_fp8(mock_gpu):
+    mock_gpu(MI250, hip="7.1.0")
+    with pytest.raises(RuntimeError, match="Unsupported GPU arch gfx90a for FP8"):
+        arch.fp8_dtype()
+    with pytest.raises(RuntimeError):
+        ref_device.supports_float8_fnuz()
+    assert ref_device.supports_float8_fnuz(throw_on_hip_incompatibility=False) is False
+
+
+def test_no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    arch.clear_cache()
+    try:
+        assert arch.vendor() == "none" and not arch.is_cuda() and not arch.is_rocm()
+        assert arch.fp8_dtype() == torch.float8_e4m3fn, "CPU reference paths use the OCP flavour"
+        with pytest.raises(RuntimeError, match="no CUDA or ROCm device"):
+            arch.capability()
+    finally:
+        monkeypatch.undo()
+        arch.clear_cache()
+
+
+def test_triton_fp8_types():
+    import triton.language as tl
+
+    assert arch.triton_fp8_type(torch.float8_e4m3fn) == tl.float8e4nv
+    assert arch.triton_fp8_type(torch.float8_e4m3fnuz) == tl.float8e4b8
+    with pytest.raises(ValueError, match="not an FP8 e4m3 dtype"):
+        arch.triton_fp8_type(torch.bfloat16)
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, mslk, mslk.utils.device, mslk.core.testing; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

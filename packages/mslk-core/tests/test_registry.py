@@ -1,0 +1,185 @@
+import logging
+
+import pytest
+import torch
+
+from mslk.core import registry, testing
+from mslk.core.registry import NotSupportedError
+
+
+def _inputs(rows=4, cols=6):
+    return testing.randn(rows, cols, dtype=torch.bfloat16), testing.randn(rows)
+
+
+def test_cpu_call_runs_the_reference(fresh_ops):
+    op = fresh_ops()
+    x, s = _inputs()
+    testing.assert_rel_close(op(x, s), (x.double() * s.double()[:, None]).to(torch.bfloat16))
+
+
+def test_not_supported_text(fresh_ops):
+    op = fresh_ops(devices=("cpu",))
+    op.backends[-1] = registry.Backend(registry.REFERENCE, op.reference, frozenset({"cuda"}))
+    x = testing.randn(2, 3, 4)
+    with pytest.raises(NotSupportedError) as info:
+        op(x, testing.randn(2))
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"No operator found for `{op.qualname}` with inputs:"
+    assert lines[1] == "     x           : shape=(2, 3, 4) (torch.float32) device=cpu stride=(12, 4, 1)"
+    assert lines[2] == "     scale       : shape=(2,) (torch.float32) device=cpu stride=(1,)"
+    assert lines[3:7] == [
+        "`triton` is not supported because:",
+        "    x.dim() == 3 (supported: 2)",
+        "`reference` is not supported because:",
+        "    device=cpu (supported: cuda)",
+    ]
+    assert lines[7].startswith("Next step: run `mslk env`")
+
+
+def test_not_supported_is_a_not_implemented_error():
+    assert issubclass(NotSupportedError, NotImplementedError)
+
+
+def test_format_matches_the_xformers_layout():
+    q = torch.empty(2, 498, 8, 32, dtype=torch.float16)
+    text = registry.format_not_supported(
+        "No operator found for `memory_efficient_attention_forward` with inputs:",
+        {"query": q, "p": 0.0},
+        {"fa2F@2.x.y-pt": ["attn_bias type is <class 'torch.Tensor'>"]},
+        detailed=False,
+    )
+    assert text == (
+        "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+        "     query       : shape=(2, 498, 8, 32) (torch.float16)\n"
+        "     p           : 0.0\n"
+        "`fa2F@2.x.y-pt` is not supported because:\n"
+        "    attn_bias type is <class 'torch.Tensor'>"
+    )
+
+
+def test_backends_in_priority_order_first_supporting_wins(fresh_ops):
+    op = fresh_ops(devices=("cpu",))
+    calls = []
+    op.backend("second", devices=("cpu",))(lambda x, s: calls.append("second") or x.clone())
+    x, s = _inputs()
+    assert op.select((x, s), {}).name == "triton"
+    # A non-contiguous row makes the first backend refuse; the second takes it.
+    xt = x.t().contiguous().t()
+    assert op.select((xt, s), {}).name == "second"
+    assert [b.name for b in op.backends] == ["triton", "second", "reference"]
+
+
+def test_pin_by_argument_and_by_env(fresh_ops, monkeypatch):
+    op = fresh_ops(devices=("cpu",))
+    x, s = _inputs()
+    assert op.select((x, s), {}, pinned="reference").name == "reference"
+    monkeypatch.setenv("MSLK_BACKEND", f"{op.qualname}=reference")
+    assert op.select((x, s), {}).name == "reference"
+    monkeypatch.setenv("MSLK_BACKEND", f"{op.name}=triton")
+    assert op.select((x, s), {}).name == "triton"
+    monkeypatch.setenv("MSLK_BACKEND", "no_such_everywhere, reference")
+    assert op.select((x, s), {}).name == "reference"
+
+
+def test_pinned_backend_that_cannot_serve_raises_value_error(fresh_ops, monkeypatch):
+    op = fresh_ops(devices=("cpu",))
+    monkeypatch.setenv("MSLK_BACKEND", "triton")
+    x = testing.randn(2, 3, 4)
+    with pytest.raises(ValueError) as info:
+        op(x, testing.randn(2))
+    text = str(info.value)
+    assert text.startswith(f"Operator `{op.qualname}` does not support inputs:")
+    assert "`triton` is not supported because:\n    x.dim() == 3 (supported: 2)" in text
+    assert not isinstance(info.value, NotSupportedError)
+
+
+def test_unknown_pinned_backend(fresh_ops):
+    op = fresh_ops()
+    with pytest.raises(ValueError, match="has no backend 'cutlass'"):
+        op(*_inputs(), backend="cutlass")
+
+
+def test_unavailable_backend_reason_is_cached_and_reported(fresh_ops):
+    calls = []
+
+    def available():
+        calls.append(1)
+        return "native library libmslk_gemm.so not loaded"
+
+    op = fresh_ops(devices=("cpu",), available=available)
+    x, s = _inputs()
+    assert op.select((x, s), {}).name == "reference"
+    assert op.select((x, s), {}).name == "reference"
+    assert calls == [1]
+    assert [b.name for b in op.usable_backends("cpu")] == ["reference"]
+    with pytest.raises(ValueError, match="libmslk_gemm.so not loaded"):
+        op(x, s, backend="triton")
+
+
+def test_log_dispatch(fresh_ops, monkeypatch, caplog):
+    op = fresh_ops()
+    monkeypatch.setenv("MSLK_LOG_DISPATCH", "1")
+    with caplog.at_level(logging.INFO, logger="mslk.dispatch"):
+        op(*_inputs())
+    assert f"{op.qualname} -> reference" in caplog.text
+
+
+def test_duplicate_definitions_are_refused(fresh_ops):
+    op = fresh_ops()
+    with pytest.raises(ValueError, match="already has a backend"):
+        op.backend("triton")(lambda x, s: x)
+    with pytest.raises(ValueError, match="defined twice"):
+        registry.Op(f"{op.qualname}(Tensor x, Tensor scale) -> Tensor", domain="t", reference=op.reference)
+    with pytest.raises(ValueError, match="needs a namespace"):
+        registry.Op("nonamespace(Tensor x) -> Tensor", domain="t", reference=lambda x: x)
+
+
+def test_get_by_name(fresh_ops):
+    op = fresh_ops()
+    assert registry.get(op.qualname) is op
+    with pytest.raises(KeyError, match="is its domain package installed"):
+        registry.get("f8f8bf16_nonexistent")
+
+
+def test_opcheck_conformance(fresh_ops):
+    testing.run_opcheck(fresh_ops())
+
+
+def test_opcheck_catches_a_wrong_fake(fresh_ops):
+    op = fresh_ops(fake=lambda x, scale: x.new_empty(x.shape[0]))
+    with pytest.raises(Exception, match="(?i)shape|size"):
+        testing.run_opcheck(op)
+
+
+def test_check_against_reference_catches_wrong_kernel_and_fake(fresh_ops):
+    good = fresh_ops()
+    assert [p for s in good.samples(torch.device("cpu")) for p in testing.check_against_reference(good, s)] == []
+    wrong_fake = fresh_ops(fake=lambda x, scale: x.new_empty(x.shape[0], 1))
+    sample = next(iter(wrong_fake.samples(torch.device("cpu"))))
+    problems = testing.check_against_reference(wrong_fake, sample)
+    assert any("the fake kernel says (3, 1)" in p for p in problems)
+
+
+def test_interpreted_triton_backend_matches_reference(fresh_ops):
+    """Tier T1: the Triton kernel itself (interpreter on CPU, compiled on a GPU) against the reference."""
+    op = fresh_ops()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for rows, cols in [(1, 1), (5, 63), (7, 130)]:
+        x = testing.randn(rows, cols, dtype=torch.bfloat16, device=device)
+        s = testing.randn(rows, device=device)
+        out = op.get_backend("triton").impl(x, s)
+        testing.assert_rel_close(out, scale_rows_ref(x, s))
+    empty = op.get_backend("triton").impl(torch.empty(0, 5, device=device), torch.empty(0, device=device))
+    assert empty.shape == (0, 5)
+
+
+def test_interpreted_backend_handles_padded_rows(fresh_ops):
+    op = fresh_ops()
+    x = testing.padded_rows(testing.randn(6, 70, dtype=torch.bfloat16))
+    assert not x.is_contiguous()
+    s = testing.randn(6)
+    testing.assert_rel_close(op.get_backend("triton").impl(x, s), scale_rows_ref(x, s))
+
+
+def scale_rows_ref(x, s):
+    return (x.double().cpu() * s.double().cpu()[:, None]).to(x.dtype)
