@@ -201,12 +201,8 @@ def write_readme(root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)"
-    )
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    common.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("check", parents=[common], help="report every disagreement with compat.toml")
     commands.add_parser("table", parents=[common], help="print the README compatibility table")

@@ -98,10 +98,7 @@ def test_wrong_requires_python(capsys, tree):
     edit(pyproject(tree, "mslk-core"), f'requires-python = "{PYTHON}"', 'requires-python = ">=3.9"')
     assert check(capsys, tree) == (
         1,
-        [
-            "packages/mslk-core/pyproject.toml: project.requires-python: "
-            f"found '>=3.9', compat.toml implies '{PYTHON}'"
-        ],
+        [f"packages/mslk-core/pyproject.toml: project.requires-python: found '>=3.9', compat.toml implies '{PYTHON}'"],
     )
 
 
@@ -153,10 +150,7 @@ def test_meta_depends_on_something_else(capsys, tree):
     edit(pyproject(tree, "mslk"), "dependencies = [\n", 'dependencies = [\n    "numpy>=1.24",\n')
     assert check(capsys, tree) == (
         1,
-        [
-            "packages/mslk/pyproject.toml: project.dependencies[numpy]: "
-            "found 'numpy>=1.24', compat.toml implies nothing"
-        ],
+        ["packages/mslk/pyproject.toml: project.dependencies[numpy]: found 'numpy>=1.24', compat.toml implies nothing"],
     )
 
 
@@ -275,9 +269,7 @@ def test_table(capsys, tmp_path):
 
 
 def test_table_of_this_repo_runs_as_a_script():
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "table"], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([sys.executable, str(SCRIPT), "table"], capture_output=True, text=True, check=True)
     lines = result.stdout.splitlines()
     assert len(lines) == 3
     assert lines[2].startswith(f"| {LINE} | ")

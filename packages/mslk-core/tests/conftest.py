@@ -47,7 +47,9 @@ def scale_rows_supports(x, scale):
 
 def scale_rows_samples(device):
     for rows, cols in [(3, 5), (17, 130)]:
-        yield registry.Sample((testing.randn(rows, cols, device=device, dtype=torch.bfloat16), testing.randn(rows, device=device)))
+        yield registry.Sample(
+            (testing.randn(rows, cols, device=device, dtype=torch.bfloat16), testing.randn(rows, device=device))
+        )
 
 
 def make_scale_rows_op(*, fake=None, reference=scale_rows_reference, devices=("cuda",), available=None):

@@ -10,7 +10,9 @@ from mslk.core import arch
 from mslk.utils.triton.fp8_utils import get_fp8_constants
 
 H200 = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132)
-MI300X = SimpleNamespace(name="AMD Instinct MI300X", major=9, minor=4, multi_processor_count=304, gcnArchName="gfx942:sramecc+:xnack-")
+MI300X = SimpleNamespace(
+    name="AMD Instinct MI300X", major=9, minor=4, multi_processor_count=304, gcnArchName="gfx942:sramecc+:xnack-"
+)
 MI355X = SimpleNamespace(name="AMD Instinct MI355X", major=9, minor=5, multi_processor_count=256, gcnArchName="gfx950")
 MI250 = SimpleNamespace(name="AMD Instinct MI250X", major=9, minor=0, multi_processor_count=110, gcnArchName="gfx90a")
 

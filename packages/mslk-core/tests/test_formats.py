@@ -35,7 +35,9 @@ def test_rowwise_any_rank():
     with pytest.raises(ScaleFormatError) as info:
         Rowwise().check(torch.empty(7, 33), f32(()), role="x_scale")
     text = str(info.value)
-    assert text.startswith("x_scale: expected a rowwise scale for data of shape (7, 33), as produced by quantize_fp8_row")
+    assert text.startswith(
+        "x_scale: expected a rowwise scale for data of shape (7, 33), as produced by quantize_fp8_row"
+    )
     assert "shape () (expected (7,))" in text
     assert "The scale passed is a tensorwise scale (from quantize_fp8_tensor)." in text
 
@@ -91,7 +93,9 @@ def test_mx_plain_and_swizzled():
     assert "expected a MXFP4(block 32, swizzled) scale" in str(info.value)
     assert "shape (130, 8) (expected (256, 8))" in str(info.value)
     MX(16, "plain").check(data, torch.empty(130, 16, dtype=torch.uint8))
-    MX(32, "plain", element="fp8").check(torch.empty(4, 64, dtype=torch.float8_e4m3fn), torch.empty(4, 2, dtype=torch.uint8))
+    MX(32, "plain", element="fp8").check(
+        torch.empty(4, 64, dtype=torch.float8_e4m3fn), torch.empty(4, 2, dtype=torch.uint8)
+    )
     with pytest.raises(ScaleFormatError, match=r"dtype torch.float32 \(expected torch.uint8 or torch.int8"):
         MX(32, "plain").check(data, e8m0.float())
 
@@ -129,11 +133,13 @@ def test_check_fp8_data(monkeypatch):
     with pytest.raises(ScaleFormatError, match=r"XQ: expected torch.float8_e4m3fn data .* got torch.bfloat16"):
         formats.check_fp8_data(torch.empty(2, 2, dtype=torch.bfloat16), role="XQ", producer="quantize_fp8_row")
     monkeypatch.setattr(formats.arch, "fp8_dtype", lambda device=None: torch.float8_e4m3fnuz)
-    with pytest.raises(ScaleFormatError, match="expected torch.float8_e4m3fnuz"):
+    with pytest.raises(ScaleFormatError, match=r"expected torch\.float8_e4m3fnuz"):
         formats.check_fp8_data(torch.empty(2, 2, dtype=torch.float8_e4m3fn), role="XQ", producer="quantize_fp8_row")
 
 
-@given(m=st.integers(1, 600), k=st.integers(1, 600), bm=st.sampled_from([1, 32, 128, 256]), bk=st.sampled_from([32, 128]))
+@given(
+    m=st.integers(1, 600), k=st.integers(1, 600), bm=st.sampled_from([1, 32, 128, 256]), bk=st.sampled_from([32, 128])
+)
 def test_blockwise_shape_covers_every_element(m, k, bm, bk):
     rows, cols = Blockwise(bm, bk).expected_shape((m, k))
     assert (rows - 1) * bm < m <= rows * bm and (cols - 1) * bk < k <= cols * bk

@@ -9,8 +9,8 @@ to install.
 # Domain wheels install their `mslk/<domain>/` folders anywhere on sys.path; this joins them to one package.
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
-from mslk.core import domains as _domains  # noqa: E402
-from mslk.core.version import package_version as _package_version  # noqa: E402
+from mslk.core import domains as _domains
+from mslk.core.version import package_version as _package_version
 
 open_source: bool = True
 __version__: str = _package_version("mslk") or _package_version("mslk-core") or "0+unknown"

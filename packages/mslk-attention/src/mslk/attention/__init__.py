@@ -1,4 +1,6 @@
-"""mslk.attention: Fused attention (spec §2-§4): memory_efficient_attention, the attn_bias masks, partial attention and merge.
+"""mslk.attention: fused attention (spec §2-§4).
+
+memory_efficient_attention, the attn_bias masks, partial attention and merge.
 
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
 """

@@ -89,7 +89,9 @@ def cmd_env(_: argparse.Namespace) -> int:
             for b in op.backends
             if b not in op.usable_backends(device_type)
         ]
-        op_rows.append((qualname, f"[{op.domain}] {usable}" + (f"   (not here: {'; '.join(others)})" if others else "")))
+        op_rows.append(
+            (qualname, f"[{op.domain}] {usable}" + (f"   (not here: {'; '.join(others)})" if others else ""))
+        )
     _print_section(f"Ops and the backends usable here ({device_type})", op_rows or [("(none)", "no ops registered")])
     return 0
 
@@ -132,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="versions, GPU, installed domains, compatibility, env variables, ops").set_defaults(
         run=cmd_env
     )
-    sub.add_parser("check", help="run every registered op once on small random inputs against its reference").set_defaults(
-        run=cmd_check
-    )
+    sub.add_parser(
+        "check", help="run every registered op once on small random inputs against its reference"
+    ).set_defaults(run=cmd_check)
     bench_parser = sub.add_parser("bench", help="run benchmarks on the GPU (side by side with torch baselines)")
     bench_parser.add_argument("--op", help="only the bench specs of this op (or spec name)")
     bench_parser.add_argument("--json", help="also write the results to this JSON file")

@@ -235,7 +235,7 @@ class Op:
 
     def inputs(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by schema name, for error messages."""
-        return {**dict(zip(self.arg_names, args)), **kwargs}
+        return {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
 
     def usable_backends(self, device_type: str) -> list[Backend]:
         """Backends that could run on this device type here (inputs aside)."""
@@ -294,10 +294,10 @@ def format_not_supported(
 ) -> str:
     """The dispatch error text, in the format xFormers/MSLK users know::
 
-        No operator found for `op` with inputs:
-             query       : shape=(2, 498, 8, 32) (torch.float16)
-        `backend` is not supported because:
-            reason
+    No operator found for `op` with inputs:
+         query       : shape=(2, 498, 8, 32) (torch.float16)
+    `backend` is not supported because:
+        reason
     """
     lines = [headline]
     lines += [f"     {name:<12}: {describe(value, detailed)}" for name, value in inputs.items()]

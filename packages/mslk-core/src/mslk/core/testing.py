@@ -152,7 +152,7 @@ def check_against_reference(op: Op, sample: Sample) -> list[str]:
     problems = []
     if len(out) != len(ref):
         return [f"{len(out)} outputs, the reference gives {len(ref)}"]
-    for i, (o, r) in enumerate(zip(out, ref)):
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
         if not isinstance(o, torch.Tensor):
             if o != r:
                 problems.append(f"output {i}: {o!r}, reference {r!r}")
@@ -171,7 +171,7 @@ def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
         fake = _flat(op.torch_op(*args, **sample.kwargs))
     return [
         f"output {i}: the fake kernel says {tuple(f.shape)} {f.dtype}, the kernel gives {tuple(r.shape)} {r.dtype}"
-        for i, (f, r) in enumerate(zip(fake, real))
+        for i, (f, r) in enumerate(zip(fake, real, strict=True))
         if isinstance(r, torch.Tensor) and (f.shape != r.shape or f.dtype != r.dtype)
     ]
 
