@@ -309,3 +309,26 @@ def test_main_exit_code_1_on_an_error_row(gpu, timings, capsys):
     assert bench.main(None, None) == 1
     out = capsys.readouterr().out
     assert "ZeroDivisionError" in out and "main_fine" in out
+
+
+@pytest.mark.gpu
+def test_runner_on_the_gpu(monkeypatch):
+    """T3 smoke: the real runner times a device copy (1 GiB read + 1 GiB written) against torch.clone."""
+    monkeypatch.setattr(bench, "SPECS", {})
+    n = 1 << 28  # fp32 elements: 1 GiB, far beyond L2
+    spec = bench.register(
+        bench.BenchSpec(
+            name="selftest_copy",
+            op="mslk_selftest::copy",
+            shapes=[{"N": n}],
+            make_inputs=lambda s, d: (torch.randn(s["N"], device=d), torch.empty(s["N"], device=d)),
+            run=lambda a: a[1].copy_(a[0]),
+            baselines={"torch.clone": lambda a: a[0].clone()},
+            bytes=lambda s: 8 * s["N"],
+        )
+    )
+    rows = bench.run([spec])
+    assert [r.impl for r in rows] == ["mslk", "torch.clone"] and all(r.error is None for r in rows)
+    assert all(r.ms > 0 and r.gbps > 0 for r in rows)
+    assert rows[0].ratio == pytest.approx(rows[1].ms / rows[0].ms)
+    assert "selftest_copy" in bench.format_table(rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.metadata
+import importlib.util
 import sys
 import traceback
 import warnings
@@ -45,8 +46,17 @@ def not_installed_message(domain: str) -> str:
 
 
 def declared() -> dict[str, str]:
-    """domain -> module path of every domain whose package is installed."""
-    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    """domain -> module path of every installed domain: those declared by entry points, plus the known
+    domains present on `mslk.__path__` without metadata (a source checkout on PYTHONPATH)."""
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for domain in KNOWN_DOMAINS.keys() - found.keys():
+        try:
+            present = importlib.util.find_spec(f"mslk.{domain}") is not None
+        except DomainNotInstalledError:
+            present = False
+        if present:
+            found[domain] = f"mslk.{domain}"
+    return found
 
 
 def load_installed() -> None:

@@ -182,3 +182,31 @@ def run_opcheck(op: Op, device: Any = "cpu") -> None:
         raise ValueError(f"{op.qualname} declares no samples")
     for sample in op.samples(torch.device(device)):
         torch.library.opcheck(op.torch_op.default, sample.args, sample.kwargs)
+
+
+def domain_conformance(domain: str):
+    """The conformance tests every domain package runs (T0, and T2 on a GPU), as two pytest functions:
+    the domain is loaded by `import mslk`, and each of its ops passes opcheck and matches its reference
+    on its samples (on the GPU when there is one). Use in a domain's tests:
+
+        test_domain_loaded, test_op_conformance = domain_conformance("gemm")
+    """
+    import pytest
+
+    from mslk.core import domains, registry
+
+    def test_domain_loaded():
+        import mslk  # noqa: F401  (loads every installed domain)
+
+        assert domains.loaded.get(domain) == f"mslk.{domain}", domains.failed.get(domain, "not declared")
+
+    ops = sorted((op for op in registry.OPS.values() if op.domain == domain), key=lambda op: op.qualname)
+
+    @pytest.mark.parametrize("op", ops, ids=[op.qualname for op in ops])
+    def test_op_conformance(op):
+        device = torch.device("cuda" if arch.has_gpu() else "cpu")
+        run_opcheck(op, device)
+        problems = [p for sample in op.samples(device) for p in check_against_reference(op, sample)]
+        assert not problems, "\n".join(problems)
+
+    return test_domain_loaded, test_op_conformance

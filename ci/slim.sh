@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Slim install (DESIGN.md §2): build every wheel, install only mslk-core + mslk-gemm in a fresh venv, check
+# that the other domains are absent and say which package to install, run mslk-gemm's CPU tests against
+# the installed wheels, then install and uninstall another domain and check that mslk survives.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+UV="$ROOT/tools/uv"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+$UV build --all-packages --wheel --out-dir "$WORK/dist" -q
+ls "$WORK/dist"
+$UV venv -q "$WORK/venv"
+PY="$WORK/venv/bin/python"
+install() { $UV pip install -q --python "$PY" "$@"; }
+install "$WORK/dist"/mslk_core-*.whl "$WORK/dist"/mslk_gemm-*.whl pytest pytest-timeout hypothesis
+
+# Run from an empty folder so that nothing of the source tree is importable: only the installed wheels.
+cd "$WORK"
+"$PY" - <<'PY'
+import importlib.metadata as md
+import mslk, mslk.gemm
+from mslk.core import domains
+
+assert "site-packages" in mslk.gemm.__file__, mslk.gemm.__file__
+assert domains.loaded == {"gemm": "mslk.gemm"}, domains.loaded
+assert domains.failed == {}, domains.failed
+names = {d.metadata["Name"] for d in md.distributions()}
+assert not names & {"mslk", "mslk-attention", "mslk-quantize", "mslk-moe", "mslk-conv"}, names
+for domain in ("attention", "quantize", "moe", "conv"):
+    try:
+        __import__(f"mslk.{domain}")
+    except ModuleNotFoundError as e:
+        assert f"pip install mslk-{domain}" in str(e), e
+    else:
+        raise AssertionError(f"mslk.{domain} imported in a slim install")
+print("slim: mslk-core + mslk-gemm OK; other domains absent with the right message")
+PY
+"$WORK/venv/bin/mslk" env
+"$WORK/venv/bin/mslk" check
+"$PY" -m pytest "$ROOT/packages/mslk-gemm/tests" -q -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" -m "not gpu"
+
+install "$WORK/dist"/mslk_quantize-*.whl
+"$PY" -c "import mslk; from mslk.core import domains; assert set(domains.loaded) == {'gemm', 'quantize'}, domains.loaded"
+$UV pip uninstall -q --python "$PY" mslk-quantize
+"$PY" - <<'PY'
+import mslk, mslk.gemm
+from mslk.core import domains
+
+assert domains.loaded == {"gemm": "mslk.gemm"}, domains.loaded
+try:
+    import mslk.quantize
+except ModuleNotFoundError as e:
+    assert "pip install mslk-quantize" in str(e), e
+else:
+    raise AssertionError("mslk.quantize still imports after its uninstall")
+print("slim: install + uninstall of mslk-quantize OK; mslk survives")
+PY
