@@ -88,3 +88,9 @@ def test_compatibility_verdict_catches_a_wrong_pin(monkeypatch):
     problems = version.compatibility_problems()
     assert "mslk-gemm needs mslk-core<1.4,>=1.3, found mslk-core 1.4.0" in problems
     assert len(problems) == 6  # the five domains and the meta-package all pin mslk-core
+
+
+def test_source_checkout_verdict_reads_compat_toml(monkeypatch):
+    assert version.source_compat_problems() == []  # this checkout's torch is in range
+    monkeypatch.setattr(version, "package_version", lambda dist: "2.10.0" if dist == "torch" else None)
+    assert version.source_compat_problems() == ["torch 2.10.0 is outside compat.toml's tested range >=2.11,<2.14"]

@@ -175,9 +175,10 @@ def test_interpreted_triton_backend_matches_reference(fresh_ops):
 
 def test_interpreted_backend_handles_padded_rows(fresh_ops):
     op = fresh_ops()
-    x = testing.padded_rows(testing.randn(6, 70, dtype=torch.bfloat16))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = testing.padded_rows(testing.randn(6, 70, dtype=torch.bfloat16, device=device))
     assert not x.is_contiguous()
-    s = testing.randn(6)
+    s = testing.randn(6, device=device)
     testing.assert_rel_close(op.get_backend("triton").impl(x, s), scale_rows_ref(x, s))
 
 

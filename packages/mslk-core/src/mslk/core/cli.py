@@ -61,9 +61,17 @@ def cmd_env(_: argparse.Namespace) -> int:
         "Installed MSLK distributions",
         list(dists.items()) or [("(none)", "running from source (PYTHONPATH), no package metadata")],
     )
-    problems = version.compatibility_problems()
-    verdict = [("OK", "every installed distribution's torch and mslk ranges are met")] if dists else []
-    _print_section("Compatibility", [("PROBLEM", p) for p in problems] or verdict or [("-", "nothing to check")])
+    if dists:
+        problems = version.compatibility_problems()
+        verdict = "every installed distribution's torch and mslk ranges are met"
+    else:
+        problems = version.source_compat_problems()
+        verdict = f"source checkout: torch {torch.__version__} is within compat.toml's tested range"
+    if problems is None:
+        rows = [("-", "nothing to check: no installed distributions and no compat.toml")]
+    else:
+        rows = [("PROBLEM", p) for p in problems] or [("OK", verdict)]
+    _print_section("Compatibility", rows)
 
     domain_rows = []
     for domain, dist in domains.KNOWN_DOMAINS.items():

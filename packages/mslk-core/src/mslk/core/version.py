@@ -61,3 +61,23 @@ def compatibility_problems() -> list[str]:
             elif not req.specifier.contains(Version(have), prereleases=True):
                 problems.append(f"{dist} needs {req}, found {name} {have}")
     return problems
+
+
+def source_compat_problems() -> list[str] | None:
+    """In a source checkout without metadata: torch against compat.toml's [torch] tested range.
+    None when there is no compat.toml to read (an installed copy) or no TOML reader (Python 3.10)."""
+    compat = Path(__file__).resolve().parents[5] / "compat.toml"
+    try:
+        import tomllib
+    except ImportError:
+        return None
+    if not compat.is_file():
+        return None
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    tested = tomllib.loads(compat.read_text())["torch"]["tested"]
+    torch_version = package_version("torch")
+    if torch_version is None or not SpecifierSet(tested).contains(Version(torch_version), prereleases=True):
+        return [f"torch {torch_version} is outside compat.toml's tested range {tested}"]
+    return []
