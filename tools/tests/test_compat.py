@@ -94,56 +94,45 @@ def test_wrong_version(capsys, tree):
     )
 
 
-def test_wrong_requires_python(capsys, tree):
-    edit(pyproject(tree, "mslk-core"), f'requires-python = "{PYTHON}"', 'requires-python = ">=3.9"')
-    assert check(capsys, tree) == (
-        1,
-        [f"packages/mslk-core/pyproject.toml: project.requires-python: found '>=3.9', compat.toml implies '{PYTHON}'"],
-    )
-
-
-def test_wrong_core_range_in_domain(capsys, tree):
-    edit(pyproject(tree, "mslk-moe"), f'"mslk-core{INTERNAL}"', f'"mslk-core>={LINE}"')
-    assert check(capsys, tree) == (
-        1,
-        [
-            f"packages/mslk-moe/pyproject.toml: project.dependencies[mslk-core]: "
-            f"found 'mslk-core>={LINE}', compat.toml implies 'mslk-core{INTERNAL}'"
-        ],
-    )
-
-
-def test_wrong_torch_in_core(capsys, tree):
-    edit(pyproject(tree, "mslk-core"), f'"torch{TESTED_TORCH}"', '"torch"')
-    assert check(capsys, tree) == (
-        1,
-        [
-            f"packages/mslk-core/pyproject.toml: project.dependencies[torch]: "
-            f"found 'torch', compat.toml implies 'torch{TESTED_TORCH}'"
-        ],
-    )
-
-
-def test_wrong_torch_pin_in_meta(capsys, tree):
-    edit(pyproject(tree, "mslk"), f'"torch{META_TORCH}"', f'"torch{TESTED_TORCH}"')
-    assert check(capsys, tree) == (
-        1,
-        [
-            f"packages/mslk/pyproject.toml: project.dependencies[torch]: "
-            f"found 'torch{TESTED_TORCH}', compat.toml implies 'torch{META_TORCH}'"
-        ],
-    )
-
-
-def test_meta_missing_a_domain(capsys, tree):
-    edit(pyproject(tree, "mslk"), f'    "mslk-conv{INTERNAL}",\n', "")
-    assert check(capsys, tree) == (
-        1,
-        [
-            f"packages/mslk/pyproject.toml: project.dependencies[mslk-conv]: "
-            f"found nothing, compat.toml implies 'mslk-conv{INTERNAL}'"
-        ],
-    )
+@pytest.mark.parametrize(
+    ("package", "old", "new", "message"),
+    [
+        (
+            "mslk-core",
+            f'requires-python = "{PYTHON}"',
+            'requires-python = ">=3.9"',
+            f"project.requires-python: found '>=3.9', compat.toml implies '{PYTHON}'",
+        ),
+        (
+            "mslk-moe",
+            f'"mslk-core{INTERNAL}"',
+            f'"mslk-core>={LINE}"',
+            f"project.dependencies[mslk-core]: found 'mslk-core>={LINE}', compat.toml implies 'mslk-core{INTERNAL}'",
+        ),
+        (
+            "mslk-core",
+            f'"torch{TESTED_TORCH}"',
+            '"torch"',
+            f"project.dependencies[torch]: found 'torch', compat.toml implies 'torch{TESTED_TORCH}'",
+        ),
+        (
+            "mslk",
+            f'"torch{META_TORCH}"',
+            f'"torch{TESTED_TORCH}"',
+            f"project.dependencies[torch]: found 'torch{TESTED_TORCH}', compat.toml implies 'torch{META_TORCH}'",
+        ),
+        (
+            "mslk",
+            f'    "mslk-conv{INTERNAL}",\n',
+            "",
+            f"project.dependencies[mslk-conv]: found nothing, compat.toml implies 'mslk-conv{INTERNAL}'",
+        ),
+    ],
+    ids=["requires-python", "core-range-in-domain", "torch-in-core", "torch-pin-in-meta", "meta-missing-domain"],
+)
+def test_wrong_pin_is_caught(capsys, tree, package, old, new, message):
+    edit(pyproject(tree, package), old, new)
+    assert check(capsys, tree) == (1, [f"packages/{package}/pyproject.toml: {message}"])
 
 
 def test_meta_depends_on_something_else(capsys, tree):
