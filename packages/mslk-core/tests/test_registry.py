@@ -184,3 +184,24 @@ def test_interpreted_backend_handles_padded_rows(fresh_ops):
 
 def scale_rows_ref(x, s):
     return (x.double().cpu() * s.double().cpu()[:, None]).to(x.dtype)
+
+
+def test_validate_runs_before_backends_and_in_the_fake(fresh_ops):
+    def validate(x, scale):
+        if scale.dtype != torch.float32:
+            raise ValueError("scale must be float32")
+
+    op = registry.Op(
+        "mslk_selftest::validated(Tensor x, Tensor scale) -> Tensor",
+        domain="selftest",
+        reference=lambda x, scale: x * scale[:, None],
+        fake=lambda x, scale: torch.empty_like(x),
+        validate=validate,
+    )
+    x = testing.randn(2, 3)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        op(x, testing.randn(2, dtype=torch.float64))
+    with torch._subclasses.fake_tensor.FakeTensorMode(), pytest.raises(ValueError, match="scale must be float32"):
+        op(torch.empty(2, 3), torch.empty(2, dtype=torch.float64))
+    s = testing.randn(2)
+    testing.assert_rel_close(op(x, s), x * s[:, None])

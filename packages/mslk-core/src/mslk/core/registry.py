@@ -121,6 +121,7 @@ class Op:
         reference: Callable[..., Any],
         fake: Callable[..., Any] | None = None,
         samples: Callable[[torch.device], Iterable[Sample]] | None = None,
+        validate: Callable[..., None] | None = None,
         reference_devices: Sequence[str] = ("cpu",),
         next_step: str | None = None,
         tolerance: float | None = None,
@@ -136,6 +137,7 @@ class Op:
         self.domain = domain
         self.reference = reference
         self.samples = samples
+        self.validate = validate  # raises on bad input before any backend (or the fake) runs
         self.next_step = next_step
         self.tolerance = tolerance  # relative error `mslk check` accepts; None: by output dtype
         self.backends: list[Backend] = [Backend(REFERENCE, reference, frozenset(reference_devices))]
@@ -145,7 +147,7 @@ class Op:
         for key in ("CPU", "CUDA"):
             lib.impl(self.name, self._dispatch, key)
         if fake is not None:
-            torch.library.register_fake(self.qualname, fake, lib=lib)
+            torch.library.register_fake(self.qualname, self._validated(fake), lib=lib)
         OPS[self.qualname] = self
 
     # -- declaring backends -------------------------------------------------------------------------
@@ -181,6 +183,13 @@ class Op:
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         return self.select(args, kwargs).impl(*args, **kwargs)
 
+    def _validated(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.validate(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return fn if self.validate is None else functools.wraps(fn)(run)
+
     def get_backend(self, name: str) -> Backend:
         for b in self.backends:
             if b.name == name:
@@ -190,7 +199,10 @@ class Op:
         )
 
     def select(self, args: tuple, kwargs: dict, pinned: str | None = None) -> Backend:
-        """The backend that serves these inputs: the pinned one, else the first that supports them."""
+        """The backend that serves these inputs: the pinned one, else the first that supports them.
+        Bad input (the op's `validate`) raises before any backend is considered."""
+        if self.validate is not None:
+            self.validate(*args, **kwargs)
         pinned = pinned or self._pinned_by_env()
         device_type = _device_type(args, kwargs)
         if pinned is not None:

@@ -1,4 +1,10 @@
-"""mslk.quantize: Quantizers (spec §6-§7): FP8 row/block/group/tensor, INT4, MXFP4, NVFP4, MXFP8 and their dequantizers.
+"""mslk.quantize: quantizers (spec §6-§7): FP8 row/block/group/tensor, INT4, MXFP4, NVFP4, MXFP8 and their
+dequantizers.
 
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
+As in the reference library, the functions are imported by full path
+(`from mslk.quantize.triton.fp8_quantize import quantize_fp8_row`).
 """
+
+from mslk.quantize import bench as _bench  # noqa: F401  (registers the bench specs)
+from mslk.quantize.triton import fp8_quantize as _fp8_quantize  # noqa: F401  (registers the ops)
