@@ -37,12 +37,14 @@ def quantize_fp8_row(
     """Rowwise FP8: per row `amax = clamp(max|a|, eps, scale_ub)`, `scale = amax / FP8_MAX`,
     `xq = clamp(a · (FP8_MAX / amax), ±FP8_MAX)`; xq's last dim zero-padded up to a multiple of
     `align_rows_to`. Returns (xq [..., K'], scale fp32 [...])."""
-    fp8_max = torch.finfo(fp8_dtype).max
     if zero_start_index_M is not None:
         a = jagged_rows_zeroed(a, zero_start_index_M)
     amax = row_amax(a).clamp(min=eps)
     if scale_ub is not None:
         amax = torch.minimum(amax, scale_ub.float().reshape(()).to(amax.device))
+    # A tensor FP8_MAX keeps both divisions IEEE-rounded: `number / tensor` is computed as reciprocal times
+    # number, and CUDA divides by a CPU scalar through its reciprocal, each a second rounding.
+    fp8_max = amax.new_full((), torch.finfo(fp8_dtype).max)
     xq = (a.float() * (fp8_max / amax)[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     k = a.shape[-1]
     padded_k = -(-k // align_rows_to) * align_rows_to if align_rows_to else k

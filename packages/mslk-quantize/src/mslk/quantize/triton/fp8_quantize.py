@@ -157,8 +157,9 @@ def _quantize_fp8_row_kernel(
     amax = _max_nan(amax, eps)
     if HAS_UB:
         amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
-    factor = (FP8_MAX / amax)[:, None]  # [BLOCK_M, 1]
-    tl.store(scale_ptr + rows, amax / FP8_MAX, mask=in_range)
+    # IEEE-rounded divisions (Triton's `/` is approximate on GPUs), so the results equal the reference's.
+    factor = tl.div_rn(FP8_MAX, amax)[:, None]  # [BLOCK_M, 1]
+    tl.store(scale_ptr + rows, tl.div_rn(amax, FP8_MAX), mask=in_range)
 
     if SINGLE_PASS:
         q = tl.clamp(x * factor, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
