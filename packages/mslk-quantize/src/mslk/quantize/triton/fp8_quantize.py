@@ -8,6 +8,7 @@ with a fake kernel; the Triton kernel reads the input once and writes xq and the
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,15 +31,21 @@ def _eps(eps_opt: float | None) -> float:
     return arch.FP8_EPS if eps_opt is None else eps_opt
 
 
-def _validate_row(
-    a,
-    scale_ub=None,
-    zero_start_index_M=None,
-    use_triton=True,
-    output_device=None,
-    align_rows_to=None,
-    eps_opt=reference.FP8_ROW_EPS,
-):
+class RowArgs(NamedTuple):
+    """The arguments of triton::quantize_fp8_row with their defaults; binds a call's *args/**kwargs once for
+    the validator, reference, fake and backend check."""
+
+    a: torch.Tensor
+    scale_ub: torch.Tensor | None = None
+    zero_start_index_M: torch.Tensor | None = None
+    use_triton: bool = True
+    output_device: torch.device | None = None
+    align_rows_to: int | None = None
+    eps_opt: float | None = reference.FP8_ROW_EPS
+
+
+def _validate_row(*args, **kwargs):
+    a, scale_ub, zero_start_index_M, _, _, align_rows_to, eps_opt = RowArgs(*args, **kwargs)
     where = "quantize_fp8_row"
     if a.dtype not in _FLOAT_INPUTS:
         raise ValueError(f"{where}: a must be float32, float16 or bfloat16, got {a.dtype}")
@@ -68,15 +75,8 @@ def _validate_row(
         raise ValueError(f"{where}: eps_opt must be > 0, got {eps_opt}")
 
 
-def _row_reference(
-    a,
-    scale_ub=None,
-    zero_start_index_M=None,
-    use_triton=True,
-    output_device=None,
-    align_rows_to=None,
-    eps_opt=reference.FP8_ROW_EPS,
-):
+def _row_reference(*args, **kwargs):
+    a, scale_ub, zero_start_index_M, _, output_device, align_rows_to, eps_opt = RowArgs(*args, **kwargs)
     xq, scale = reference.quantize_fp8_row(
         a, scale_ub, zero_start_index_M, align_rows_to, _eps(eps_opt), arch.fp8_dtype(a.device)
     )
@@ -84,15 +84,8 @@ def _row_reference(
     return xq.to(device), scale.to(device)
 
 
-def _row_fake(
-    a,
-    scale_ub=None,
-    zero_start_index_M=None,
-    use_triton=True,
-    output_device=None,
-    align_rows_to=None,
-    eps_opt=reference.FP8_ROW_EPS,
-):
+def _row_fake(*args, **kwargs):
+    a, _, _, _, output_device, align_rows_to, _ = RowArgs(*args, **kwargs)
     device = output_device or a.device
     xq = a.new_empty(
         (*a.shape[:-1], _padded_k(a.shape[-1], align_rows_to)), dtype=arch.fp8_dtype(a.device), device=device
@@ -186,8 +179,8 @@ def _row_launch_config(k_out: int) -> dict:
     }
 
 
-def _triton_row_supports(a, scale_ub=None, zero_start_index_M=None, use_triton=True, *args, **kwargs):
-    return [] if use_triton else ["use_triton=False"]
+def _triton_row_supports(*args, **kwargs):
+    return [] if RowArgs(*args, **kwargs).use_triton else ["use_triton=False"]
 
 
 @quantize_fp8_row_op.backend("triton", available=registry.triton_missing, supports=_triton_row_supports)
