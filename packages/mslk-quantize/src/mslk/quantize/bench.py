@@ -1,44 +1,88 @@
-"""Bench specs of mslk.quantize (`mslk bench --op quantize_fp8_row`).
+"""Bench specs of mslk.quantize (`mslk bench --op quantize_fp8_row`, ...).
 
-Baselines on the same inputs: the plain-PyTorch reference run eagerly on the GPU, and a device-to-device
-copy of as many bytes as the quantizer must move (its speed of light).
+Each quantizer runs on bf16 [M, K] inputs beside two baselines on the same inputs: a device-to-device copy
+of as many bytes as the quantizer must move (its speed of light: input read once, outputs written once)
+and the plain-PyTorch reference run eagerly on the GPU. Large shapes are timed as users call them; the
+small, launch-bound ones (1-256 rows) under CUDA graphs, as DESIGN.md §5 says.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
-from mslk.core import bench
+from mslk.core import arch, bench
 from mslk.quantize import reference
-from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
+from mslk.quantize.triton import fp8_quantize as fp8
+
+LARGE = [{"M": 8192, "K": 8192}, {"M": 16384, "K": 5120}, {"M": 16384, "K": 7168}]
+SMALL = [{"M": 1, "K": 8192}, {"M": 16, "K": 5120}, {"M": 256, "K": 7168}]
 
 
-def _row_bytes(shape: dict) -> int:
-    m, k = shape["M"], shape["K"]
-    return 2 * m * k + m * k + 4 * m  # bf16 read, fp8 written, fp32 scales written
+def _register(name: str, op: str, run: Callable, eager: Callable, scale_count: Callable[[int, int], int]) -> None:
+    """Two specs for one quantizer: `name` (large shapes) and `name`_small (CUDA graphs)."""
+
+    def nbytes(shape: dict) -> int:
+        m, k = shape["M"], shape["K"]
+        return 2 * m * k + m * k + 4 * scale_count(m, k)  # bf16 read, fp8 and fp32 scales written
+
+    def inputs(shape: dict, device: torch.device):
+        half = nbytes(shape) // 2  # the copy baseline reads and writes half of the bytes each
+        x = torch.randn(shape["M"], shape["K"], device=device, dtype=torch.bfloat16)
+        return (
+            x,
+            torch.empty(half, dtype=torch.uint8, device=device),
+            torch.empty(half, dtype=torch.uint8, device=device),
+        )
+
+    baselines = {
+        "copy same bytes": lambda i: i[2].copy_(i[1]),
+        "torch eager reference": lambda i: eager(i[0]),
+    }
+    for suffix, shapes, graph in (("", LARGE, False), ("_small", SMALL, True)):
+        bench.register(
+            bench.BenchSpec(
+                name=name + suffix,
+                op=op,
+                shapes=shapes,
+                make_inputs=inputs,
+                run=lambda i: run(i[0]),
+                baselines=baselines,
+                bytes=nbytes,
+                cuda_graph=graph,
+                domain="quantize",
+            )
+        )
 
 
-def _row_inputs(shape: dict, device: torch.device):
-    a = torch.randn(shape["M"], shape["K"], device=device, dtype=torch.bfloat16)
-    # The copy baseline moves the same number of bytes: half read, half written.
-    half = _row_bytes(shape) // 2
-    return a, torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device)
-
-
-bench.register(
-    bench.BenchSpec(
-        name="quantize_fp8_row",
-        op="triton::quantize_fp8_row",
-        shapes=[{"M": 8192, "K": 8192}, {"M": 16384, "K": 5120}, {"M": 1, "K": 8192}, {"M": 256, "K": 7168}],
-        make_inputs=_row_inputs,
-        run=lambda inputs: quantize_fp8_row(inputs[0]),
-        baselines={
-            "copy same bytes": lambda inputs: inputs[2].copy_(inputs[1]),
-            "torch eager reference": lambda inputs: reference.quantize_fp8_row(
-                inputs[0], None, None, None, reference.FP8_ROW_EPS, torch.float8_e4m3fn
-            ),
-        },
-        bytes=_row_bytes,
-        domain="quantize",
-    )
+_FP8 = torch.float8_e4m3fn
+_register(
+    "quantize_fp8_row",
+    "triton::quantize_fp8_row",
+    fp8.quantize_fp8_row,
+    lambda x: reference.quantize_fp8_row(x, None, None, None, reference.FP8_ROW_EPS, _FP8),
+    lambda m, k: m,
+)
+_register(
+    "quantize_fp8_block",
+    "triton::quantize_fp8_block",
+    lambda x: fp8.quantize_fp8_block(x, 128, 128),
+    lambda x: reference.quantize_fp8_block(x, 128, 128, None, True, arch.FP8_EPS, _FP8),
+    lambda m, k: math.ceil(m / 128) * math.ceil(k / 128),
+)
+_register(
+    "quantize_fp8_group",
+    "quantize_fp8_group",
+    lambda x: fp8.quantize_fp8_group(x, 128),
+    lambda x: reference.quantize_fp8_block(x, 1, 128, None, True, arch.FP8_EPS, _FP8),
+    lambda m, k: m * math.ceil(k / 128),
+)
+_register(
+    "quantize_fp8_tensor",
+    "triton::quantize_fp8_tensor",
+    fp8.quantize_fp8_tensor,
+    lambda x: reference.quantize_fp8_tensor(x, arch.FP8_EPS, _FP8),
+    lambda m, k: 1,
 )

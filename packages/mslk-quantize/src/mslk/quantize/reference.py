@@ -5,6 +5,8 @@ Scales are dequantization scales (`x ≈ xq · scale`, spec §7.2).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # amax floor of quantize_fp8_row: the reference library's Triton path floors at 1/512 ("CUDA
@@ -39,20 +41,88 @@ def quantize_fp8_row(
     `align_rows_to`. Returns (xq [..., K'], scale fp32 [...])."""
     if zero_start_index_M is not None:
         a = jagged_rows_zeroed(a, zero_start_index_M)
-    amax = row_amax(a).clamp(min=eps)
-    if scale_ub is not None:
-        amax = torch.minimum(amax, scale_ub.float().reshape(()).to(amax.device))
-    # A tensor FP8_MAX keeps both divisions IEEE-rounded: `number / tensor` is computed as reciprocal times
-    # number, and CUDA divides by a CPU scalar through its reciprocal, each a second rounding.
-    fp8_max = amax.new_full((), torch.finfo(fp8_dtype).max)
-    xq = (a.float() * (fp8_max / amax)[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    xq, scale = _fp8_quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], fp8_dtype)
     k = a.shape[-1]
     padded_k = -(-k // align_rows_to) * align_rows_to if align_rows_to else k
     if padded_k != k:
         xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, padded_k - k)).view(fp8_dtype)
-    return xq, amax / fp8_max
+    return xq, scale[..., 0]
 
 
 def dequantize_fp8_row(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 `xq · scale[..., None]` (the inverse of quantize_fp8_row)."""
     return (xq.float() * scale.float()[..., None]).to(torch.bfloat16)
+
+
+def _fp8_quantize_with_amax(
+    x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clamp(x · FP8_MAX / amax, ±FP8_MAX)` as FP8 and the dequantization scale `amax / FP8_MAX`;
+    `amax` broadcasts against `x`. FP8_MAX is a tensor so that both divisions are IEEE-rounded: torch computes
+    `number / tensor` as reciprocal times number, and CUDA divides by a CPU scalar through its reciprocal."""
+    fp8_max = amax.new_full((), torch.finfo(fp8_dtype).max)
+    xq = (x.float() * (fp8_max / amax)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return xq, amax / fp8_max
+
+
+def _bounded(amax: torch.Tensor, eps: float, scale_ub: torch.Tensor | None) -> torch.Tensor:
+    amax = amax.clamp(min=eps)
+    if scale_ub is not None:
+        amax = torch.minimum(amax, scale_ub.float().reshape(()).to(amax.device))
+    return amax
+
+
+def quantize_fp8_block(
+    x: torch.Tensor,
+    block_m: int,
+    block_k: int,
+    scale_ub: torch.Tensor | None,
+    k_major: bool,
+    eps: float,
+    fp8_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise FP8 of x viewed as 2-D [M, K] (leading dims flattened): one scale per block_m x block_k
+    tile, `amax = clamp(max|tile|, eps, scale_ub)`, scale [⌈M/bm⌉, ⌈K/bk⌉] (transposed when not k_major)."""
+    k = x.shape[-1]
+    m = math.prod(x.shape[:-1])
+    x2 = x.reshape(m, k)
+    mb, kb = -(-m // block_m), -(-k // block_k)
+    # Zero-pad to whole tiles (zeros do not change a tile's amax), then view as [mb, bm, kb, bk].
+    padded = torch.zeros(mb * block_m, kb * block_k, dtype=torch.float32, device=x.device)
+    padded[:m, :k] = x2.float()
+    tiles = padded.view(mb, block_m, kb, block_k)
+    amax = _bounded(tiles.abs().amax(dim=(1, 3)), eps, scale_ub)
+    xq, scale = _fp8_quantize_with_amax(tiles, amax[:, None, :, None], fp8_dtype)
+    xq = xq.view(mb * block_m, kb * block_k)[:m, :k].contiguous().view(x.shape)
+    scale = scale.reshape(mb, kb)
+    return xq, scale if k_major else scale.t().contiguous()
+
+
+def quantize_fp8_tensor(a: torch.Tensor, eps: float, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise FP8: `amax = max(max|a|, eps)`, one 0-dim fp32 scale `amax / FP8_MAX`."""
+    amax = a.abs().amax().float() if a.numel() else torch.zeros((), device=a.device)
+    return _fp8_quantize_with_amax(a, _bounded(amax, eps, None), fp8_dtype)
+
+
+def m_major_group_scales(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tensor:
+    """Rearrange k-major group scales [M, G] into the per-expert M-major layout of quantize_fp8_group with
+    m_sizes: expert e's block [G, M_e] lies flat at offset (Σ_{e'<e} M_e')·G of an [M, G] buffer. Index
+    arithmetic on the device, without reading m_sizes on the host (CUDA-graph safe)."""
+    m, g = scale.shape
+    ends = torch.cumsum(m_sizes.to(device=scale.device, dtype=torch.int64), 0)
+    rows = torch.arange(m, device=scale.device)
+    expert = torch.searchsorted(ends, rows, right=True).clamp(max=len(m_sizes) - 1)
+    start = ends[expert] - m_sizes.to(device=scale.device, dtype=torch.int64)[expert]
+    rows_in_expert = m_sizes.to(device=scale.device, dtype=torch.int64)[expert]
+    cols = torch.arange(g, device=scale.device)
+    flat = start[:, None] * g + cols[None, :] * rows_in_expert[:, None] + (rows - start)[:, None]
+    out = torch.empty(m * g, dtype=scale.dtype, device=scale.device)
+    out[flat.reshape(-1)] = scale.reshape(-1)
+    return out.view(m, g)
+
+
+def dequantize_fp8_block(xq: torch.Tensor, scale: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
+    """bf16 `xq · scale` with each scale repeated over its block_m x block_k tile (k-major scale)."""
+    m, k = xq.shape
+    full = scale.repeat_interleave(block_m, 0)[:m].repeat_interleave(block_k, 1)[:, :k]
+    return (xq.float() * full).to(torch.bfloat16)
