@@ -203,3 +203,15 @@ def test_tensor_kernel_layouts_and_special_values(monkeypatch):
     _same(triton_quantize_fp8_tensor(a), quantize_fp8_tensor_op.reference(a.cpu()))
     a[500] = float("nan")
     assert triton_quantize_fp8_tensor(a)[1].isnan(), "a NaN anywhere gives a NaN scale"
+
+
+@pytest.mark.parametrize("bm", [1, 2, 32, 64, 128, 256])
+@pytest.mark.parametrize("bk", [32, 128, 256, 1024])
+@pytest.mark.parametrize(("m", "k"), [(1, 1), (5, 70), (8192, 8192), (16384, 5120)])
+def test_block_tiles_stay_within_the_register_budget(bm, bk, m, k):
+    from mslk.quantize.triton.fp8_quantize import _BLOCK_TILE, _block_launch_config
+
+    config = _block_launch_config(bm, bk, m, k)
+    assert config["TILE_M"] * config["TILE_K"] <= max(_BLOCK_TILE, bk)
+    if config["WHOLE_BLOCKS"]:
+        assert config["TILE_M"] % bm == 0 and config["TILE_K"] % bk == 0

@@ -378,7 +378,7 @@ def _block_launch_config(block_m: int, block_k: int, m: int, k: int) -> dict:
     """Tile shape: whole blocks per program when they fit, else one program per block, walked in chunks.
     Measured on the H200 (RESULTS.md): rows of up to 8192 per tile, 16 warps for 128x128 blocks."""
     if block_m * block_k <= _BLOCK_TILE:
-        tile_k = max(block_k, min(triton.next_power_of_2(k), 8192))
+        tile_k = max(block_k, min(triton.next_power_of_2(k), 8192 // block_m))
         tile_m = max(block_m, min(8192 // tile_k, triton.next_power_of_2(m)))
         warps = 16 if tile_m * tile_k > 8192 else 4
         return {"TILE_M": tile_m, "TILE_K": tile_k, "WHOLE_BLOCKS": True, "num_warps": warps}
