@@ -7,4 +7,5 @@ As in the reference library, the functions are imported by full path
 """
 
 from mslk.quantize import bench as _bench  # noqa: F401  (registers the bench specs)
-from mslk.quantize.triton import fp8_quantize as _fp8_quantize  # noqa: F401  (registers the ops)
+from mslk.quantize.triton import fp4_quantize as _fp4_quantize  # noqa: F401  (registers the ops)
+from mslk.quantize.triton import fp8_quantize as _fp8_quantize  # noqa: F401

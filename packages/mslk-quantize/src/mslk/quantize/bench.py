@@ -15,18 +15,21 @@ import torch
 
 from mslk.core import arch, bench
 from mslk.quantize import reference
+from mslk.quantize.triton import fp4_quantize as fp4
+from mslk.quantize.triton import fp4_utils
 from mslk.quantize.triton import fp8_quantize as fp8
 
 LARGE = [{"M": 8192, "K": 8192}, {"M": 16384, "K": 5120}, {"M": 16384, "K": 7168}]
 SMALL = [{"M": 1, "K": 8192}, {"M": 16, "K": 5120}, {"M": 256, "K": 7168}]
 
 
-def _register(name: str, op: str, run: Callable, eager: Callable, scale_count: Callable[[int, int], int]) -> None:
-    """Two specs for one quantizer: `name` (large shapes) and `name`_small (CUDA graphs)."""
+def _register(name: str, op: str, run: Callable, eager: Callable, written: Callable[[int, int], float]) -> None:
+    """Two specs for one quantizer: `name` (large shapes) and `name`_small (CUDA graphs). `written(M, K)`:
+    bytes of the outputs (quantized data and scales)."""
 
     def nbytes(shape: dict) -> int:
         m, k = shape["M"], shape["K"]
-        return 2 * m * k + m * k + 4 * scale_count(m, k)  # bf16 read, fp8 and fp32 scales written
+        return int(2 * m * k + written(m, k))  # bf16 read once, outputs written once
 
     def inputs(shape: dict, device: torch.device):
         half = nbytes(shape) // 2  # the copy baseline reads and writes half of the bytes each
@@ -63,26 +66,40 @@ _register(
     "triton::quantize_fp8_row",
     fp8.quantize_fp8_row,
     lambda x: reference.quantize_fp8_row(x, None, None, None, reference.FP8_ROW_EPS, _FP8),
-    lambda m, k: m,
+    lambda m, k: m * k + 4 * m,
 )
 _register(
     "quantize_fp8_block",
     "triton::quantize_fp8_block",
     lambda x: fp8.quantize_fp8_block(x, 128, 128),
     lambda x: reference.quantize_fp8_block(x, 128, 128, None, True, arch.FP8_EPS, _FP8),
-    lambda m, k: math.ceil(m / 128) * math.ceil(k / 128),
+    lambda m, k: m * k + 4 * math.ceil(m / 128) * math.ceil(k / 128),
 )
 _register(
     "quantize_fp8_group",
     "quantize_fp8_group",
     lambda x: fp8.quantize_fp8_group(x, 128),
     lambda x: reference.quantize_fp8_block(x, 1, 128, None, True, arch.FP8_EPS, _FP8),
-    lambda m, k: m * math.ceil(k / 128),
+    lambda m, k: m * k + 4 * m * math.ceil(k / 128),
 )
 _register(
     "quantize_fp8_tensor",
     "triton::quantize_fp8_tensor",
     fp8.quantize_fp8_tensor,
     lambda x: reference.quantize_fp8_tensor(x, arch.FP8_EPS, _FP8),
-    lambda m, k: 1,
+    lambda m, k: m * k + 4,
+)
+_register(
+    "quantize_mx4",
+    "mslk::quantize_mx4",
+    fp4.triton_quantize_mx4,
+    lambda x: fp4_utils.quantize_mx4(x, 32, fp4_utils.RoundingMode.ceil, "swizzled"),
+    lambda m, k: m * k / 2 + m * k / 32,
+)
+_register(
+    "quantize_nvfp4",
+    "mslk::quantize_nvfp4",
+    lambda x: fp4.triton_quantize_nvfp4(x, None),
+    lambda x: fp4_utils.quantize_nvfp4(x, None),
+    lambda m, k: m * k / 2 + m * k / 16,
 )

@@ -1,0 +1,313 @@
+"""FP4 quantizers (spec Q-10, Q-11, Q-13; formats §7.5): MXFP4 (E8M0 scales per 32 or 16 elements) and
+NVFP4 (e4m3 scales per 16 elements and an fp32 global scale), as Triton kernels.
+
+Registered as `torch.ops.mslk.quantize_mx4` and `torch.ops.mslk.quantize_nvfp4` (with fake kernels; the
+references of fp4_utils are the CPU kernels); the reference library's entry points `triton_quantize_mx4`,
+`triton_quantize_mx4_unpack` and `triton_quantize_nvfp4` call them. Scales come in this platform's layout
+(`mslk.core.formats.platform_mx_layout`): flat blocked (swizzled) on CUDA, plain [..., K/gs] on ROCm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mslk.core import formats, registry, testing
+from mslk.quantize.triton import fp4_utils
+from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
+    E8M0_EXPONENT_BIAS,
+    FP4_E2M1_MAX,
+    FP4_EBITS,
+    FP4_MBITS,
+    FP8_E4M3_MAX,
+    RoundingMode,
+    get_mx4_exp_bias,
+)
+
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(where: str, x: torch.Tensor, group_size: int) -> None:
+    if x.dtype not in _FLOAT_INPUTS:
+        raise ValueError(f"{where}: input must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % group_size:
+        raise ValueError(
+            f"{where}: the last dimension must be a multiple of the group size {group_size}, got shape {tuple(x.shape)}"
+        )
+
+
+def _scale_numel(rows: int, groups: int, layout: str) -> int:
+    return math.prod(formats.swizzled_scale_shape(rows, groups)) if layout == "swizzled" else rows * groups
+
+
+def _scale_shape(x: torch.Tensor, groups: int, layout: str) -> tuple[int, ...]:
+    rows = math.prod(x.shape[:-1])
+    return (_scale_numel(rows, groups, layout),) if layout == "swizzled" else (*x.shape[:-1], groups)
+
+
+# ------------------------------------------------------------------------------------------------- MXFP4
+
+
+def _validate_mx4(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
+    _check("quantize_mx4", x, group_size)
+    if group_size not in (16, 32):
+        raise ValueError(f"quantize_mx4: group_size must be 32 (MXFP4) or 16 (MXFP4-16), got {group_size}")
+    if rounding_mode not in set(RoundingMode):
+        raise ValueError(
+            f"quantize_mx4: rounding_mode must be one of {[int(m) for m in RoundingMode]}, got {rounding_mode}"
+        )
+
+
+def _mx4_reference(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
+    if stochastic_casting:
+        raise ValueError("quantize_mx4: stochastic_casting needs the Triton kernel (a GPU)")
+    return fp4_utils.quantize_mx4(x, group_size, rounding_mode, formats.platform_mx_layout())
+
+
+def _mx4_fake(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
+    xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    groups = x.shape[-1] // group_size
+    return xq, x.new_empty(_scale_shape(x, groups, formats.platform_mx_layout()), dtype=torch.uint8)
+
+
+def _mx4_samples(device):
+    bf16 = torch.bfloat16
+    yield registry.Sample((testing.randn(5, 64, dtype=bf16, device=device, std=3.0),))
+    yield registry.Sample((testing.randn(2, 3, 96, device=device),), {"group_size": 16, "rounding_mode": 1})
+    yield registry.Sample((testing.randn(130, 32, dtype=bf16, device=device),), {"rounding_mode": 0})
+
+
+quantize_mx4_op = registry.Op(
+    "mslk::quantize_mx4(Tensor x, int group_size=32, int rounding_mode=4, bool stochastic_casting=False, "
+    "int? seed=None) -> (Tensor, Tensor)",
+    domain="quantize",
+    reference=_mx4_reference,
+    fake=_mx4_fake,
+    samples=_mx4_samples,
+    validate=_validate_mx4,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@triton.jit
+def _e2m1_codes(v, STOCHASTIC: tl.constexpr, seed, offsets):
+    """E2M1 codes (sign in bit 3) of fp32 values: round-to-nearest-even saturating at 6, or stochastic
+    rounding (unbiased: up with probability of the distance to the lower code over the step)."""
+    a = tl.abs(v)
+    if STOCHASTIC:
+        step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+        a = a + tl.rand(seed, offsets) * step
+        code = (a >= 0.5).to(tl.uint8) + (a >= 1.0).to(tl.uint8) + (a >= 1.5).to(tl.uint8) + (a >= 2.0).to(tl.uint8)
+        code += (a >= 3.0).to(tl.uint8) + (a >= 4.0).to(tl.uint8) + (a >= 6.0).to(tl.uint8)
+    else:
+        code = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8) + (a >= 1.75).to(tl.uint8)
+        code += (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
+    return code | ((v < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def _store_packed(q_ptr, codes, rows, M, half_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, pid_k):
+    """Pack [BLOCK_M, BLOCK_K] codes two per byte (even element in the low nibble) and store them."""
+    low, high = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
+    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+    tl.store(q_ptr + rows.to(tl.int64) * half_k + pcols, low | (high << 4), mask=(rows < M) & (pcols < half_k))
+
+
+@triton.jit
+def _scale_offsets(rows, groups, n_groups, SWIZZLED: tl.constexpr):
+    """Where scale (row, group) lives: the CUDA blocked layout (see fp4_utils.to_blocked) or plain rows."""
+    if SWIZZLED:
+        col_blocks = (n_groups + 3) // 4
+        return (
+            ((rows // 128) * col_blocks + groups // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + groups % 4
+        )
+    return rows * n_groups + groups
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantize_mx4_kernel(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, seed,
+    GROUP: tl.constexpr, ROUNDING: tl.constexpr, STOCHASTIC_CAST: tl.constexpr, SWIZZLED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
+    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // GROUP, GROUP])
+    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // GROUP]
+    amax = tl.where(amax == 0.0, 1.1754943508222875e-38, amax)  # zero groups count as 2^-126
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = bits & 0x7FFFFF
+    if ROUNDING == 1:  # floor
+        e = exponent
+    elif ROUNDING == 0:  # nearest: 1.m >= sqrt(2)
+        e = exponent + (mantissa >= 0x3504F4).to(tl.int32)
+    elif ROUNDING == 2:  # even: round amax to two significant bits, then floor
+        e = exponent + (mantissa + (1 << 21) - 1 >= (1 << 23)).to(tl.int32)
+    elif ROUNDING == 3:  # stochastic
+        groups_flat = rows * (K // GROUP) + pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
+        noise = (tl.randint(seed, groups_flat) & ((1 << 22) - 1)).to(tl.int32)
+        e = exponent + (mantissa + noise >= (1 << 23)).to(tl.int32)
+    else:  # ceil
+        e = exponent + (mantissa != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e - 2, -127), 125)
+    inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    scaled = tl.reshape(g * inverse[:, :, None], [BLOCK_M, BLOCK_K])
+    codes = _e2m1_codes(scaled, STOCHASTIC_CAST, seed, rows * K + cols)
+    _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
+
+    groups = pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
+    biased = tl.where(amax != amax, 255, e + 127).to(tl.uint8)  # E8M0 NaN for a group holding NaN
+    offsets = _scale_offsets(rows, groups, K // GROUP, SWIZZLED)
+    tl.store(scale_ptr + offsets, biased, mask=(rows < M) & (groups < K // GROUP))
+
+
+@functools.cache
+def _fp4_tiles(k: int) -> tuple[int, int]:
+    block_k = min(triton.next_power_of_2(max(k, 32)), 2048)
+    return max(1, 4096 // block_k), block_k
+
+
+def _launch_fp4(kernel, x, q, scale, **constexprs):
+    k = x.shape[-1]
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    m = x2.shape[0]
+    if m and k:
+        block_m, block_k = _fp4_tiles(k)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        kernel[grid](x2, q, scale, m, k, x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, **constexprs)
+
+
+@quantize_mx4_op.backend("triton", available=registry.triton_missing)
+def _mx4_triton(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
+    layout = formats.platform_mx_layout()
+    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    groups = x.shape[-1] // group_size
+    scale = torch.zeros(_scale_shape(x, groups, layout), dtype=torch.uint8, device=x.device)  # zero padding
+    if seed is None and (stochastic_casting or rounding_mode == RoundingMode.stochastic):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    _launch_fp4(
+        _quantize_mx4_kernel, x, q, scale, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
+        STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
+    )  # fmt: skip
+    return q, scale
+
+
+def triton_quantize_mx4_unpack(
+    input: torch.Tensor,
+    group_size: int = 32,
+    ebits: int = FP4_EBITS,
+    mbits: int = FP4_MBITS,
+    rounding_mode: RoundingMode | int = RoundingMode.ceil,
+    stochastic_casting: bool = False,
+    *,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 (spec Q-11): input [..., K] (K % group_size == 0) -> (E2M1 packed uint8 [..., K/2], E8M0 uint8
+    scales in this platform's layout). Shared exponent `clamp(round_mode(log2 amax) − 2, −127, 125)`;
+    elements round to nearest even (or stochastically with `stochastic_casting`, on a GPU)."""
+    if (ebits, mbits) != (FP4_EBITS, FP4_MBITS):
+        raise ValueError(f"triton_quantize_mx4_unpack: only E2M1 (ebits=2, mbits=1) is supported, got {ebits}, {mbits}")
+    return torch.ops.mslk.quantize_mx4(input, group_size, int(rounding_mode), stochastic_casting, seed)
+
+
+def triton_quantize_mx4(
+    input: torch.Tensor, *, rounding_mode: RoundingMode | int = RoundingMode.ceil, seed: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 with groups of 32 (spec Q-10); see triton_quantize_mx4_unpack."""
+    return torch.ops.mslk.quantize_mx4(input, 32, int(rounding_mode), False, seed)
+
+
+# ------------------------------------------------------------------------------------------------- NVFP4
+
+
+def _validate_nvfp4(x, global_scale=None):
+    _check("quantize_nvfp4", x, 16)
+    if global_scale is not None and (global_scale.numel() != 1 or global_scale.dtype != torch.float32):
+        raise ValueError(
+            "quantize_nvfp4: global_scale must be one float32 value (448 · 6 / amax, see global_scale_nvfp4), "
+            f"got shape {tuple(global_scale.shape)} {global_scale.dtype}"
+        )
+
+
+def _nvfp4_fake(x, global_scale=None):
+    xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return xq, x.new_empty(_scale_shape(x, x.shape[-1] // 16, "swizzled"), dtype=torch.float8_e4m3fn)
+
+
+def _nvfp4_samples(device):
+    x = testing.randn(130, 64, dtype=torch.bfloat16, device=device, std=2.0)
+    yield registry.Sample((x, fp4_utils.global_scale_nvfp4(x)))
+    yield registry.Sample((testing.randn(2, 3, 48, device=device),))
+
+
+quantize_nvfp4_op = registry.Op(
+    "mslk::quantize_nvfp4(Tensor x, Tensor? global_scale=None) -> (Tensor, Tensor)",
+    domain="quantize",
+    reference=fp4_utils.quantize_nvfp4,
+    fake=_nvfp4_fake,
+    samples=_nvfp4_samples,
+    validate=_validate_nvfp4,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, global_scale_ptr,
+    HAS_GLOBAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
+    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 16, 16])
+    gs = tl.load(global_scale_ptr) if HAS_GLOBAL else 1.0
+    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // 16]
+    # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
+    block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    denom = block_scale.to(tl.float32)[:, :, None]
+    scaled = tl.where(denom == 0.0, 0.0, tl.div_rn(g * gs, tl.where(denom == 0.0, 1.0, denom)))
+    codes = _e2m1_codes(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), False, 0, 0)
+    _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
+    groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
+    offsets = _scale_offsets(rows, groups, K // 16, True)
+    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=(rows < M) & (groups < K // 16))
+
+
+@quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
+def _nvfp4_triton(x, global_scale=None):
+    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.zeros(_scale_shape(x, x.shape[-1] // 16, "swizzled"), dtype=torch.uint8, device=x.device)
+    _launch_fp4(_quantize_nvfp4_kernel, x, q, scale, global_scale_ptr=global_scale, HAS_GLOBAL=global_scale is not None)
+    return q, scale.view(torch.float8_e4m3fn)
+
+
+def triton_quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    use_e8m0_scale: bool = False,
+    use_precise_math: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 (spec Q-13): x [..., K] (K % 16 == 0) -> (E2M1 packed uint8 [..., K/2], e4m3 block scales, flat
+    blocked over [M, K/16]). `s_b = e4m3(min(amax_b / 6 · gs, 448))`, elements `E2M1(x · gs / s_b)`;
+    `global_scale=None` means 1 (torchao relies on it). Divisions are always IEEE-rounded, so
+    `use_precise_math` changes nothing; power-of-two block-16 scales are MXFP4-16
+    (`triton_quantize_mx4_unpack(x, group_size=16)`)."""
+    if use_e8m0_scale:
+        raise ValueError(
+            "triton_quantize_nvfp4: use_e8m0_scale=True is not supported; E8M0 scales per 16 elements are "
+            "MXFP4-16: call triton_quantize_mx4_unpack(x, group_size=16)"
+        )
+    return torch.ops.mslk.quantize_nvfp4(x, global_scale)

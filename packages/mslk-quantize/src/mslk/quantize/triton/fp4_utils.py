@@ -1,0 +1,180 @@
+"""FP4 (E2M1) formats in plain PyTorch (spec Q-16, Q-17, §7.5): constants, the E2M1 code, the blocked
+(swizzled) scale layout, and the MXFP4 / NVFP4 quantization references and dequantizers.
+
+These are the CPU kernels of the FP4 quantizers and the oracles of their Triton kernels (fp4_quantize.py).
+Element rounding is round-to-nearest-even with saturation at ±6 (the OCP MX and NVFP4 conversion).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import torch
+
+FP4_E2M1_MAX = 6.0
+FP8_E4M3_MAX = 448.0
+FP4_EBITS, FP4_MBITS = 2, 1
+E8M0_EXPONENT_BIAS = 127
+E8M0_NAN = 255
+# The eight E2M1 magnitudes by code (bit 3 is the sign).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Round-to-nearest-even boundaries between consecutive codes: a magnitude above a "strict" boundary (or at
+# or above a "loose" one) moves up a code; at a tie the even code wins (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0).
+_RNE_STRICT = (0.25, 1.25, 2.5, 5.0)
+_RNE_LOOSE = (0.75, 1.75, 3.5)
+# The fp32 mantissa of sqrt(2), rounded up: 1.m >= sqrt(2) exactly when the mantissa bits reach it.
+_SQRT2_MANTISSA = 0x3504F4
+
+
+class RoundingMode(IntEnum):
+    """How the MX shared exponent is rounded from log2(amax) (spec Q-17)."""
+
+    nearest = 0
+    floor = 1
+    even = 2
+    stochastic = 3
+    ceil = 4
+
+
+def get_mx4_exp_bias(ebits: int) -> int:
+    if ebits != FP4_EBITS:
+        raise ValueError(f"only E2M1 (ebits=2) MX4 is supported, got ebits={ebits}")
+    return 1
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (uint8, sign in bit 3) of fp32 values, round-to-nearest-even, saturating at ±6."""
+    a = v.abs()
+    code = sum((a > t).to(torch.uint8) for t in _RNE_STRICT) + sum((a >= t).to(torch.uint8) for t in _RNE_LOOSE)
+    return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def fp4_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (the low 4 bits of each element)."""
+    table = torch.tensor(E2M1_VALUES, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] uint8, the even element in the low nibble."""
+    return codes[..., ::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] codes (inverse of pack_fp4)."""
+    packed = packed.view(torch.uint8)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] scales -> the flat CUDA blocked layout: the matrix zero-padded to [⌈rows/128⌉·128,
+    ⌈cols/4⌉·4], cut into 128x4 tiles stored tile by tile (row-block major), element (r, c) of a tile at
+    (r % 32)·16 + (r // 32)·4 + c."""
+    rows, cols = scale.shape
+    rb, cb = math.ceil(rows / 128), math.ceil(cols / 4)
+    padded = scale.new_zeros(rb * 128, cb * 4)
+    padded[:rows, :cols] = scale
+    tiles = padded.view(rb, 4, 32, cb, 4).permute(0, 3, 2, 1, 4)  # [rb, cb, r%32, r//32, c]
+    return tiles.reshape(-1)
+
+
+def from_blocked(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of to_blocked: the [rows, cols] scales."""
+    rb, cb = math.ceil(rows / 128), math.ceil(cols / 4)
+    tiles = flat.reshape(rb, cb, 32, 4, 4).permute(0, 3, 2, 1, 4)  # [rb, r//32, r%32, cb, c]
+    return tiles.reshape(rb * 128, cb * 4)[:rows, :cols]
+
+
+def _fp32_fields(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    bits = x.float().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
+
+
+def mx_shared_exponent(amax: torch.Tensor, rounding_mode: int, random_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """Unbiased E8M0 exponent of each group: `clamp(round_mode(log2 amax) − 2, −127, 125)` (spec §7.5), with
+    log2 rounded exactly on the fp32 bits; a zero group counts as the smallest normal (2^-126). Stochastic
+    mode adds `random_bits` (int32, low 22 bits used) to the mantissa before flooring."""
+    amax = torch.where(amax == 0, torch.full_like(amax, 2.0**-126), amax.float())
+    exponent, mantissa = _fp32_fields(amax)
+    if rounding_mode == RoundingMode.floor:
+        e = exponent
+    elif rounding_mode == RoundingMode.ceil:
+        e = exponent + (mantissa != 0).to(torch.int32)
+    elif rounding_mode == RoundingMode.nearest:
+        e = exponent + (mantissa >= _SQRT2_MANTISSA).to(torch.int32)
+    elif rounding_mode == RoundingMode.even:  # round amax to 2 significant bits (ties up), then floor
+        e = exponent + (mantissa + (1 << 21) - 1 >= 1 << 23).to(torch.int32)
+    elif rounding_mode == RoundingMode.stochastic:
+        if random_bits is None:
+            random_bits = torch.randint(0, 2**31 - 1, amax.shape, dtype=torch.int32, device=amax.device)
+        e = exponent + (mantissa + (random_bits & ((1 << 22) - 1)) >= 1 << 23).to(torch.int32)
+    else:
+        raise ValueError(f"unknown rounding mode {rounding_mode} (expected one of {list(RoundingMode)})")
+    return (e - FP4_EBITS).clamp(-127, 125)
+
+
+def quantize_mx4(
+    x: torch.Tensor, group_size: int = 32, rounding_mode: int = RoundingMode.ceil, layout: str = "swizzled"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 reference: x [..., K] (K % group_size == 0) -> (packed E2M1 uint8 [..., K/2], E8M0 scales uint8:
+    flat blocked over [M, K/gs] when layout="swizzled", [..., K/gs] when "plain"). A group holding NaN gets
+    the E8M0 NaN scale (255) and zero elements."""
+    k = x.shape[-1]
+    groups = x.float().reshape(-1, k // group_size, group_size)
+    amax = groups.abs().amax(dim=-1) if groups.numel() else groups.new_zeros(groups.shape[:2])
+    exponent = mx_shared_exponent(amax, rounding_mode)
+    codes = e2m1_codes(groups * torch.exp2(-exponent.float())[..., None]).reshape(*x.shape)
+    biased = (exponent + E8M0_EXPONENT_BIAS).to(torch.uint8)
+    biased = torch.where(amax.isnan(), torch.full_like(biased, E8M0_NAN), biased)
+    scale = to_blocked(biased) if layout == "swizzled" else biased.reshape(*x.shape[:-1], k // group_size)
+    return pack_fp4(codes), scale
+
+
+def dequantize_mx4(xq: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """fp32 values of packed MXFP4 [..., K/2] with plain E8M0 scales [..., K/gs] (use from_blocked first for
+    blocked scales). The E8M0 NaN scale gives NaN."""
+    values = fp4_to_float(unpack_fp4(xq))
+    biased = scale.view(torch.uint8).float()
+    factor = torch.where(biased == E8M0_NAN, float("nan"), torch.exp2(biased - E8M0_EXPONENT_BIAS))
+    return (values.unflatten(-1, (-1, group_size)) * factor[..., None]).flatten(-2)
+
+
+def global_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 global scale `448 · 6 / amax(x)` (fp32, one element); torchao's is its inverse."""
+    return (FP8_E4M3_MAX * FP4_E2M1_MAX / x.abs().amax().float()).reshape(1)
+
+
+def scale_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16) -> torch.Tensor:
+    """e4m3 block scales `min(amax_b / 6 · global_scale, 448)` of x [M, K] (K % group_size == 0), [M, K/gs]."""
+    gs = _global(global_scale, x.device)
+    amax = x.float().unflatten(-1, (-1, group_size)).abs().amax(dim=-1)
+    # Tensor divisor: torch divides by a Python number through its reciprocal (a second rounding).
+    return (amax / amax.new_full((), FP4_E2M1_MAX) * gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _global(global_scale: torch.Tensor | None, device) -> torch.Tensor:
+    return torch.ones((), device=device) if global_scale is None else global_scale.float().reshape(()).to(device)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 reference: x [..., K] (K % 16 == 0) -> (packed E2M1 uint8 [..., K/2], e4m3 scales blocked flat
+    over [M, K/16]). Block scale `s_b = e4m3(amax_b / 6 · gs)`, elements `E2M1(x · gs / s_b)` (0 where s_b = 0);
+    `global_scale=None` means 1."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    block_scale = scale_nvfp4(x2, global_scale)
+    gs = _global(global_scale, x.device)
+    denom = block_scale.float()[..., None]
+    scaled = torch.where(denom == 0, 0.0, x2.float().unflatten(-1, (-1, 16)) * gs / denom)
+    codes = e2m1_codes(scaled).reshape(x.shape)
+    return pack_fp4(codes), to_blocked(block_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
+def dequantize_nvfp4(
+    xq: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16
+) -> torch.Tensor:
+    """fp32 values of packed NVFP4 [..., K/2] with plain e4m3 scales [..., K/16]: `e2m1 · s_b / gs`."""
+    values = fp4_to_float(unpack_fp4(xq)).unflatten(-1, (-1, group_size))
+    return (values * scale.float()[..., None] / _global(global_scale, xq.device)).flatten(-2)
