@@ -9,6 +9,7 @@ references of fp4_utils are the CPU kernels); the reference library's entry poin
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -109,24 +110,11 @@ def _e2m1_codes(v, STOCHASTIC: tl.constexpr, seed, offsets):
 
 
 @triton.jit
-def _load_group_halves(x_ptr, M, K, stride_xm, stride_xk, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The tile of BLOCK_G consecutive groups (a group = GROUP elements along K of one row), split into its
-    even and odd elements ([BLOCK_G, GROUP/2] each, fp32): the pairs that share a byte, with no reshape."""
-    n_groups = K // GROUP
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G] group index, row-major over [M, K/GROUP]
-    row, col = g // n_groups, g % n_groups
-    valid = (g < M * n_groups)[:, None]
-    pair = tl.arange(0, GROUP // 2)[None, :]  # [1, GROUP/2]
-    k = col[:, None] * GROUP + 2 * pair  # [BLOCK_G, GROUP/2], the even element's column
-    ptr = x_ptr + row[:, None].to(tl.int64) * stride_xm + k * stride_xk
-    even = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
-    odd = tl.load(ptr + stride_xk, mask=valid, other=0.0).to(tl.float32)
-    return even, odd, row, col, k, valid
-
-
-@triton.jit
-def _group_amax(even, odd):
-    return _max_nan(tl.reduce(tl.abs(even), 1, _max_nan), tl.reduce(tl.abs(odd), 1, _max_nan))
+def _store_packed(q_ptr, codes, rows, M, half_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, pid_k):
+    """Pack [BLOCK_M, BLOCK_K] codes two per byte (even element in the low nibble) and store them."""
+    low, high = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
+    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+    tl.store(q_ptr + rows.to(tl.int64) * half_k + pcols, low | (high << 4), mask=(rows < M) & (pcols < half_k))
 
 
 @triton.jit
@@ -149,10 +137,14 @@ def _max_nan(a, b):
 def _quantize_mx4_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, seed,
     GROUP: tl.constexpr, ROUNDING: tl.constexpr, STOCHASTIC_CAST: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    even, odd, row, col, k, valid = _load_group_halves(x_ptr, M, K, stride_xm, stride_xk, GROUP, BLOCK_G)
-    amax = _group_amax(even, odd)  # [BLOCK_G]
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
+    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // GROUP, GROUP])
+    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // GROUP]
     amax = tl.where(amax == 0.0, 1.1754943508222875e-38, amax)  # zero groups count as 2^-126
     bits = amax.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
@@ -164,30 +156,39 @@ def _quantize_mx4_kernel(
     elif ROUNDING == 2:  # even: round amax to two significant bits, then floor
         e = exponent + (mantissa + (1 << 21) - 1 >= (1 << 23)).to(tl.int32)
     elif ROUNDING == 3:  # stochastic
-        noise = (tl.randint(seed, row * (K // GROUP) + col) & ((1 << 22) - 1)).to(tl.int32)
+        groups_flat = rows * (K // GROUP) + pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
+        noise = (tl.randint(seed, groups_flat) & ((1 << 22) - 1)).to(tl.int32)
         e = exponent + (mantissa + noise >= (1 << 23)).to(tl.int32)
     else:  # ceil
         e = exponent + (mantissa != 0).to(tl.int32)
     e = tl.minimum(tl.maximum(e - 2, -127), 125)
-    inverse = (((127 - e) << 23).to(tl.float32, bitcast=True))[:, None]  # 2^-e, exact
-    element = row[:, None] * K + k  # the even element's index, for the stochastic-casting random stream
-    low = _e2m1_codes(even * inverse, STOCHASTIC_CAST, seed, element)
-    high = _e2m1_codes(odd * inverse, STOCHASTIC_CAST, seed, element + 1)
-    tl.store(q_ptr + row[:, None].to(tl.int64) * (K // 2) + k // 2, low | (high << 4), mask=valid)
+    inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    scaled = tl.reshape(g * inverse[:, :, None], [BLOCK_M, BLOCK_K])
+    codes = _e2m1_codes(scaled, STOCHASTIC_CAST, seed, rows * K + cols)
+    _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
+
+    groups = pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
     biased = tl.where(amax != amax, 255, e + 127).to(tl.uint8)  # E8M0 NaN for a group holding NaN
-    tl.store(scale_ptr + _scale_offsets(row, col, K // GROUP, SWIZZLED), biased, mask=row < M)
+    offsets = _scale_offsets(rows, groups, K // GROUP, SWIZZLED)
+    tl.store(scale_ptr + offsets, biased, mask=(rows < M) & (groups < K // GROUP))
 
 
-def _launch_fp4(kernel, x, q, scale, group_size, **constexprs):
-    """One program per 4096 elements (4096 / group_size whole groups), 4 warps."""
+@functools.cache
+def _fp4_tiles(k: int) -> dict:
+    """4096-element tiles, at most 1024 wide, 4 warps: the best or within 2% of the best of ten shapes
+    measured on the H200 (RESULTS.md); the kernels are bound by their arithmetic, not by the tile."""
+    block_k = min(triton.next_power_of_2(max(k, 32)), 1024)
+    return {"BLOCK_M": max(1, 4096 // block_k), "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _launch_fp4(kernel, x, q, scale, **constexprs):
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    groups = x2.numel() // group_size
-    if groups:
-        block_g = 4096 // group_size
-        kernel[(triton.cdiv(groups, block_g),)](
-            x2, q, scale, x2.shape[0], k, x2.stride(0), x2.stride(1), BLOCK_G=block_g, num_warps=4, **constexprs
-        )
+    m = x2.shape[0]
+    if m and k:
+        tiles = _fp4_tiles(k)
+        grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(k, tiles["BLOCK_K"]))
+        kernel[grid](x2, q, scale, m, k, x2.stride(0), x2.stride(1), **tiles, **constexprs)
 
 
 @quantize_mx4_op.backend("triton", available=registry.triton_missing)
@@ -199,7 +200,7 @@ def _mx4_triton(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_ca
     if seed is None and (stochastic_casting or rounding_mode == RoundingMode.stochastic):
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     _launch_fp4(
-        _quantize_mx4_kernel, x, q, scale, group_size, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
+        _quantize_mx4_kernel, x, q, scale, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
         STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
     )  # fmt: skip
     return q, scale
@@ -267,28 +268,31 @@ quantize_nvfp4_op = registry.Op(
 @triton.jit
 def _quantize_nvfp4_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, global_scale_ptr,
-    HAS_GLOBAL: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    even, odd, row, col, k, valid = _load_group_halves(x_ptr, M, K, stride_xm, stride_xk, 16, BLOCK_G)
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
+    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 16, 16])
     gs = tl.load(global_scale_ptr) if HAS_GLOBAL else 1.0
-    amax = _group_amax(even, odd)  # [BLOCK_G]
+    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // 16]
     # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
     block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
-    denom = block_scale.to(tl.float32)[:, None]
-    safe = tl.where(denom == 0.0, 1.0, denom)
-    low = _e2m1_codes(tl.where(denom == 0.0, 0.0, tl.div_rn(even * gs, safe)), False, 0, 0)
-    high = _e2m1_codes(tl.where(denom == 0.0, 0.0, tl.div_rn(odd * gs, safe)), False, 0, 0)
-    tl.store(q_ptr + row[:, None].to(tl.int64) * (K // 2) + k // 2, low | (high << 4), mask=valid)
-    tl.store(scale_ptr + _scale_offsets(row, col, K // 16, True), block_scale.to(tl.uint8, bitcast=True), mask=row < M)
+    denom = block_scale.to(tl.float32)[:, :, None]
+    scaled = tl.where(denom == 0.0, 0.0, tl.div_rn(g * gs, tl.where(denom == 0.0, 1.0, denom)))
+    codes = _e2m1_codes(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), False, 0, 0)
+    _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
+    groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
+    offsets = _scale_offsets(rows, groups, K // 16, True)
+    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=(rows < M) & (groups < K // 16))
 
 
 @quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
 def _nvfp4_triton(x, global_scale=None):
     q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
     scale = torch.zeros(_scale_shape(x, x.shape[-1] // 16, "swizzled"), dtype=torch.uint8, device=x.device)
-    _launch_fp4(
-        _quantize_nvfp4_kernel, x, q, scale, 16, global_scale_ptr=global_scale, HAS_GLOBAL=global_scale is not None
-    )
+    _launch_fp4(_quantize_nvfp4_kernel, x, q, scale, global_scale_ptr=global_scale, HAS_GLOBAL=global_scale is not None)
     return q, scale.view(torch.float8_e4m3fn)
 
 
