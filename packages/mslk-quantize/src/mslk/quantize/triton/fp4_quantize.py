@@ -18,6 +18,7 @@ import triton.language as tl
 
 from mslk.core import formats, registry, testing
 from mslk.quantize.triton import fp4_utils
+from mslk.quantize.triton.common import check_float_input, max_nan
 from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
     E8M0_EXPONENT_BIAS,
     FP4_E2M1_MAX,
@@ -28,12 +29,9 @@ from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference modul
     get_mx4_exp_bias,
 )
 
-_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _check(where: str, x: torch.Tensor, group_size: int) -> None:
-    if x.dtype not in _FLOAT_INPUTS:
-        raise ValueError(f"{where}: input must be float32, float16 or bfloat16, got {x.dtype}")
+    check_float_input(where, "input", x)
     if x.dim() < 1 or x.shape[-1] % group_size:
         raise ValueError(
             f"{where}: the last dimension must be a multiple of the group size {group_size}, got shape {tuple(x.shape)}"
@@ -129,11 +127,6 @@ def _scale_offsets(rows, groups, n_groups, SWIZZLED: tl.constexpr):
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _quantize_mx4_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, seed,
     GROUP: tl.constexpr, ROUNDING: tl.constexpr, STOCHASTIC_CAST: tl.constexpr, SWIZZLED: tl.constexpr,
@@ -144,7 +137,7 @@ def _quantize_mx4_kernel(
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
     x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
     g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // GROUP, GROUP])
-    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // GROUP]
+    amax = tl.reduce(tl.abs(g), 2, max_nan)  # [BLOCK_M, BLOCK_K // GROUP]
     amax = tl.where(amax == 0.0, 1.1754943508222875e-38, amax)  # zero groups count as 2^-126
     bits = amax.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
@@ -276,7 +269,7 @@ def _quantize_nvfp4_kernel(
     x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
     g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 16, 16])
     gs = tl.load(global_scale_ptr) if HAS_GLOBAL else 1.0
-    amax = tl.reduce(tl.abs(g), 2, _max_nan)  # [BLOCK_M, BLOCK_K // 16]
+    amax = tl.reduce(tl.abs(g), 2, max_nan)  # [BLOCK_M, BLOCK_K // 16]
     # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
     block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
     denom = block_scale.to(tl.float32)[:, :, None]

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from mslk.core import arch, formats, registry, testing
 from mslk.quantize import reference
+from mslk.quantize.triton.common import check_float_input, max_nan, to_output_device
 
-_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 # Rows up to this many elements are quantized from registers in one pass; longer rows are read twice
 # (amax pass, then quantize pass, the second mostly from L2). On the H200 a 16384-wide single pass ran at
 # 2100-2950 GB/s against 3400+ for two passes of 4096-8192 (RESULTS.md).
@@ -31,11 +31,6 @@ def _padded_k(k: int, align_rows_to: int | None) -> int:
 
 def _eps(eps_opt: float | None) -> float:
     return arch.FP8_EPS if eps_opt is None else eps_opt
-
-
-def _check_input(where: str, name: str, x: torch.Tensor) -> None:
-    if x.dtype not in _FLOAT_INPUTS:
-        raise ValueError(f"{where}: {name} must be float32, float16 or bfloat16, got {x.dtype}")
 
 
 def _check_scale_ub(where: str, scale_ub: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -66,7 +61,7 @@ class RowArgs(NamedTuple):
 def _validate_row(*args, **kwargs):
     a, scale_ub, zero_start_index_M, _, _, align_rows_to, eps_opt = RowArgs(*args, **kwargs)
     where = "quantize_fp8_row"
-    _check_input(where, "a", a)
+    check_float_input(where, "a", a)
     if not 1 <= a.dim() <= 4:
         raise ValueError(f"{where}: a must have 1 to 4 dimensions, got shape {tuple(a.shape)}")
     _check_scale_ub(where, scale_ub, a)
@@ -91,8 +86,7 @@ def _row_reference(*args, **kwargs):
     xq, scale = reference.quantize_fp8_row(
         a, scale_ub, zero_start_index_M, align_rows_to, _eps(eps_opt), arch.fp8_dtype(a.device)
     )
-    device = output_device or a.device
-    return xq.to(device), scale.to(device)
+    return to_output_device(output_device, xq, scale)
 
 
 def _row_fake(*args, **kwargs):
@@ -128,12 +122,6 @@ quantize_fp8_row_op = registry.Op(
 
 
 @triton.jit
-def _max_nan(a, b):
-    # NaN-propagating max: a row holding NaN gets a NaN scale instead of silently dropping the NaN.
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _quantize_fp8_row_kernel(
     a_ptr, xq_ptr, scale_ptr, scale_ub_ptr, counts_ptr,
     n_rows, K, K_OUT, rows_per_matrix, stride_a_row, stride_a_k, stride_xq_row, eps,
@@ -152,13 +140,13 @@ def _quantize_fp8_row_kernel(
 
     if SINGLE_PASS:
         x = tl.load(a_rows + cols * stride_a_k, mask=readable[:, None] & (cols < K), other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.abs(x), 1, _max_nan)  # [BLOCK_M]
+        amax = tl.reduce(tl.abs(x), 1, max_nan)  # [BLOCK_M]
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
-            amax = _max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, _max_nan))
-    amax = _max_nan(amax, eps)
+            amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
+    amax = max_nan(amax, eps)
     if HAS_UB:
         amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
     # IEEE-rounded divisions (Triton's `/` is approximate on GPUs), so the results equal the reference's.
@@ -216,9 +204,7 @@ def triton_quantize_fp8_row(
             _eps(eps_opt), FP8_MAX=torch.finfo(fp8).max, HAS_UB=scale_ub is not None,
             JAGGED=zero_start_index_M is not None, **config,
         )  # fmt: skip
-    if output_device is not None and output_device != a.device:
-        return xq.to(output_device), scale.to(output_device)
-    return xq, scale
+    return to_output_device(output_device, xq, scale)
 
 
 def quantize_fp8_row(
@@ -267,7 +253,7 @@ class BlockArgs(NamedTuple):
 def _validate_block(*args, **kwargs):
     x, block_m, block_k, scale_ub, *_ = BlockArgs(*args, **kwargs)
     where = "quantize_fp8_block"
-    _check_input(where, "x", x)
+    check_float_input(where, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{where}: x must have at least one dimension, got a 0-dim tensor")
     if block_m < 1 or block_k < 1:
@@ -280,8 +266,7 @@ def _block_reference(*args, **kwargs):
     xq, scale = reference.quantize_fp8_block(
         x, block_m, block_k, scale_ub, k_major, arch.FP8_EPS, arch.fp8_dtype(x.device)
     )
-    device = output_device or x.device
-    return xq.to(device), scale.to(device)
+    return to_output_device(output_device, xq, scale)
 
 
 def _block_scale_shape(x: torch.Tensor, block_m: int, block_k: int, k_major: bool) -> tuple[int, int]:
@@ -339,8 +324,8 @@ def _quantize_fp8_block_kernel(
         mask = (rows < M) & (cols < K)
         x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
         x4 = tl.reshape(x, [TILE_M // BM, BM, TILE_K // BK, BK])
-        amax = tl.reduce(tl.reduce(tl.abs(x4), 3, _max_nan), 1, _max_nan)  # [TILE_M // BM, TILE_K // BK]
-        amax = _max_nan(amax, eps)
+        amax = tl.reduce(tl.reduce(tl.abs(x4), 3, max_nan), 1, max_nan)  # [TILE_M // BM, TILE_K // BK]
+        amax = max_nan(amax, eps)
         if HAS_UB:
             amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
         block_rows = pid_m * (TILE_M // BM) + tl.arange(0, TILE_M // BM)[:, None]
@@ -359,8 +344,8 @@ def _quantize_fp8_block_kernel(
             rows = m0 + tl.arange(0, TILE_M)[:, None]
             mask = (rows < M) & (rows < pid_m * BM + BM) & (cols < K)
             x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=mask, other=0.0)
-            amax = _max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, _max_nan))
-        amax = _max_nan(tl.reduce(amax, 0, _max_nan), eps)
+            amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
+        amax = max_nan(tl.reduce(amax, 0, max_nan), eps)
         if HAS_UB:
             amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
         tl.store(scale_ptr + pid_m * stride_sm + pid_k * stride_sk, tl.div_rn(amax, FP8_MAX))
@@ -412,9 +397,7 @@ def triton_quantize_fp8_block(x, block_m=256, block_k=256, scale_ub=None, use_tr
             x2, xq, scale, scale_ub, m, k, x2.stride(0), x2.stride(1), k, stride_sm, stride_sk, arch.FP8_EPS,
             FP8_MAX=torch.finfo(fp8).max, HAS_UB=scale_ub is not None, BM=block_m, BK=block_k, **config,
         )  # fmt: skip
-    if output_device is not None and output_device != x.device:
-        return xq.to(output_device), scale.to(output_device)
-    return xq, scale
+    return to_output_device(output_device, xq, scale)
 
 
 def quantize_fp8_block(
@@ -484,7 +467,7 @@ def scale_fp8_row(a: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor)
 
 
 def _validate_tensor(a, use_triton=True):
-    _check_input("quantize_fp8_tensor", "a", a)
+    check_float_input("quantize_fp8_tensor", "a", a)
 
 
 def _tensor_reference(a, use_triton=True):
@@ -523,8 +506,8 @@ def _amax_partial_kernel(a_ptr, partial_ptr, n, BLOCK: tl.constexpr):
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
-        acc = _max_nan(acc, tl.abs(x.to(tl.float32)))
-    tl.store(partial_ptr + pid, tl.reduce(acc, 0, _max_nan))
+        acc = max_nan(acc, tl.abs(x.to(tl.float32)))
+    tl.store(partial_ptr + pid, tl.reduce(acc, 0, max_nan))
 
 
 @triton.jit
@@ -534,8 +517,8 @@ def _quantize_fp8_tensor_kernel(
 ):  # fmt: skip
     # Every program reduces the (at most 1024, L2-resident) partial maxima itself: no second grid sync.
     p = tl.arange(0, PARTIALS)
-    amax = tl.reduce(tl.load(partial_ptr + p, mask=p < n_partials, other=0.0), 0, _max_nan)
-    amax = _max_nan(amax, eps)
+    amax = tl.reduce(tl.load(partial_ptr + p, mask=p < n_partials, other=0.0), 0, max_nan)
+    amax = max_nan(amax, eps)
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(scale_ptr, tl.div_rn(amax, FP8_MAX))
