@@ -25,6 +25,8 @@ def test_e2m1_round_to_nearest_even_and_saturation():
     )
     expect = [0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, 6.0, 6.0, -1.0, -6.0]
     assert u.fp4_to_float(u.e2m1_codes(values)).tolist() == expect
+    special = u.e2m1_codes(torch.tensor([-0.0, -0.1, float("nan"), -float("inf")])).tolist()
+    assert special == [8, 8, 0, 15], "the sign bit goes to bit 3 (E2M1 -0 included), NaN gives 0"
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(u.unpack_fp4(u.pack_fp4(codes)), codes)
     assert u.pack_fp4(torch.tensor([1, 2], dtype=torch.uint8)).item() == 0x21, "even element in the low nibble"
@@ -155,6 +157,30 @@ def test_mx4_kernel_special_values_and_strides():
         assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
 
 
+def _ties_and_neighbours() -> torch.Tensor:
+    """|values| at every E2M1 rounding boundary, one fp32 ulp either side, the codes themselves, both signs."""
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, *u.E2M1_VALUES])
+    near = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)])
+    return torch.cat([near, -near, torch.tensor([-0.0, 0.0])])
+
+
+def test_fp4_kernels_round_exact_ties_like_the_reference():
+    # MXFP4 (floor) of groups with amax 12.5 scales by 2^-1, so 2·value lands exactly on each boundary;
+    # NVFP4 with gs = 1 and amax 6 gets s_b = e4m3(6/6) = 1.
+    values = _ties_and_neighbours()
+    body = torch.zeros(math.ceil(values.numel() / 31) * 31)
+    body[: values.numel()] = values
+    body = body.reshape(-1, 31)
+    x = torch.cat([torch.full((body.shape[0], 1), 6.0), body], dim=1)
+    mx = torch.cat([torch.full((body.shape[0], 1), 12.5), 2 * body], dim=1)
+    q, s = fp4.quantize_mx4_op.get_backend("triton").impl(mx.to(DEVICE), 32, u.RoundingMode.floor)
+    rq, rs = u.quantize_mx4(mx, 32, u.RoundingMode.floor, formats.platform_mx_layout())
+    assert set(u.unpack_fp4(rq)[:, 1:].flatten().tolist()) == set(range(16)), "every code is reached"
+    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
+    q, _ = fp4.quantize_nvfp4_op.get_backend("triton").impl(x.to(DEVICE))
+    assert torch.equal(q.cpu(), u.quantize_nvfp4(x)[0])
+
+
 def test_mx4_kernel_stochastic_modes():
     x = testing.randn(64, 128, device=DEVICE, std=3.0)
     impl = fp4.quantize_mx4_op.get_backend("triton").impl
@@ -189,3 +215,126 @@ def test_nvfp4_kernel_matches_reference(shape, with_global, dtype):
         testing.assert_rel_close(back, x.cpu().float(), 0.15)
     else:
         assert torch.equal(q.cpu(), rq)
+
+
+# ----------------------------------------------------------------------------- stacked (MoE) FP4: Q-12, Q-14
+
+STACKS = [[5, 0, 130, 1], [3], [0, 0], [128, 129, 7], [1] * 9]
+
+
+def test_stacked_blocked_layout():
+    m_sizes = torch.tensor([5, 0, 130, 1])
+    scale = torch.arange(1, 136 * 3 + 1, dtype=torch.int32).reshape(136, 3)
+    flat = u.to_blocked_stacked(scale, m_sizes)
+    assert flat.shape == (math.prod(formats.stacked_swizzled_scale_shape(136, 4, 3)),) == ((136 + 4 * 127) * 4,)
+    # Segment starts (rows 0, 128, 384 of the padded matrix): each segment is blocked on its own.
+    for start, padded_start, size in ((0, 0, 5), (5, 128, 130), (135, 384, 1)):
+        block = u.to_blocked(scale[start : start + size])
+        assert torch.equal(flat[padded_start * 4 : padded_start * 4 + block.numel()], block)
+    assert (flat != 0).sum() == scale.numel(), "every scale once, zeros elsewhere"
+    assert torch.equal(u.from_blocked_stacked(flat, m_sizes, 3), scale)
+    assert u.row_segments(m_sizes, 138).tolist() == [0] * 5 + [2] * 130 + [3] + [4, 4]
+
+
+@pytest.mark.parametrize("sizes", STACKS, ids=str)
+def test_calculate_group_max(sizes):
+    m_sizes = torch.tensor(sizes, device=DEVICE)
+    x = testing.randn(sum(sizes) + 2, 48, dtype=torch.bfloat16, device=DEVICE, std=3.0)  # 2 rows past the end
+    if sum(sizes) > 1:
+        x[1] = 0.0
+    global_scale, segment = fp4.calculate_group_max(x, m_sizes)
+    assert segment.dtype == torch.int64 and segment.tolist() == u.row_segments(m_sizes.cpu(), x.shape[0]).tolist()
+    start = 0
+    for g, size in enumerate(sizes):
+        amax = x[start : start + size].float().abs().max().item() if size else None
+        expect = torch.finfo(torch.float32).max if size == 0 else 2688.0 / (amax if amax else 1e-8)
+        assert global_scale[g].item() == pytest.approx(expect, rel=1e-6)
+        start += size
+
+
+@pytest.mark.parametrize("sizes", STACKS, ids=str)
+@pytest.mark.parametrize("m_dtype", [torch.int64, torch.int32], ids=str)
+def test_mx4_stacked_kernel_matches_reference(sizes, m_dtype):
+    m_sizes = torch.tensor(sizes, dtype=m_dtype, device=DEVICE)
+    x = testing.randn(sum(sizes) + 1, 96, dtype=torch.bfloat16, device=DEVICE, std=3.0)
+    for group in (32, 16):
+        q, s = fp4.quantize_mx4_stacked_op.get_backend("triton").impl(m_sizes, x, group)
+        rq, rs = fp4._mx4_stacked_reference(m_sizes.cpu(), x.cpu(), group)
+        assert torch.equal(q.cpu(), rq) and torch.equal(s.cpu(), rs)
+        # Each segment's scales are those of quantizing the segment alone.
+        plain = u.from_blocked_stacked(s.cpu(), m_sizes.cpu(), 96 // group)
+        dense = u.quantize_mx4(x[: sum(sizes)].cpu(), group, u.RoundingMode.ceil, "plain")[1]
+        assert torch.equal(plain, dense)
+
+
+@pytest.mark.parametrize("sizes", STACKS, ids=str)
+@pytest.mark.parametrize("mode", ["none", "per segment", "per token"])
+def test_nvfp4_stacked_kernel_matches_reference(sizes, mode):
+    m_sizes = torch.tensor(sizes, device=DEVICE)
+    x = testing.randn(sum(sizes), 64, dtype=torch.bfloat16, device=DEVICE, std=2.0)
+    args = {
+        "none": (),
+        "per segment": (fp4.calculate_group_max(x, m_sizes)[0],),
+        "per token": (None, u.token_scale_inv_nvfp4(x)),
+    }[mode]
+    q, s = fp4.quantize_nvfp4_stacked_op.get_backend("triton").impl(m_sizes, x, *args)
+    rq, rs = u.quantize_nvfp4_stacked(m_sizes.cpu(), x.cpu(), *(a if a is None else a.cpu() for a in args))
+    testing.assert_fp8_equal(s.cpu(), rs, what="scale")
+    if not testing.interpreting():  # the interpreter's e4m3 rounding moves some scales and their elements
+        assert torch.equal(q.cpu(), rq)
+    if mode == "per segment" and not testing.interpreting():  # segment g equals dense NVFP4 with gs[g]
+        start = 0
+        for g, size in enumerate(sizes):
+            dq, _ = fp4.quantize_nvfp4_op.get_backend("triton").impl(x[start : start + size], args[0][g : g + 1])
+            assert torch.equal(q[start : start + size], dq)
+            start += size
+
+
+def test_nvfp4_token_scale_round_trip():
+    m_sizes = torch.tensor([70, 0, 58], device=DEVICE)
+    x = testing.randn(128, 64, dtype=torch.bfloat16, device=DEVICE) * torch.logspace(-3, 3, 128, device=DEVICE)[:, None]
+    q, s, inv = fp4.nvfp4_quantize_stacked_with_token_scale(m_sizes, x)
+    expect = x.float().abs().amax(-1).clamp(min=1e-8) / 2688.0
+    assert inv.shape == (128,) and torch.allclose(inv, expect, rtol=1e-6, atol=0)
+    plain = u.from_blocked_stacked(s.view(torch.uint8).cpu(), m_sizes.cpu(), 4).view(torch.float8_e4m3fn)
+    back = u.dequantize_nvfp4(q.cpu(), plain) * inv.cpu()[:, None]  # dequantize with gs = 1, then per row
+    testing.assert_rel_close(back, x.cpu().float(), 0.15)  # rows spanning 6 decades, each at NVFP4 accuracy
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fp4.quantize_mx4_stacked(torch.ones(2, 2, dtype=torch.int64), torch.ones(4, 32)), "1-D int64"),
+        (lambda: fp4.quantize_mx4_stacked(torch.ones(2), torch.ones(4, 32)), "1-D int64"),
+        (lambda: fp4.quantize_mx4_stacked(torch.tensor([4]), torch.ones(4, 40)), "multiple of the group size 32"),
+        (
+            lambda: fp4.nvfp4_quantize_stacked(torch.tensor([2, 2]), torch.ones(4, 32), torch.ones(3)),
+            r"global_scale must be float32 with one value per segment \(2\)",
+        ),
+        (
+            lambda: torch.ops.mslk.quantize_nvfp4_stacked(torch.tensor([4]), torch.ones(4, 32), None, torch.ones(3)),
+            r"token_scale_inv must be float32 with one value per row \(4\)",
+        ),
+        (
+            lambda: torch.ops.mslk.quantize_nvfp4_stacked(
+                torch.tensor([4]), torch.ones(4, 32), torch.ones(1), torch.ones(4)
+            ),
+            "not both",
+        ),
+    ],
+)
+def test_stacked_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_stacked_compile_and_export():
+    class Quantize(torch.nn.Module):
+        def forward(self, m_sizes, x):
+            return fp4.quantize_mx4_stacked(m_sizes, x), fp4.nvfp4_quantize_stacked_with_token_scale(m_sizes, x)
+
+    args = (torch.tensor([3, 0, 5]), testing.randn(8, 64, dtype=torch.bfloat16))
+    (q, s), (_, ns, inv) = torch.compile(Quantize(), fullgraph=True, backend="aot_eager")(*args)
+    assert q.shape == (8, 32) and s.shape == ((8 + 3 * 127) * 4,) and ns.shape == ((8 + 3 * 127) * 4,)
+    graph = str(torch.export.export(Quantize(), args).graph)
+    assert "mslk.quantize_mx4_stacked" in graph and "mslk.quantize_nvfp4_stacked" in graph

@@ -201,6 +201,13 @@ def swizzled_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:
     return _round_up(rows, 128), _round_up(scale_cols, 4)
 
 
+def stacked_swizzled_scale_shape(rows: int, segments: int, scale_cols: int) -> tuple[int, int]:
+    """Scale matrix of a stacked (MoE) input of `rows` rows in `segments` segments: each segment's scales in
+    the blocked layout from a 128-row boundary, so at most rows + 127 · segments rows, a bound known without
+    reading the segment sizes (CUDA-graph safe)."""
+    return rows + 127 * segments, _round_up(scale_cols, 4)
+
+
 @dataclass(frozen=True)
 class _BlockScaled(ScaleFormat):
     """Scales of one block of `block_size` elements along K, stored plain [M, ⌈K/bs⌉] or swizzled: the

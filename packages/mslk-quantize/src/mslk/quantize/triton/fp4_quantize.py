@@ -93,18 +93,27 @@ quantize_mx4_op = registry.Op(
 
 @triton.jit
 def _e2m1_codes(v, STOCHASTIC: tl.constexpr, seed, offsets):
-    """E2M1 codes (sign in bit 3) of fp32 values: round-to-nearest-even saturating at 6, or stochastic
-    rounding (unbiased: up with probability of the distance to the lower code over the step)."""
-    a = tl.abs(v)
+    """E2M1 codes of fp32 values, the sign bit of v in bit 3: round-to-nearest-even saturating at 6 (NaN gives
+    a zero magnitude), or stochastic rounding (unbiased: up with probability of the distance to the lower code
+    over the step)."""
+    v_bits = v.to(tl.int32, bitcast=True)
+    a_bits = v_bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
     if STOCHASTIC:
         step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
         a = a + tl.rand(seed, offsets) * step
-        code = (a >= 0.5).to(tl.uint8) + (a >= 1.0).to(tl.uint8) + (a >= 1.5).to(tl.uint8) + (a >= 2.0).to(tl.uint8)
-        code += (a >= 3.0).to(tl.uint8) + (a >= 4.0).to(tl.uint8) + (a >= 6.0).to(tl.uint8)
+        code = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
+        code += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
     else:
-        code = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8) + (a >= 1.75).to(tl.uint8)
-        code += (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
-    return code | ((v < 0).to(tl.uint8) << 3)
+        # Integer arithmetic on the fp32 bits (half the instructions of seven compares): from 1 up, an E2M1
+        # code is (exponent, one mantissa bit), so round the mantissa to one bit, ties to even, and read
+        # exponent and bit together; below 1 the step is 0.5, so round 2a to an integer by adding 1.5 * 2^23.
+        rounded = a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)
+        normal = tl.minimum((rounded >> 22) - 252, 7)  # 1.0 = 127 << 1 is code 2; saturate at 6.0
+        magic = 12582912.0  # 1.5 * 2^23: the fp32 spacing there is 1
+        small = tl.maximum(a * 2.0 + magic, magic).to(tl.int32, bitcast=True) - 0x4B400000  # NaN -> 0
+        code = tl.where(a >= 1.0, normal, small)
+    return code | ((v_bits >> 28) & 8)
 
 
 @triton.jit
@@ -127,10 +136,29 @@ def _scale_offsets(rows, groups, n_groups, SWIZZLED: tl.constexpr):
 
 
 @triton.jit
+def _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS: tl.constexpr):
+    """(row of the scale matrix, whether the row has a scale, segment) of input rows [BLOCK_M, 1]. A stacked
+    input (SEGMENTS > 0, a power of two >= G) starts each of its G segments of m_sizes rows on a 128-row
+    boundary of the scale matrix; rows past sum(m_sizes) are in segment G and get no scale."""
+    if SEGMENTS == 0:
+        scale_rows, has_scale, segment = rows, rows < M, rows * 0
+    else:
+        seg = tl.arange(0, SEGMENTS)
+        sizes = tl.load(m_sizes_ptr + seg, mask=seg < G, other=0).to(tl.int32)
+        padded = (sizes + 127) // 128 * 128
+        ends = tl.cumsum(sizes, 0)
+        segment = tl.sum((ends[None, :] <= rows).to(tl.int32), 1)[:, None]
+        shift = tl.cumsum(padded, 0) - padded - (ends - sizes)  # padded start - start, per segment
+        scale_rows = rows + tl.sum(tl.where(seg[None, :] == segment, shift[None, :], 0), 1)[:, None]
+        has_scale = (rows < M) & (segment < G)
+    return scale_rows, has_scale, segment
+
+
+@triton.jit
 def _quantize_mx4_kernel(
-    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, seed,
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, m_sizes_ptr, G, seed,
     GROUP: tl.constexpr, ROUNDING: tl.constexpr, STOCHASTIC_CAST: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
@@ -162,8 +190,9 @@ def _quantize_mx4_kernel(
 
     groups = pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
     biased = tl.where(amax != amax, 255, e + 127).to(tl.uint8)  # E8M0 NaN for a group holding NaN
-    offsets = _scale_offsets(rows, groups, K // GROUP, SWIZZLED)
-    tl.store(scale_ptr + offsets, biased, mask=(rows < M) & (groups < K // GROUP))
+    scale_rows, has_scale, _ = _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS)
+    offsets = _scale_offsets(scale_rows, groups, K // GROUP, SWIZZLED)
+    tl.store(scale_ptr + offsets, biased, mask=has_scale & (groups < K // GROUP))
 
 
 @functools.cache
@@ -174,29 +203,39 @@ def _fp4_tiles(k: int) -> dict:
     return {"BLOCK_M": max(1, 4096 // block_k), "BLOCK_K": block_k, "num_warps": 4}
 
 
-def _launch_fp4(kernel, x, q, scale, **constexprs):
+def _launch_fp4(kernel, x, q, scale, m_sizes=None, **args):
+    """Run an FP4 kernel over x [..., K] as [M, K]; `m_sizes` makes it stacked (see _scale_rows)."""
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
     if m and k:
         tiles = _fp4_tiles(k)
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(k, tiles["BLOCK_K"]))
-        kernel[grid](x2, q, scale, m, k, x2.stride(0), x2.stride(1), **tiles, **constexprs)
+        g = 0 if m_sizes is None else m_sizes.numel()
+        segments = 0 if m_sizes is None else max(16, triton.next_power_of_2(g))
+        kernel[grid](
+            x2, q, scale, m, k, x2.stride(0), x2.stride(1), x2 if m_sizes is None else m_sizes, g,
+            SEGMENTS=segments, **tiles, **args,
+        )  # fmt: skip
+
+
+def _run_mx4(x, scale_shape, layout, group_size, rounding_mode, stochastic_casting, seed, m_sizes=None):
+    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.zeros(scale_shape, dtype=torch.uint8, device=x.device)  # zero padding
+    if seed is None and (stochastic_casting or rounding_mode == RoundingMode.stochastic):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    _launch_fp4(
+        _quantize_mx4_kernel, x, q, scale, m_sizes, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
+        STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
+    )  # fmt: skip
+    return q, scale
 
 
 @quantize_mx4_op.backend("triton", available=registry.triton_missing)
 def _mx4_triton(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
     layout = formats.platform_mx_layout()
-    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
-    groups = x.shape[-1] // group_size
-    scale = torch.zeros(_scale_shape(x, groups, layout), dtype=torch.uint8, device=x.device)  # zero padding
-    if seed is None and (stochastic_casting or rounding_mode == RoundingMode.stochastic):
-        seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    _launch_fp4(
-        _quantize_mx4_kernel, x, q, scale, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
-        STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
-    )  # fmt: skip
-    return q, scale
+    shape = _scale_shape(x, x.shape[-1] // group_size, layout)
+    return _run_mx4(x, shape, layout, group_size, rounding_mode, stochastic_casting, seed)
 
 
 def triton_quantize_mx4_unpack(
@@ -258,35 +297,59 @@ quantize_nvfp4_op = registry.Op(
 )
 
 
+# Where the NVFP4 kernel takes each row's global scale from.
+_NO_GLOBAL: tl.constexpr = tl.constexpr(0)
+_ONE_GLOBAL: tl.constexpr = tl.constexpr(1)
+_GLOBAL_PER_SEGMENT: tl.constexpr = tl.constexpr(2)
+_GLOBAL_PER_ROW_INVERSE: tl.constexpr = tl.constexpr(3)
+
+
 @triton.jit
 def _quantize_nvfp4_kernel(
-    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, global_scale_ptr,
-    HAS_GLOBAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, m_sizes_ptr, G, global_scale_ptr,
+    GLOBAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
     g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 16, 16])
-    gs = tl.load(global_scale_ptr) if HAS_GLOBAL else 1.0
+    scale_rows, has_scale, segment = _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS)
+    if GLOBAL == _ONE_GLOBAL:
+        gs = tl.load(global_scale_ptr)
+    elif GLOBAL == _GLOBAL_PER_SEGMENT:
+        gs = tl.load(global_scale_ptr + segment, mask=segment < G, other=1.0)
+    elif GLOBAL == _GLOBAL_PER_ROW_INVERSE:  # gs = 1 / the per-token inverse scale
+        inverse = tl.load(global_scale_ptr + rows, mask=rows < M, other=1.0)
+        gs = tl.div_rn(tl.full(inverse.shape, 1.0, tl.float32), inverse)
+    else:
+        gs = 1.0
     amax = tl.reduce(tl.abs(g), 2, max_nan)  # [BLOCK_M, BLOCK_K // 16]
     # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
     block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
-    denom = block_scale.to(tl.float32)[:, :, None]
-    scaled = tl.where(denom == 0.0, 0.0, tl.div_rn(g * gs, tl.where(denom == 0.0, 1.0, denom)))
+    # One IEEE division per block, as the reference library does (x · (gs / s_b)); a zero block scale
+    # encodes zeros (there x · gs / s_b would be 0/0 or saturate).
+    denom = block_scale.to(tl.float32)
+    factor = tl.where(denom == 0.0, 0.0, tl.div_rn(gs + tl.zeros_like(denom), tl.where(denom == 0.0, 1.0, denom)))
+    scaled = g * factor[:, :, None]
     codes = _e2m1_codes(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), False, 0, 0)
     _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
     groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
-    offsets = _scale_offsets(rows, groups, K // 16, True)
-    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=(rows < M) & (groups < K // 16))
+    offsets = _scale_offsets(scale_rows, groups, K // 16, True)
+    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=has_scale & (groups < K // 16))
+
+
+def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None):
+    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.zeros(scale_shape, dtype=torch.uint8, device=x.device)  # zero padding
+    _launch_fp4(_quantize_nvfp4_kernel, x, q, scale, m_sizes, global_scale_ptr=global_scale, GLOBAL=mode)
+    return q, scale.view(torch.float8_e4m3fn)
 
 
 @quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
 def _nvfp4_triton(x, global_scale=None):
-    q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.zeros(_scale_shape(x, x.shape[-1] // 16, "swizzled"), dtype=torch.uint8, device=x.device)
-    _launch_fp4(_quantize_nvfp4_kernel, x, q, scale, global_scale_ptr=global_scale, HAS_GLOBAL=global_scale is not None)
-    return q, scale.view(torch.float8_e4m3fn)
+    mode = _NO_GLOBAL if global_scale is None else _ONE_GLOBAL
+    return _run_nvfp4(x, _scale_shape(x, x.shape[-1] // 16, "swizzled"), global_scale, mode)
 
 
 def triton_quantize_nvfp4(
@@ -296,7 +359,7 @@ def triton_quantize_nvfp4(
     use_precise_math: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 (spec Q-13): x [..., K] (K % 16 == 0) -> (E2M1 packed uint8 [..., K/2], e4m3 block scales, flat
-    blocked over [M, K/16]). `s_b = e4m3(min(amax_b / 6 · gs, 448))`, elements `E2M1(x · gs / s_b)`;
+    blocked over [M, K/16]). `s_b = e4m3(min(amax_b / 6 · gs, 448))`, elements `E2M1(x · (gs / s_b))`;
     `global_scale=None` means 1 (torchao relies on it). Divisions are always IEEE-rounded, so
     `use_precise_math` changes nothing; power-of-two block-16 scales are MXFP4-16
     (`triton_quantize_mx4_unpack(x, group_size=16)`)."""
@@ -306,3 +369,163 @@ def triton_quantize_nvfp4(
             "MXFP4-16: call triton_quantize_mx4_unpack(x, group_size=16)"
         )
     return torch.ops.mslk.quantize_nvfp4(x, global_scale)
+
+
+# ------------------------------------------------------------------------------ stacked (MoE) MXFP4 / NVFP4
+# The rows of x [M, K] come in G segments of m_sizes rows (one per expert); each segment's scales start on a
+# 128-row boundary of the blocked layout, as the grouped FP4 GEMMs read them, in a flat buffer of
+# `formats.stacked_swizzled_scale_shape(M, G, K / block)` (no host sync on m_sizes).
+
+
+def _validate_stacked(where: str, m_sizes: torch.Tensor, x: torch.Tensor, group_size: int) -> None:
+    _check(where, x, group_size)
+    if m_sizes.dim() != 1 or m_sizes.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{where}: m_sizes must be a 1-D int64 (or int32) tensor of rows per segment, got shape "
+            f"{tuple(m_sizes.shape)} {m_sizes.dtype}"
+        )
+    if m_sizes.device != x.device:
+        raise ValueError(f"{where}: m_sizes is on {m_sizes.device} but the input is on {x.device}")
+
+
+def _stacked_scale_numel(m_sizes: torch.Tensor, x: torch.Tensor, group_size: int) -> int:
+    rows = math.prod(x.shape[:-1])
+    return math.prod(formats.stacked_swizzled_scale_shape(rows, m_sizes.numel(), x.shape[-1] // group_size))
+
+
+def _validate_mx4_stacked(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
+    _validate_stacked("quantize_mx4_stacked", m_sizes, x, group_size)
+    _validate_mx4(x, group_size, rounding_mode)
+
+
+def _mx4_stacked_reference(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
+    xq, plain = fp4_utils.quantize_mx4(x, group_size, rounding_mode, "plain")
+    plain = plain.reshape(-1, x.shape[-1] // group_size)
+    return xq, fp4_utils.to_blocked_stacked(plain, m_sizes)
+
+
+def _mx4_stacked_fake(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
+    xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return xq, x.new_empty(_stacked_scale_numel(m_sizes, x, group_size), dtype=torch.uint8)
+
+
+def _stacked_samples(device):
+    """(m_sizes, x) pairs: ragged segments with an empty one, a segment over 128 rows, one segment."""
+    yield torch.tensor([5, 0, 130, 1], device=device), testing.randn(136, 64, dtype=torch.bfloat16, device=device)
+    yield torch.tensor([3], device=device, dtype=torch.int32), testing.randn(3, 32, device=device, std=3.0)
+
+
+quantize_mx4_stacked_op = registry.Op(
+    "mslk::quantize_mx4_stacked(Tensor m_sizes, Tensor x, int group_size=32, int rounding_mode=4, int? seed=None) "
+    "-> (Tensor, Tensor)",
+    domain="quantize",
+    reference=_mx4_stacked_reference,
+    fake=_mx4_stacked_fake,
+    samples=lambda device: [registry.Sample(args) for args in _stacked_samples(device)],
+    validate=_validate_mx4_stacked,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@quantize_mx4_stacked_op.backend("triton", available=registry.triton_missing)
+def _mx4_stacked_triton(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
+    numel = _stacked_scale_numel(m_sizes, x, group_size)
+    return _run_mx4(x, (numel,), "swizzled", group_size, rounding_mode, False, seed, m_sizes)
+
+
+def quantize_mx4_stacked(
+    m_sizes: torch.Tensor,
+    x: torch.Tensor,
+    group_size: int = 32,
+    rounding_mode: RoundingMode | int = RoundingMode.ceil,
+    *,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked MXFP4 (spec Q-12) for grouped FP4 GEMMs: x [M, K] in segments of m_sizes [G] rows ->
+    (E2M1 packed uint8 [M, K/2], E8M0 uint8 scales, each segment blocked from a 128-row boundary, flat).
+    Elements and exponents as triton_quantize_mx4_unpack; rows past sum(m_sizes) get no scales."""
+    return torch.ops.mslk.quantize_mx4_stacked(m_sizes, x, group_size, int(rounding_mode), seed)
+
+
+def _validate_nvfp4_stacked(m_sizes, x, global_scale=None, token_scale_inv=None):
+    _validate_stacked("quantize_nvfp4_stacked", m_sizes, x, 16)
+    counts = {"global_scale": ("segment", m_sizes.numel()), "token_scale_inv": ("row", math.prod(x.shape[:-1]))}
+    for name, value in (("global_scale", global_scale), ("token_scale_inv", token_scale_inv)):
+        per, expected = counts[name]
+        if value is not None and (value.dtype != torch.float32 or value.numel() != expected):
+            raise ValueError(
+                f"quantize_nvfp4_stacked: {name} must be float32 with one value per {per} ({expected}), got shape "
+                f"{tuple(value.shape)} {value.dtype}"
+            )
+    if global_scale is not None and token_scale_inv is not None:
+        raise ValueError(
+            "quantize_nvfp4_stacked: pass global_scale (per segment) or token_scale_inv (per row), not both"
+        )
+
+
+def _nvfp4_stacked_fake(m_sizes, x, global_scale=None, token_scale_inv=None):
+    xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return xq, x.new_empty(_stacked_scale_numel(m_sizes, x, 16), dtype=torch.float8_e4m3fn)
+
+
+def _nvfp4_stacked_samples(device):
+    for m_sizes, x in _stacked_samples(device):
+        if x.shape[-1] % 16 == 0:
+            yield registry.Sample((m_sizes, x))
+            yield registry.Sample((m_sizes, x, calculate_group_max(x, m_sizes)[0]))
+            yield registry.Sample((m_sizes, x, None, fp4_utils.token_scale_inv_nvfp4(x)))
+
+
+quantize_nvfp4_stacked_op = registry.Op(
+    "mslk::quantize_nvfp4_stacked(Tensor m_sizes, Tensor x, Tensor? global_scale=None, "
+    "Tensor? token_scale_inv=None) -> (Tensor, Tensor)",
+    domain="quantize",
+    reference=fp4_utils.quantize_nvfp4_stacked,
+    fake=_nvfp4_stacked_fake,
+    samples=_nvfp4_stacked_samples,
+    validate=_validate_nvfp4_stacked,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@quantize_nvfp4_stacked_op.backend("triton", available=registry.triton_missing)
+def _nvfp4_stacked_triton(m_sizes, x, global_scale=None, token_scale_inv=None):
+    shape = (_stacked_scale_numel(m_sizes, x, 16),)
+    if token_scale_inv is not None:
+        return _run_nvfp4(x, shape, token_scale_inv, _GLOBAL_PER_ROW_INVERSE, m_sizes)
+    mode = _NO_GLOBAL if global_scale is None else _GLOBAL_PER_SEGMENT
+    return _run_nvfp4(x, shape, global_scale, mode, m_sizes)
+
+
+def calculate_group_max(input: torch.Tensor, m_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-segment NVFP4 global scales of a stacked input (spec Q-14): (global_scale [G] fp32 =
+    448 · 6 / amax of the segment (an all-zero segment counts amax 1e-8; an empty one gets the largest fp32),
+    segment of each row [M] int64 (G past sum(m_sizes))). Device-side torch ops, no host sync."""
+    _validate_stacked("calculate_group_max", m_sizes, input, 1)
+    x2 = input.reshape(-1, input.shape[-1])
+    row_amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, dtype=torch.float32)
+    segment = fp4_utils.row_segments(m_sizes, x2.shape[0])
+    amax = row_amax.new_zeros(m_sizes.numel() + 1).scatter_reduce_(0, segment, row_amax, "amax")[:-1]
+    amax = torch.where(amax == 0, 1e-8, amax)
+    global_scale = amax.new_full((), FP8_E4M3_MAX * FP4_E2M1_MAX) / amax
+    return torch.where(m_sizes == 0, torch.finfo(torch.float32).max, global_scale), segment
+
+
+def nvfp4_quantize_stacked(
+    m_sizes: torch.Tensor, input: torch.Tensor, global_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked NVFP4 (spec Q-14): input [M, K] in segments of m_sizes [G] rows, segment g quantized with
+    global_scale[g] (from calculate_group_max) -> (E2M1 packed uint8 [M, K/2], e4m3 scales, each segment
+    blocked from a 128-row boundary, flat). Rows past sum(m_sizes) get no scales."""
+    return torch.ops.mslk.quantize_nvfp4_stacked(m_sizes, input, global_scale)
+
+
+def nvfp4_quantize_stacked_with_token_scale(
+    m_sizes: torch.Tensor, input: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked NVFP4 with one global scale per row (spec Q-14, the per-token "ultra" format): returns
+    (xq, scales as nvfp4_quantize_stacked, token_scale_inv [M] fp32 = max(amax_row, 1e-8) / (448 · 6)); row r
+    is quantized with gs = 1 / token_scale_inv[r], and the GEMM multiplies its output row by token_scale_inv."""
+    token_scale_inv = fp4_utils.token_scale_inv_nvfp4(input)
+    xq, scale = torch.ops.mslk.quantize_nvfp4_stacked(m_sizes, input, None, token_scale_inv)
+    return xq, scale, token_scale_inv

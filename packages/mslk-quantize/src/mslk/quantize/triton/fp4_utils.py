@@ -44,10 +44,11 @@ def get_mx4_exp_bias(ebits: int) -> int:
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """4-bit E2M1 codes (uint8, sign in bit 3) of fp32 values, round-to-nearest-even, saturating at ±6."""
+    """4-bit E2M1 codes (uint8) of fp32 values, round-to-nearest-even, saturating at ±6; bit 3 is the sign
+    bit of v (so -0.0 gives the E2M1 -0), NaN gives code 0."""
     a = v.abs()
     code = sum((a > t).to(torch.uint8) for t in _RNE_STRICT) + sum((a >= t).to(torch.uint8) for t in _RNE_LOOSE)
-    return code | ((v < 0).to(torch.uint8) << 3)
+    return code | ((v.signbit() & ~v.isnan()).to(torch.uint8) << 3)
 
 
 def fp4_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,39 @@ def from_blocked(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     rb, cb = math.ceil(rows / 128), math.ceil(cols / 4)
     tiles = flat.reshape(rb, cb, 32, 4, 4).permute(0, 3, 2, 1, 4)  # [rb, r//32, r%32, cb, c]
     return tiles.reshape(rb * 128, cb * 4)[:rows, :cols]
+
+
+def row_segments(m_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Segment (int64) of each of `rows` stacked rows, segment g holding m_sizes[g] rows in order; rows past
+    sum(m_sizes) get G. No host synchronization."""
+    ends = torch.cumsum(m_sizes.to(torch.int64), 0)
+    return torch.searchsorted(ends, torch.arange(rows, device=m_sizes.device), right=True)
+
+
+def to_blocked_stacked(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tensor:
+    """[M, cols] scales of a stacked input -> the flat buffer of `mslk.core.formats.stacked_swizzled_scale_shape`:
+    each segment's rows in the blocked layout (to_blocked) from a 128-row boundary; zeros elsewhere (and for
+    rows past sum(m_sizes))."""
+    rows, cols = scale.shape
+    padded_cols = math.ceil(cols / 4) * 4
+    out = scale.new_zeros((rows + 127 * m_sizes.numel()) * padded_cols)
+    start = padded_start = 0
+    for size in m_sizes.tolist():
+        block = to_blocked(scale[start : start + size])
+        out[padded_start * padded_cols : padded_start * padded_cols + block.numel()] = block
+        start, padded_start = start + size, padded_start + math.ceil(size / 128) * 128
+    return out
+
+
+def from_blocked_stacked(flat: torch.Tensor, m_sizes: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of to_blocked_stacked: the [sum(m_sizes), cols] scales."""
+    padded_cols = math.ceil(cols / 4) * 4
+    parts, padded_start = [], 0
+    for size in m_sizes.tolist():
+        padded = math.ceil(size / 128) * 128
+        parts.append(from_blocked(flat[padded_start * padded_cols : (padded_start + padded) * padded_cols], size, cols))
+        padded_start += padded
+    return torch.cat(parts) if parts else flat.new_zeros(0, cols)
 
 
 def _fp32_fields(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +182,10 @@ def global_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
 
 def scale_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16) -> torch.Tensor:
     """e4m3 block scales `min(amax_b / 6 · global_scale, 448)` of x [M, K] (K % group_size == 0), [M, K/gs]."""
-    gs = _global(global_scale, x.device)
+    return _block_scales(x, _global(global_scale, x.device), group_size)
+
+
+def _block_scales(x: torch.Tensor, gs: torch.Tensor, group_size: int = 16) -> torch.Tensor:
     amax = x.float().unflatten(-1, (-1, group_size)).abs().amax(dim=-1)
     # Tensor divisor: torch divides by a Python number through its reciprocal (a second rounding).
     return (amax / amax.new_full((), FP4_E2M1_MAX) * gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -158,18 +195,50 @@ def _global(global_scale: torch.Tensor | None, device) -> torch.Tensor:
     return torch.ones((), device=device) if global_scale is None else global_scale.float().reshape(()).to(device)
 
 
+def _nvfp4_codes(x2: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes [M, K] and e4m3 block scales [M, K/16] of x2 [M, K] with global scale(s) gs (0-dim, or
+    [M, 1] for one per row)."""
+    block_scale = _block_scales(x2, gs)
+    # One IEEE division per block, x · (gs / s_b), as the reference library's kernel; zero scale -> zeros.
+    denom = block_scale.float()
+    factor = torch.where(denom == 0, 0.0, gs / denom.where(denom != 0, 1.0))
+    return e2m1_codes(x2.float().unflatten(-1, (-1, 16)) * factor[..., None]).flatten(-2), block_scale
+
+
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 reference: x [..., K] (K % 16 == 0) -> (packed E2M1 uint8 [..., K/2], e4m3 scales blocked flat
-    over [M, K/16]). Block scale `s_b = e4m3(amax_b / 6 · gs)`, elements `E2M1(x · gs / s_b)` (0 where s_b = 0);
+    over [M, K/16]). Block scale `s_b = e4m3(amax_b / 6 · gs)`, elements `E2M1(x · (gs / s_b))` (0 where s_b = 0);
     `global_scale=None` means 1."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    block_scale = scale_nvfp4(x2, global_scale)
-    gs = _global(global_scale, x.device)
-    denom = block_scale.float()[..., None]
-    scaled = torch.where(denom == 0, 0.0, x2.float().unflatten(-1, (-1, 16)) * gs / denom)
-    codes = e2m1_codes(scaled).reshape(x.shape)
-    return pack_fp4(codes), to_blocked(block_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    codes, block_scale = _nvfp4_codes(x.reshape(-1, x.shape[-1]), _global(global_scale, x.device))
+    return pack_fp4(codes.reshape(x.shape)), to_blocked(block_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+
+
+def token_scale_inv_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """Per-token inverse global scales [M] of x [..., K]: `max(amax_row, 1e-8) / (448 · 6)` (spec §7.5)."""
+    amax = torch.linalg.vector_norm(x.reshape(-1, x.shape[-1]), float("inf"), dim=-1, dtype=torch.float32)
+    return amax.clamp(min=1e-8) / amax.new_full((), FP8_E4M3_MAX * FP4_E2M1_MAX)
+
+
+def quantize_nvfp4_stacked(
+    m_sizes: torch.Tensor,
+    x: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    token_scale_inv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked NVFP4 reference: the rows of x [M, K] in segments of m_sizes rows, each quantized as NVFP4 with
+    its segment's global scale (global_scale [G]) or its own (1 / token_scale_inv [M]), or 1; scales in the
+    stacked blocked layout (to_blocked_stacked). Rows past sum(m_sizes) are quantized with scale 1 but
+    get no scales."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gs = torch.ones(x2.shape[0], device=x.device)
+    if global_scale is not None:
+        segment = row_segments(m_sizes, x2.shape[0])
+        gs = torch.cat([global_scale.float(), gs.new_ones(1)])[segment]
+    if token_scale_inv is not None:
+        gs = torch.ones_like(token_scale_inv) / token_scale_inv
+    codes, block_scale = _nvfp4_codes(x2, gs[:, None])
+    scale = to_blocked_stacked(block_scale.view(torch.uint8), m_sizes)
+    return pack_fp4(codes.reshape(x.shape)), scale.view(torch.float8_e4m3fn)
 
 
 def dequantize_nvfp4(
@@ -178,3 +247,30 @@ def dequantize_nvfp4(
     """fp32 values of packed NVFP4 [..., K/2] with plain e4m3 scales [..., K/16]: `e2m1 · s_b / gs`."""
     values = fp4_to_float(unpack_fp4(xq)).unflatten(-1, (-1, group_size))
     return (values * scale.float()[..., None] / _global(global_scale, xq.device)).flatten(-2)
+
+
+def unsigned_fp32_to_e8m0(tensor: torch.Tensor, mbits: int, scale_round_mode: str) -> torch.Tensor:
+    """E8M0 values `2^(e − 127)` (fp32, not the byte) of non-negative fp32 values, the biased exponent e
+    rounded on the fp32 bits (spec Q-17): "even" rounds to mbits + 1 significant bits (ties up) and floors,
+    "ceil" and "floor" round log2, "nv_round" goes up when any mantissa bit is set below the top exponent 254
+    (and for subnormals above half of 2^-126). The sign bit is ignored; inf gives inf."""
+    if scale_round_mode == "even":
+        to_add = (1 << (23 - mbits - 1)) - 1
+    elif scale_round_mode == "ceil":
+        to_add = (1 << 23) - 1
+    elif scale_round_mode in ("floor", "nv_round"):
+        to_add = 0
+    else:
+        raise ValueError(
+            f"unsigned_fp32_to_e8m0: scale_round_mode must be 'even', 'ceil', 'floor' or 'nv_round', "
+            f"got {scale_round_mode!r}"
+        )
+    bits = tensor.float().view(torch.int32)
+    e = ((bits + to_add) >> 23) & 0xFF
+    if scale_round_mode == "nv_round":
+        mantissa = bits & 0x7FFFFF
+        subnormal = (e == 0) & (mantissa != 0)
+        up = (~subnormal & (e < 254) & (mantissa > 0)) | (subnormal & (mantissa > 1 << 22))
+        e = e + up.to(torch.int32)
+    # 2^(e-127) built from its bits (exact on every device): e << 23, except 2^-127, a subnormal; 255 is inf.
+    return torch.where(e == 0, 1 << 22, e << 23).to(torch.int32).view(torch.float32)
