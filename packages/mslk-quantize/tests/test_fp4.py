@@ -334,7 +334,7 @@ def test_stacked_compile_and_export():
             return fp4.quantize_mx4_stacked(m_sizes, x), fp4.nvfp4_quantize_stacked_with_token_scale(m_sizes, x)
 
     args = (torch.tensor([3, 0, 5]), testing.randn(8, 64, dtype=torch.bfloat16))
-    (q, s), (_, ns, inv) = torch.compile(Quantize(), fullgraph=True, backend="aot_eager")(*args)
+    (q, s), (_, ns, _inv) = torch.compile(Quantize(), fullgraph=True, backend="aot_eager")(*args)
     assert q.shape == (8, 32) and s.shape == ((8 + 3 * 127) * 4,) and ns.shape == ((8 + 3 * 127) * 4,)
     graph = str(torch.export.export(Quantize(), args).graph)
     assert "mslk.quantize_mx4_stacked" in graph and "mslk.quantize_nvfp4_stacked" in graph

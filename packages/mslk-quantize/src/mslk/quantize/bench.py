@@ -8,12 +8,13 @@ small, launch-bound ones (1-256 rows) under CUDA graphs, as DESIGN.md §5 says.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 
-from mslk.core import arch, bench
+from mslk.core import arch, bench, formats
 from mslk.quantize import reference
 from mslk.quantize.triton import fp4_quantize as fp4
 from mslk.quantize.triton import fp4_utils
@@ -102,4 +103,50 @@ _register(
     lambda x: fp4.triton_quantize_nvfp4(x, None),
     lambda x: fp4_utils.quantize_nvfp4(x, None),
     lambda m, k: m * k / 2 + m * k / 16,
+)
+
+
+@functools.cache
+def _experts(m: int, device: torch.device) -> torch.Tensor:
+    """m_sizes of 8 ragged experts over m rows (the stacked MoE activations of the stacked benches)."""
+    weights = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6], dtype=torch.float64)
+    sizes = (weights / weights.sum() * m).floor().long()
+    sizes[-1] += m - sizes.sum()
+    return sizes.to(device)
+
+
+def _stacked_scale_bytes(m: int, k: int, block: int) -> float:
+    return math.prod(formats.stacked_swizzled_scale_shape(m, 8, k // block))
+
+
+_register(
+    "quantize_mx4_stacked",
+    "mslk::quantize_mx4_stacked",
+    lambda x: fp4.quantize_mx4_stacked(_experts(x.shape[0], x.device), x),
+    lambda x: fp4._mx4_stacked_reference(_experts(x.shape[0], x.device), x),
+    lambda m, k: m * k / 2 + _stacked_scale_bytes(m, k, 32),
+)
+
+
+def _nvfp4_stacked(quantize: Callable, x: torch.Tensor):
+    """NVFP4 of stacked activations as MoE layers call it: per-expert global scales, then the quantizer."""
+    m_sizes = _experts(x.shape[0], x.device)
+    return quantize(m_sizes, x, fp4.calculate_group_max(x, m_sizes)[0])
+
+
+_register(
+    "quantize_nvfp4_stacked",
+    "mslk::quantize_nvfp4_stacked",
+    lambda x: _nvfp4_stacked(fp4.nvfp4_quantize_stacked, x),
+    lambda x: _nvfp4_stacked(fp4_utils.quantize_nvfp4_stacked, x),
+    lambda m, k: m * k / 2 + _stacked_scale_bytes(m, k, 16),
+)
+_register(
+    "quantize_nvfp4_stacked_token_scale",
+    "mslk::quantize_nvfp4_stacked",
+    lambda x: fp4.nvfp4_quantize_stacked_with_token_scale(_experts(x.shape[0], x.device), x),
+    lambda x: fp4_utils.quantize_nvfp4_stacked(
+        _experts(x.shape[0], x.device), x, None, fp4_utils.token_scale_inv_nvfp4(x)
+    ),
+    lambda m, k: m * k / 2 + _stacked_scale_bytes(m, k, 16) + 4 * m,
 )
