@@ -41,7 +41,7 @@ def quantize_fp8_row(
     `align_rows_to`. Returns (xq [..., K'], scale fp32 [...])."""
     if zero_start_index_M is not None:
         a = jagged_rows_zeroed(a, zero_start_index_M)
-    xq, scale = _fp8_quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], fp8_dtype)
+    xq, scale = _quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], fp8_dtype)
     k = a.shape[-1]
     padded_k = -(-k // align_rows_to) * align_rows_to if align_rows_to else k
     if padded_k != k:
@@ -54,15 +54,24 @@ def dequantize_fp8_row(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (xq.float() * scale.float()[..., None]).to(torch.bfloat16)
 
 
-def _fp8_quantize_with_amax(
-    x: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`clamp(x · FP8_MAX / amax, ±FP8_MAX)` as FP8 and the dequantization scale `amax / FP8_MAX`;
-    `amax` broadcasts against `x`. FP8_MAX is a tensor so that both divisions are IEEE-rounded: torch computes
-    `number / tensor` as reciprocal times number, and CUDA divides by a CPU scalar through its reciprocal."""
-    fp8_max = amax.new_full((), torch.finfo(fp8_dtype).max)
-    xq = (x.float() * (fp8_max / amax)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return xq, amax / fp8_max
+def _quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clamp(x · QMAX / amax, ±QMAX)` as `dtype` (an FP8 type, QMAX its max; or int8, QMAX 127, rounded half
+    to even, NaN to 0) and the dequantization scale `amax / QMAX`; `amax` broadcasts against `x`. QMAX is a
+    tensor so that both divisions are IEEE-rounded: torch computes `number / tensor` as reciprocal times
+    number, and CUDA divides by a CPU scalar through its reciprocal."""
+    integer = dtype == torch.int8
+    qmax = amax.new_full((), torch.iinfo(dtype).max if integer else torch.finfo(dtype).max)
+    q = (x.float() * (qmax / amax)).clamp(-qmax, qmax)
+    if integer:
+        q = q.round().nan_to_num(nan=0.0)
+    return q.to(dtype), amax / qmax
+
+
+def quantize_int8_row(a: torch.Tensor, scale_ub: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise symmetric INT8: per row `amax = clamp(max|a|, eps, scale_ub)`, `scale = amax / 127`,
+    `xq = round_half_even(clamp(a · (127 / amax), ±127))` (a NaN element gives 0, its row a NaN scale)."""
+    xq, scale = _quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], torch.int8)
+    return xq, scale[..., 0]
 
 
 def _bounded(amax: torch.Tensor, eps: float, scale_ub: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +101,7 @@ def quantize_fp8_block(
     padded[:m, :k] = x2.float()
     tiles = padded.view(mb, block_m, kb, block_k)
     amax = _bounded(tiles.abs().amax(dim=(1, 3)), eps, scale_ub)
-    xq, scale = _fp8_quantize_with_amax(tiles, amax[:, None, :, None], fp8_dtype)
+    xq, scale = _quantize_with_amax(tiles, amax[:, None, :, None], fp8_dtype)
     xq = xq.view(mb * block_m, kb * block_k)[:m, :k].contiguous().view(x.shape)
     scale = scale.reshape(mb, kb)
     return xq, scale if k_major else scale.t().contiguous()
@@ -101,7 +110,7 @@ def quantize_fp8_block(
 def quantize_fp8_tensor(a: torch.Tensor, eps: float, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Tensorwise FP8: `amax = max(max|a|, eps)`, one 0-dim fp32 scale `amax / FP8_MAX`."""
     amax = a.abs().amax().float() if a.numel() else torch.zeros((), device=a.device)
-    return _fp8_quantize_with_amax(a, _bounded(amax, eps, None), fp8_dtype)
+    return _quantize_with_amax(a, _bounded(amax, eps, None), fp8_dtype)
 
 
 def m_major_group_scales(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,18 @@ def check_float_input(where: str, name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{where}: {name} must be float32, float16 or bfloat16, got {x.dtype}")
 
 
+def check_scale_ub(where: str, scale_ub: torch.Tensor | None, x: torch.Tensor) -> None:
+    if scale_ub is None:
+        return
+    if scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
+        raise ValueError(
+            f"{where}: scale_ub must be one float32 value (an upper bound on amax), "
+            f"got shape {tuple(scale_ub.shape)} {scale_ub.dtype}"
+        )
+    if scale_ub.device != x.device:
+        raise ValueError(f"{where}: scale_ub is on {scale_ub.device}, the input is on {x.device}")
+
+
 @triton.jit
 def max_nan(a, b):
     # NaN-propagating max: a block holding NaN gets a NaN scale instead of silently dropping the NaN.

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from mslk.core import arch, formats, registry, testing
 from mslk.quantize import reference
-from mslk.quantize.triton.common import check_float_input, max_nan, to_output_device
+from mslk.quantize.triton.common import check_float_input, check_scale_ub, max_nan, to_output_device
 
 # Rows up to this many elements are quantized from registers in one pass; longer rows are read twice
 # (amax pass, then quantize pass, the second mostly from L2). On the H200 a 16384-wide single pass ran at
@@ -31,18 +31,6 @@ def _padded_k(k: int, align_rows_to: int | None) -> int:
 
 def _eps(eps_opt: float | None) -> float:
     return arch.FP8_EPS if eps_opt is None else eps_opt
-
-
-def _check_scale_ub(where: str, scale_ub: torch.Tensor | None, x: torch.Tensor) -> None:
-    if scale_ub is None:
-        return
-    if scale_ub.numel() != 1 or scale_ub.dtype != torch.float32:
-        raise ValueError(
-            f"{where}: scale_ub must be one float32 value (an upper bound on amax), "
-            f"got shape {tuple(scale_ub.shape)} {scale_ub.dtype}"
-        )
-    if scale_ub.device != x.device:
-        raise ValueError(f"{where}: scale_ub is on {scale_ub.device}, the input is on {x.device}")
 
 
 class RowArgs(NamedTuple):
@@ -64,7 +52,7 @@ def _validate_row(*args, **kwargs):
     check_float_input(where, "a", a)
     if not 1 <= a.dim() <= 4:
         raise ValueError(f"{where}: a must have 1 to 4 dimensions, got shape {tuple(a.shape)}")
-    _check_scale_ub(where, scale_ub, a)
+    check_scale_ub(where, scale_ub, a)
     if zero_start_index_M is not None:
         matrices = math.prod(a.shape[:-2])
         if a.dim() < 2 or zero_start_index_M.dtype.is_floating_point or zero_start_index_M.numel() != matrices:
@@ -122,12 +110,23 @@ quantize_fp8_row_op = registry.Op(
 
 
 @triton.jit
-def _quantize_fp8_row_kernel(
+def _to_levels(x, factor, QMAX: tl.constexpr):
+    """x · factor clamped to ±QMAX, NaN kept, ready for the cast to xq's dtype: for an integer xq (int8) rounded
+    half to even (adding 1.5 · 2^23 rounds to an integer below 2^22) and NaN made 0."""
+    q = tl.clamp(x * factor, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
+    if QMAX == 127.0:
+        q = tl.where(q == q, (q + 12582912.0) - 12582912.0, 0.0)
+    return q
+
+
+@triton.jit
+def _quantize_row_kernel(
     a_ptr, xq_ptr, scale_ptr, scale_ub_ptr, counts_ptr,
     n_rows, K, K_OUT, rows_per_matrix, stride_a_row, stride_a_k, stride_xq_row, eps,
-    FP8_MAX: tl.constexpr, HAS_UB: tl.constexpr, JAGGED: tl.constexpr,
+    QMAX: tl.constexpr, HAS_UB: tl.constexpr, JAGGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):  # fmt: skip
+    """Rowwise quantization to FP8 (QMAX = FP8_MAX) or INT8 (QMAX = 127), the dtype of xq."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     in_range = rows < n_rows
     readable = in_range
@@ -150,18 +149,16 @@ def _quantize_fp8_row_kernel(
     if HAS_UB:
         amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
     # IEEE-rounded divisions (Triton's `/` is approximate on GPUs), so the results equal the reference's.
-    factor = tl.div_rn(FP8_MAX, amax)[:, None]  # [BLOCK_M, 1]
-    tl.store(scale_ptr + rows, tl.div_rn(amax, FP8_MAX), mask=in_range)
+    factor = tl.div_rn(QMAX, amax)[:, None]  # [BLOCK_M, 1]
+    tl.store(scale_ptr + rows, tl.div_rn(amax, QMAX), mask=in_range)
 
     if SINGLE_PASS:
-        q = tl.clamp(x * factor, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.where(cols < K, q, 0.0)  # alignment padding is zero even in a NaN row
+        q = tl.where(cols < K, _to_levels(x, factor, QMAX), 0.0)  # alignment padding is zero even in a NaN row
         tl.store(xq_rows + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (cols < K_OUT))
     else:
         for k0 in range(0, K_OUT, BLOCK_K):
             x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
-            q = tl.clamp(x.to(tl.float32) * factor, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.where(k0 + cols < K, q, 0.0)
+            q = tl.where(k0 + cols < K, _to_levels(x.to(tl.float32), factor, QMAX), 0.0)
             tl.store(xq_rows + k0 + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (k0 + cols < K_OUT))
 
 
@@ -189,22 +186,28 @@ def triton_quantize_fp8_row(
     eps_opt=reference.FP8_ROW_EPS,
 ):
     """The Triton kernel behind quantize_fp8_row (spec Q-02); same arguments and results."""
+    xq, scale = run_row_kernel(
+        a, arch.fp8_dtype(a.device), scale_ub, zero_start_index_M, _padded_k(a.shape[-1], align_rows_to), _eps(eps_opt)
+    )
+    return to_output_device(output_device, xq, scale)
+
+
+def run_row_kernel(a, dtype, scale_ub, zero_start_index_M, k_out, eps):
+    """Rowwise quantization of a [..., K] to `dtype` (the platform FP8 or int8): (xq [..., k_out], scale)."""
     k = a.shape[-1]
-    k_out = _padded_k(k, align_rows_to)
-    fp8 = arch.fp8_dtype(a.device)
     rows = a.reshape(math.prod(a.shape[:-1]), k)  # a view whenever the strides allow it
-    xq = torch.empty((*a.shape[:-1], k_out), dtype=fp8, device=a.device)
+    xq = torch.empty((*a.shape[:-1], k_out), dtype=dtype, device=a.device)
     scale = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
     n_rows = rows.shape[0]
     if n_rows:
         config = _row_launch_config(k_out)
-        _quantize_fp8_row_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
+        qmax = float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
+        _quantize_row_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
             rows, xq, scale, scale_ub, zero_start_index_M,
             n_rows, k, k_out, a.shape[-2] if a.dim() > 1 else 1, rows.stride(0), rows.stride(1), k_out,
-            _eps(eps_opt), FP8_MAX=torch.finfo(fp8).max, HAS_UB=scale_ub is not None,
-            JAGGED=zero_start_index_M is not None, **config,
+            eps, QMAX=qmax, HAS_UB=scale_ub is not None, JAGGED=zero_start_index_M is not None, **config,
         )  # fmt: skip
-    return to_output_device(output_device, xq, scale)
+    return xq, scale
 
 
 def quantize_fp8_row(
@@ -258,7 +261,7 @@ def _validate_block(*args, **kwargs):
         raise ValueError(f"{where}: x must have at least one dimension, got a 0-dim tensor")
     if block_m < 1 or block_k < 1:
         raise ValueError(f"{where}: block_m and block_k must be positive, got {block_m} x {block_k}")
-    _check_scale_ub(where, scale_ub, x)
+    check_scale_ub(where, scale_ub, x)
 
 
 def _block_reference(*args, **kwargs):
