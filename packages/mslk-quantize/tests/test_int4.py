@@ -1,4 +1,4 @@
-"""INT4 helpers (spec Q-18, Q-19, Q-20): plain PyTorch, so tier T0 covers them on every device."""
+"""INT4 helpers (spec Q-18..Q-21, G-32): plain PyTorch, so tier T0 covers them on every device."""
 
 import pytest
 import torch
@@ -6,7 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mslk.core import testing
+from mslk.quantize import shuffle
 from mslk.quantize.shuffle import int4_row_quantize, int4_row_quantize_zp, pack_int4, unpack_int4
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _per_element(s: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
@@ -66,8 +69,83 @@ def test_pack_nibble_order_and_round_trip():
         (lambda: int4_row_quantize(torch.zeros(2, 4, dtype=torch.int32)), "floating-point"),
         (lambda: int4_row_quantize_zp(torch.zeros(2, 3, 4)), "2-D"),
         (lambda: int4_row_quantize(torch.zeros(2, 4), 0), "group_size must be positive"),
+        (lambda: shuffle.preshuffle_i4(torch.zeros(4, 96, dtype=torch.int8), torch.ones(1, 4)), "multiple of 128"),
+        (
+            lambda: shuffle.preshuffle_i4(torch.zeros(4, 64, dtype=torch.int8), torch.ones(1, 4)),
+            "float8_e4m3fn .* or bfloat16",
+        ),
+        (
+            lambda: shuffle.preshuffle_i4(torch.zeros(4, 64, dtype=torch.int8), torch.ones(1, 5, dtype=torch.bfloat16)),
+            r"\[\.\.\., K/group_size, N\]",
+        ),
+        (lambda: shuffle.quantize_int4_preshuffle(torch.ones(4, 192)), "multiple of 128"),
+        (lambda: shuffle.quantize_int4_preshuffle(torch.ones(4, 384), 256), "multiple of the group size 256"),
+        (lambda: shuffle.quantize_int4_preshuffle(torch.ones(4, 128), dtype="int8"), 'dtype must be "fp8" or "bf16"'),
     ],
 )
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_preshuffled_layout():
+    q = torch.randint(-8, 8, (3, 5, 384), dtype=torch.int8)
+    scale = torch.rand(3, 3, 5).to(torch.bfloat16)
+    wq, same = shuffle.preshuffle_i4(pack_int4(q), scale)
+    assert wq.shape == (3, 5, 192) and wq.dtype == torch.int8
+    assert torch.equal(same, scale) and same.data_ptr() != scale.data_ptr(), "scales come back as a copy"
+    # Byte j of run r: low nibble k = 128 r + j, high nibble k = 128 r + 64 + j.
+    nibbles = wq.view(torch.uint8)
+    for r, j in [(0, 0), (0, 63), (1, 5), (2, 40)]:
+        byte = nibbles[1, 2, 64 * r + j].item()
+        assert (byte & 0xF) == q[1, 2, 128 * r + j].item() & 0xF
+        assert (byte >> 4) == q[1, 2, 128 * r + 64 + j].item() & 0xF
+    assert torch.equal(shuffle.unshuffle_i4(wq), q)
+    assert torch.equal(shuffle.unshuffle_i4(wq[:, 1:3]), q[:, 1:3]), "slicing N keeps the layout"
+
+
+def test_preshuffle_fp8_scale_table():
+    scale = (torch.rand(2, 6) * 4).to(torch.float8_e4m3fn)
+    _, table = shuffle.preshuffle_i4(torch.zeros(6, 64, dtype=torch.int8), scale)
+    assert table.shape == (2, 8, 6) and table.dtype == torch.float8_e4m3fn
+    assert torch.equal(table[:, 0].float(), scale.float())
+    for m in range(1, 9):
+        assert torch.equal(table[:, m - 1], (scale.float() * m).to(torch.float8_e4m3fn))
+
+
+def _per_k(scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., K/gs, N] -> [..., N, K]."""
+    return scale.float().repeat_interleave(group_size, dim=-2).transpose(-1, -2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "group_size"), [((16, 256), 256), ((2, 24, 128), 32), ((3, 1, 8, 384), 128)], ids=str
+)
+def test_quantize_int4_preshuffle_fp8(shape, group_size):
+    w = testing.randn(*shape, dtype=torch.bfloat16, device=DEVICE, std=0.05)
+    wq, (table, row_scale) = shuffle.quantize_int4_preshuffle(w, group_size, "fp8")
+    n, k = shape[-2:]
+    assert wq.shape == (*shape[:-1], k // 2) and row_scale.shape == shape[:-1]
+    assert table.shape == (*shape[:-2], k // group_size, 8, n)
+    group_scale = _per_k(table[..., 0, :], group_size) * row_scale[..., None]
+    back = shuffle.unshuffle_i4(wq).float() * group_scale
+    # One int4 step at most (half a step of rounding, a step where +8 clamps to 7), plus FP8's rounding.
+    assert ((back - w.float()).abs() <= group_scale + w.float().abs() * 2**-4).all()
+    # Batched weights are quantized matrix by matrix.
+    first = shuffle.quantize_int4_preshuffle(w.reshape(-1, n, k)[0], group_size, "fp8")
+    assert torch.equal(first[0], wq.reshape(-1, n, k // 2)[0])
+
+
+@pytest.mark.parametrize("use_zp", [True, False])
+@pytest.mark.parametrize("shape", [(16, 256), (2, 24, 128)], ids=str)
+def test_quantize_int4_preshuffle_bf16(shape, use_zp):
+    w = testing.randn(*shape, device=DEVICE, std=0.05)
+    wq, (scale, zero) = shuffle.quantize_int4_preshuffle(w, 64, "bf16", use_zp)
+    assert scale.dtype == zero.dtype == torch.bfloat16 and scale.shape == (*shape[:-2], shape[-1] // 64, shape[-2])
+    assert use_zp or (zero == 0).all()
+    step = _per_k(scale, 64)
+    back = shuffle.unshuffle_i4(wq).float() * step + _per_k(zero, 64)
+    # q is computed against the stored bf16 scale and zero: within half a step. Symmetric: up to a step where
+    # +8 clamps to 7, and 8 · 2^-8 more as the bf16 scale may round below amax / 8.
+    bound = step / 2 * 1.001 if use_zp else step * 1.04
+    assert ((back - w).abs() <= bound + 1e-6).all()

@@ -7,7 +7,8 @@ As in the reference library, the functions are imported by full path
 """
 
 from mslk.quantize import bench as _bench  # noqa: F401  (registers the bench specs)
-from mslk.quantize.triton import fp4_quantize as _fp4_quantize  # noqa: F401  (registers the ops)
+from mslk.quantize import shuffle as _shuffle  # noqa: F401  (registers the ops)
+from mslk.quantize.triton import fp4_quantize as _fp4_quantize  # noqa: F401
 from mslk.quantize.triton import fp8_quantize as _fp8_quantize  # noqa: F401
 from mslk.quantize.triton import int8_quantize as _int8_quantize  # noqa: F401
 from mslk.quantize.triton import nvfp4_fake_quantize as _nvfp4_fake_quantize  # noqa: F401

@@ -1,16 +1,29 @@
-"""INT4 weight quantization and packing (spec Q-18, Q-19, Q-20; formats §7.4), in plain PyTorch.
+"""INT4 weight quantization, packing and the preshuffled layout (spec Q-18..Q-21, G-32; formats §7.4).
 
 Weights w [N, K] are quantized per group of `group_size` elements along K (the last group may be shorter
 when K is not a multiple) into signed 4-bit values in [-8, 7]; the scales (and zero points) come
 transposed, [⌈K/gs⌉, N] contiguous, as the INT4 GEMMs read them.
+
+The preshuffled layout (MSLK's, made for its Triton INT4 GEMMs; `preshuffle_i4` produces it):
+int8 [..., N, K/2] like pack_int4's output, with K a multiple of 128. Row n holds row n's weights, so slicing
+N (tensor-parallel sharding) keeps it valid. Within each run of 128 consecutive k (64 bytes of the row), byte
+j holds k = j in its low nibble and k = j + 64 in its high nibble (two's-complement nibbles). A GEMM loads
+[BLOCK_N, 64] bytes per 128 k and gets the halves [k, k+64) and [k+64, k+128) with two shifts,
+`(b << 4) >> 4` and `b >> 4`, then runs one dot per half: no register shuffles to interleave nibbles.
+(The reference library's layout is CUTLASS's; its values are not interchangeable with this one.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from mslk.core import registry, testing
+from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
+
 # Smallest scale: a group of equal values (or zeros) must not divide by zero.
 MIN_INT4_SCALE = 1e-6
+# k per preshuffled run: byte j of a run holds k = j and k = j + PRESHUFFLE_RUN / 2.
+PRESHUFFLE_RUN = 128
 
 
 def _check(where: str, x: torch.Tensor, group_size: int) -> None:
@@ -34,29 +47,44 @@ def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return padded.view(n, g, group_size)
 
 
-def int4_row_quantize_zp(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stored(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scales or zeros as they will be stored (rounded to `dtype`), back in fp32, so that q is computed
+    against the stored values."""
+    return values.to(dtype).float()
+
+
+def int4_row_quantize_zp(
+    x: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric INT4: per group `scale = max((max − min) / 15, 1e-6)`, `q = clamp(round((x − min) / scale),
-    0, 15) − 8`, `zero = min + 8 · scale`, so `x ≈ q · scale + zero`. Returns (q int8 [N, K], scales fp32
-    [⌈K/gs⌉, N], zeros fp32 [⌈K/gs⌉, N])."""
+    0, 15) − 8`, `zero = min + 8 · scale`, so `x ≈ q · scale + zero`. Returns (q int8 [N, K], scales
+    [⌈K/gs⌉, N], zeros [⌈K/gs⌉, N]) in `scale_dtype`; when that is not fp32, scale and zero are rounded to
+    it first and q computed against them (min replaced by zero − 8 · scale)."""
     _check("int4_row_quantize_zp", x, group_size)
     n, k = x.shape
     groups = _groups(x, group_size)
     lo, hi = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=MIN_INT4_SCALE)
+    scale = _stored(((hi - lo) / 15).clamp(min=MIN_INT4_SCALE), scale_dtype)
+    zero = _stored(lo + 8 * scale, scale_dtype)
+    if scale_dtype != torch.float32:
+        lo = zero - 8 * scale
     q = (torch.round((groups - lo) / scale).clamp(0, 15) - 8).to(torch.int8).view(n, -1)[:, :k]
-    zero = lo + 8 * scale
-    return q.contiguous(), scale[..., 0].t().contiguous(), zero[..., 0].t().contiguous()
+    return q.contiguous(), *(t[..., 0].t().contiguous().to(scale_dtype) for t in (scale, zero))
 
 
-def int4_row_quantize(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT4: per group `scale = max(amax / 8, 1e-6)`, `q = clamp(round(x / scale), −8, 7)`, so
-    `x ≈ q · scale`. Returns (q int8 [N, K], scales fp32 [⌈K/gs⌉, N])."""
+def int4_row_quantize(
+    x: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4: per group `scale = max(amax / 8, 1e-6)` rounded to `scale_dtype` (at least 2^-9 for
+    float8_e4m3fn, whose smallest step that is), `q = clamp(round(x / scale), −8, 7)`, so `x ≈ q · scale`.
+    Returns (q int8 [N, K], scales [⌈K/gs⌉, N] in `scale_dtype`)."""
     _check("int4_row_quantize", x, group_size)
     n, k = x.shape
     groups = _groups(x, group_size)
-    scale = (groups.abs().amax(dim=-1, keepdim=True) / 8).clamp(min=MIN_INT4_SCALE)
+    floor = 2.0**-9 if scale_dtype == torch.float8_e4m3fn else MIN_INT4_SCALE
+    scale = _stored((groups.abs().amax(dim=-1, keepdim=True) / 8).clamp(min=floor), scale_dtype)
     q = torch.round(groups / scale).clamp(-8, 7).to(torch.int8).view(n, -1)[:, :k]
-    return q.contiguous(), scale[..., 0].t().contiguous()
+    return q.contiguous(), scale[..., 0].t().contiguous().to(scale_dtype)
 
 
 def pack_int4(x: torch.Tensor) -> torch.Tensor:
@@ -71,3 +99,116 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: int8 [..., K/2] -> int8 [..., K] in [-8, 7] (`signed = (nibble ^ 8) − 8`)."""
     nibbles = torch.stack((packed & 0xF, (packed >> 4) & 0xF), dim=-1).flatten(-2)
     return (nibbles ^ 8) - 8
+
+
+def _check_preshuffle(wq: torch.Tensor, where: str = "preshuffle_i4") -> None:
+    if wq.dtype != torch.int8 or wq.dim() < 2 or (2 * wq.shape[-1]) % PRESHUFFLE_RUN:
+        raise ValueError(
+            f"{where}: expected packed int4 weights int8 [..., N, K/2] (pack_int4) with K a multiple of "
+            f"{PRESHUFFLE_RUN}, got shape {tuple(wq.shape)} {wq.dtype}"
+        )
+
+
+def _validate_preshuffle(wq, w_scale):
+    _check_preshuffle(wq)
+    groups_ok = w_scale.dim() == wq.dim() and w_scale.shape[-1] == wq.shape[-2] and w_scale.shape[:-2] == wq.shape[:-2]
+    if w_scale.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or not groups_ok:
+        raise ValueError(
+            "preshuffle_i4: w_scale must be the group scales [..., K/group_size, N] in float8_e4m3fn (FP8 "
+            f"activations) or bfloat16 (BF16 activations) for wq {tuple(wq.shape)}, got shape "
+            f"{tuple(w_scale.shape)} {w_scale.dtype}"
+        )
+
+
+def _preshuffle_reference(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = PRESHUFFLE_RUN // 2
+    q = unpack_int4(wq).unflatten(-1, (-1, 2, half))  # [..., N, K/128, (low k, high k), 64]
+    shuffled = ((q[..., 0, :] & 0xF) | (q[..., 1, :] << 4)).flatten(-2)
+    if w_scale.dtype == torch.bfloat16:
+        return shuffled, w_scale.clone()  # a new tensor: an op's outputs must not alias its inputs
+    magnitudes = torch.arange(1, 9, dtype=torch.float32, device=w_scale.device)
+    lut = (w_scale.float().unsqueeze(-2) * magnitudes[:, None]).to(torch.float8_e4m3fn)  # [..., K/gs, 8, N]
+    return shuffled, lut
+
+
+def _preshuffle_fake(wq, w_scale):
+    lut = w_scale.new_empty((*w_scale.shape[:-1], 8, w_scale.shape[-1]))
+    return torch.empty_like(wq), w_scale.new_empty(w_scale.shape) if w_scale.dtype == torch.bfloat16 else lut
+
+
+def _preshuffle_samples(device):
+    q = torch.randint(-8, 8, (2, 3, 256), dtype=torch.int8, device=device)
+    scale = testing.randn(2, 2, 3, device=device).abs()
+    yield registry.Sample((pack_int4(q), scale.to(torch.bfloat16)))
+    yield registry.Sample((pack_int4(q[0]), scale[0].to(torch.float8_e4m3fn)))
+
+
+preshuffle_i4_op = registry.Op(
+    "mslk::preshuffle_i4(Tensor WQ, Tensor w_scale) -> (Tensor, Tensor)",
+    domain="quantize",
+    reference=_preshuffle_reference,
+    fake=_preshuffle_fake,
+    samples=_preshuffle_samples,
+    validate=_validate_preshuffle,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def preshuffle_i4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 weights [..., N, K/2] (pack_int4) -> (the preshuffled layout of this module's docstring, a
+    new tensor; the scales as the shuffled GEMMs take them): bfloat16 group scales [..., K/gs, N] come back
+    as they are (a copy); float8_e4m3fn ones as the 8-entry table [..., K/gs, 8, N] of e4m3(m · scale) for
+    m = 1..8, the magnitudes of q · scale (entry 0 is the scale itself). Spec G-32, without the reference's
+    in-place aliasing."""
+    return torch.ops.mslk.preshuffle_i4(wq, w_scale)
+
+
+def unshuffle_i4(wq: torch.Tensor) -> torch.Tensor:
+    """The int4 values int8 [..., N, K] in [-8, 7] of preshuffled weights [..., N, K/2] (inverse layout)."""
+    _check_preshuffle(wq, "unshuffle_i4")
+    low, high = (wq << 4) >> 4, wq >> 4  # arithmetic shifts sign-extend each nibble
+    return torch.stack((low.unflatten(-1, (-1, PRESHUFFLE_RUN // 2)), high.unflatten(-1, (-1, 64))), -2).flatten(-3)
+
+
+def quantize_int4_preshuffle(
+    w: torch.Tensor, group_size: int = 128, dtype: str = "fp8", use_zp: bool = True
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """INT4 weights for the shuffled GEMMs (spec Q-21): w [..., N, K] (K a multiple of 128) ->
+    (preshuffled int8 [..., N, K/2], scales):
+
+    - dtype="fp8" (for f8i4bf16_shuffled): w -> rowwise FP8 (row_scale fp32 [..., N]) -> symmetric int4 of the
+      FP8 values per group, against e4m3 group scales; returns (wq, (the e4m3 table [..., K/gs, 8, N] of
+      preshuffle_i4, row_scale)), so `w ≈ q · group_scale · row_scale`.
+    - dtype="bf16" (for bf16i4bf16_shuffled): asymmetric int4 with bf16 scale and zero [..., K/gs, N] (zero = 0
+      and symmetric int4 when use_zp=False), so `w ≈ q · scale + zero`; returns (wq, (scale, zero)).
+    """
+    if dtype not in ("fp8", "bf16"):
+        raise ValueError(f'quantize_int4_preshuffle: dtype must be "fp8" or "bf16", got {dtype!r}')
+    if not w.dtype.is_floating_point or w.dim() < 2 or w.shape[-1] % PRESHUFFLE_RUN:
+        raise ValueError(
+            f"quantize_int4_preshuffle: w must be floating-point [..., N, K] with K a multiple of "
+            f"{PRESHUFFLE_RUN}, got shape {tuple(w.shape)} {w.dtype}"
+        )
+    if group_size < 1 or w.shape[-1] % group_size:
+        raise ValueError(
+            f"quantize_int4_preshuffle: K must be a multiple of the group size {group_size} (the shuffled GEMMs "
+            f"take whole groups), got shape {tuple(w.shape)}"
+        )
+    lead, (n, k) = w.shape[:-2], w.shape[-2:]
+    rows = w.reshape(-1, k)
+
+    def per_matrix(scale: torch.Tensor) -> torch.Tensor:  # [K/gs, B·N] -> [..., K/gs, N]
+        return scale.unflatten(1, (-1, n)).movedim(1, 0).reshape(*lead, -1, n)
+
+    if dtype == "fp8":
+        w_fp8, row_scale = quantize_fp8_row(rows)
+        q, group_scale = int4_row_quantize(w_fp8.float(), group_size, torch.float8_e4m3fn)
+        wq, table = preshuffle_i4(pack_int4(q).reshape(*lead, n, k // 2), per_matrix(group_scale))
+        return wq, (table, row_scale.reshape(*lead, n))
+    if use_zp:
+        q, scale, zero = int4_row_quantize_zp(rows, group_size, torch.bfloat16)
+    else:
+        q, scale = int4_row_quantize(rows, group_size, torch.bfloat16)
+        zero = torch.zeros_like(scale)
+    wq, scale = preshuffle_i4(pack_int4(q).reshape(*lead, n, k // 2), per_matrix(scale))
+    return wq, (scale, per_matrix(zero))
