@@ -14,11 +14,13 @@ import torch
 FP8_ROW_EPS = 1.0 / 512
 
 
-def row_amax(a: torch.Tensor) -> torch.Tensor:
-    """max |a| over the last dim in fp32, NaN-propagating; 0 for rows of length 0."""
-    if a.shape[-1] == 0:
-        return torch.zeros(a.shape[:-1], dtype=torch.float32, device=a.device)
-    return a.abs().amax(dim=-1).float()
+def abs_max(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |a| in fp32 over the last dim (dim=-1) or all elements (None), NaN-propagating, 0 where there is
+    nothing to reduce. One read of `a` (torch.aminmax): no |a| or fp32 copy of it."""
+    if a.numel() == 0:
+        return torch.zeros(() if dim is None else a.shape[:-1], dtype=torch.float32, device=a.device)
+    lo, hi = torch.aminmax(a) if dim is None else torch.aminmax(a, dim=dim)
+    return torch.maximum(-lo, hi).float()
 
 
 def jagged_rows_zeroed(a: torch.Tensor, zero_start_index_M: torch.Tensor) -> torch.Tensor:
@@ -41,7 +43,7 @@ def quantize_fp8_row(
     `align_rows_to`. Returns (xq [..., K'], scale fp32 [...])."""
     if zero_start_index_M is not None:
         a = jagged_rows_zeroed(a, zero_start_index_M)
-    xq, scale = _quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], fp8_dtype)
+    xq, scale = _quantize_with_amax(a, _bounded(abs_max(a, -1), eps, scale_ub)[..., None], fp8_dtype)
     k = a.shape[-1]
     padded_k = -(-k // align_rows_to) * align_rows_to if align_rows_to else k
     if padded_k != k:
@@ -70,7 +72,7 @@ def _quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype)
 def quantize_int8_row(a: torch.Tensor, scale_ub: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise symmetric INT8: per row `amax = clamp(max|a|, eps, scale_ub)`, `scale = amax / 127`,
     `xq = round_half_even(clamp(a · (127 / amax), ±127))` (a NaN element gives 0, its row a NaN scale)."""
-    xq, scale = _quantize_with_amax(a, _bounded(row_amax(a), eps, scale_ub)[..., None], torch.int8)
+    xq, scale = _quantize_with_amax(a, _bounded(abs_max(a, -1), eps, scale_ub)[..., None], torch.int8)
     return xq, scale[..., 0]
 
 
@@ -109,7 +111,7 @@ def quantize_fp8_block(
 
 def quantize_fp8_tensor(a: torch.Tensor, eps: float, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Tensorwise FP8: `amax = max(max|a|, eps)`, one 0-dim fp32 scale `amax / FP8_MAX`."""
-    amax = a.abs().amax().float() if a.numel() else torch.zeros((), device=a.device)
+    amax = abs_max(a)
     return _quantize_with_amax(a, _bounded(amax, eps, None), fp8_dtype)
 
 

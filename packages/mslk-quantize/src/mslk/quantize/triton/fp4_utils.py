@@ -12,6 +12,8 @@ from enum import IntEnum
 
 import torch
 
+from mslk.quantize.reference import abs_max
+
 FP4_E2M1_MAX = 6.0
 FP8_E4M3_MAX = 448.0
 FP4_EBITS, FP4_MBITS = 2, 1
@@ -98,16 +100,22 @@ def row_segments(m_sizes: torch.Tensor, rows: int) -> torch.Tensor:
 def to_blocked_stacked(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tensor:
     """[M, cols] scales of a stacked input -> the flat buffer of `mslk.core.formats.stacked_swizzled_scale_shape`:
     each segment's rows in the blocked layout (to_blocked) from a 128-row boundary; zeros elsewhere (and for
-    rows past sum(m_sizes))."""
+    rows past sum(m_sizes)). Index arithmetic on the device: no host sync, CUDA-graph safe."""
     rows, cols = scale.shape
-    padded_cols = math.ceil(cols / 4) * 4
-    out = scale.new_zeros((rows + 127 * m_sizes.numel()) * padded_cols)
-    start = padded_start = 0
-    for size in m_sizes.tolist():
-        block = to_blocked(scale[start : start + size])
-        out[padded_start * padded_cols : padded_start * padded_cols + block.numel()] = block
-        start, padded_start = start + size, padded_start + math.ceil(size / 128) * 128
-    return out
+    col_blocks = math.ceil(cols / 4)
+    sizes = m_sizes.to(device=scale.device, dtype=torch.int64)
+    padded = (sizes + 127) // 128 * 128
+    zero = sizes.new_zeros(1)  # start of the "segment" G of rows past the end
+    starts = torch.cat([torch.cumsum(sizes, 0) - sizes, zero])
+    padded_starts = torch.cat([torch.cumsum(padded, 0) - padded, zero])
+    segment = row_segments(sizes, rows)
+    r = (padded_starts[segment] + torch.arange(rows, device=scale.device) - starts[segment])[:, None]
+    c = torch.arange(cols, device=scale.device)[None, :]
+    offset = ((r // 128) * col_blocks + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    numel = (rows + 127 * sizes.numel()) * col_blocks * 4
+    offset = torch.where((segment < sizes.numel())[:, None], offset, numel)  # rows past the end: a dropped slot
+    out = scale.new_zeros(numel + 1)
+    return out.scatter_(0, offset.reshape(-1), scale.reshape(-1))[:numel]
 
 
 def from_blocked_stacked(flat: torch.Tensor, m_sizes: torch.Tensor, cols: int) -> torch.Tensor:
@@ -177,7 +185,7 @@ def dequantize_mx4(xq: torch.Tensor, scale: torch.Tensor, group_size: int = 32) 
 
 def global_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
     """NVFP4 global scale `448 · 6 / amax(x)` (fp32, one element); torchao's is its inverse."""
-    return (FP8_E4M3_MAX * FP4_E2M1_MAX / x.abs().amax().float()).reshape(1)
+    return (FP8_E4M3_MAX * FP4_E2M1_MAX / abs_max(x)).reshape(1)
 
 
 def scale_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16) -> torch.Tensor:
@@ -215,7 +223,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
 
 def token_scale_inv_nvfp4(x: torch.Tensor) -> torch.Tensor:
     """Per-token inverse global scales [M] of x [..., K]: `max(amax_row, 1e-8) / (448 · 6)` (spec §7.5)."""
-    amax = torch.linalg.vector_norm(x.reshape(-1, x.shape[-1]), float("inf"), dim=-1, dtype=torch.float32)
+    amax = abs_max(x.reshape(-1, x.shape[-1]), -1)
     return amax.clamp(min=1e-8) / amax.new_full((), FP8_E4M3_MAX * FP4_E2M1_MAX)
 
 

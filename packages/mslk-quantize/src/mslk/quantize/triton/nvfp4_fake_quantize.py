@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import registry, testing
+from mslk.quantize.reference import abs_max
 from mslk.quantize.triton import fp4_utils
 
 FLT_MIN = 1.175494350822287508e-38  # C's FLT_MIN, 2^-126: keeps 1 / unscale finite when t8 is 0
@@ -54,7 +55,7 @@ def _global_amax(x, static_scales=None, scale_ub=None) -> torch.Tensor:
     no host sync, CUDA-graph safe). Like the reference library, scale_ub does not bound static_scales."""
     if static_scales is not None:
         return static_scales.reshape(1).clone()  # a new tensor: an op's outputs must not alias its inputs
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+    amax = abs_max(x).reshape(1)
     if scale_ub is not None:
         amax = torch.minimum(amax, scale_ub.reshape(1).float())  # NaN-propagating, as torch.min
     return amax
@@ -189,5 +190,5 @@ def triton_fake_quantize_nvfp4_per_tensor(
 def cal_global_scale_mx4_as_nvfp4(x: torch.Tensor) -> torch.Tensor:
     """The NVFP4 global scale with which native NVFP4 mimics MXFP4 (spec Q-15): `256 / e8m0(amax(|x|) / 4)`,
     i.e. 448 / e8m0(amax / 4) floored to a power of two, the E8M0 value rounded "even" (fp32, 0-dim)."""
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    amax = abs_max(x)
     return 256.0 / fp4_utils.unsigned_fp32_to_e8m0(amax / 4.0, mbits=1, scale_round_mode="even")
