@@ -26,7 +26,7 @@ def test_e2m1_round_to_nearest_even_and_saturation():
     expect = [0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, 6.0, 6.0, -1.0, -6.0]
     assert u.fp4_to_float(u.e2m1_codes(values)).tolist() == expect
     special = u.e2m1_codes(torch.tensor([-0.0, -0.1, float("nan"), -float("inf")])).tolist()
-    assert special == [8, 8, 0, 15], "the sign bit goes to bit 3 (E2M1 -0 included), NaN gives 0"
+    assert special == [8, 8, 7, 15], "the sign bit goes to bit 3 (E2M1 -0 included), NaN saturates"
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(u.unpack_fp4(u.pack_fp4(codes)), codes)
     assert u.pack_fp4(torch.tensor([1, 2], dtype=torch.uint8)).item() == 0x21, "even element in the low nibble"

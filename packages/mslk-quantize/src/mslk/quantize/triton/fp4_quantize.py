@@ -94,27 +94,25 @@ quantize_mx4_op = registry.Op(
 
 @triton.jit
 def _e2m1_codes(v, STOCHASTIC: tl.constexpr, seed, offsets):
-    """E2M1 codes of fp32 values, the sign bit of v in bit 3: round-to-nearest-even saturating at 6 (NaN gives
-    a zero magnitude), or stochastic rounding (unbiased: up with probability of the distance to the lower code
-    over the step)."""
-    v_bits = v.to(tl.int32, bitcast=True)
-    a_bits = v_bits & 0x7FFFFFFF
-    a = a_bits.to(tl.float32, bitcast=True)
+    """E2M1 codes of fp32 values, the sign bit of v in bit 3: round to nearest even, saturating at 6 (NaN as
+    6), or stochastic rounding (unbiased: up with probability of the distance to the lower code over the
+    step)."""
+    a = tl.abs(v)
     if STOCHASTIC:
         step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
         a = a + tl.rand(seed, offsets) * step
         code = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
         code += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
+        code = tl.where(a == a, code, 7)
     else:
-        # Integer arithmetic on the fp32 bits (half the instructions of seven compares): from 1 up, an E2M1
-        # code is (exponent, one mantissa bit), so round the mantissa to one bit, ties to even, and read
-        # exponent and bit together; below 1 the step is 0.5, so round 2a to an integer by adding 1.5 * 2^23.
-        rounded = a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)
-        normal = tl.minimum((rounded >> 22) - 252, 7)  # 1.0 = 127 << 1 is code 2; saturate at 6.0
-        magic = 12582912.0  # 1.5 * 2^23: the fp32 spacing there is 1
-        small = tl.maximum(a * 2.0 + magic, magic).to(tl.int32, bitcast=True) - 0x4B400000  # NaN -> 0
-        code = tl.where(a >= 1.0, normal, small)
-    return code | ((v_bits >> 28) & 8)
+        # The code is round(2a) below 2, round(a) + 2 below 4 and round(a / 2) + 4 above, and each of the three
+        # is the smallest of them in its own range: so take the minimum (and 7). Adding 1.5 · 2^23 rounds to an
+        # integer, ties to even (the even code), and leaves it in the fp32's low bits: 6 instructions.
+        magic = 12582912.0
+        c = tl.minimum(tl.minimum(a * 2.0 + magic, a + (magic + 2.0)), a * 0.5 + (magic + 4.0))
+        c = tl.where(c < magic + 7.0, c, magic + 7.0)  # saturate; NaN too (the same in the interpreter)
+        code = c.to(tl.int32, bitcast=True) & 7
+    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
@@ -332,8 +330,7 @@ def _quantize_nvfp4_kernel(
     # encodes zeros (there x · gs / s_b would be 0/0 or saturate).
     denom = block_scale.to(tl.float32)
     factor = tl.where(denom == 0.0, 0.0, tl.div_rn(gs + tl.zeros_like(denom), tl.where(denom == 0.0, 1.0, denom)))
-    scaled = g * factor[:, :, None]
-    codes = _e2m1_codes(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), False, 0, 0)
+    codes = _e2m1_codes(tl.reshape(g * factor[:, :, None], [BLOCK_M, BLOCK_K]), False, 0, 0)
     _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
     groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
     offsets = _scale_offsets(scale_rows, groups, K // 16, True)

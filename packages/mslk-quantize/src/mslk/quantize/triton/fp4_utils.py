@@ -46,9 +46,9 @@ def get_mx4_exp_bias(ebits: int) -> int:
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """4-bit E2M1 codes (uint8) of fp32 values, round-to-nearest-even, saturating at ±6; bit 3 is the sign
-    bit of v (so -0.0 gives the E2M1 -0), NaN gives code 0."""
-    a = v.abs()
+    """4-bit E2M1 codes (uint8) of fp32 values, round-to-nearest-even, saturating at ±6; bit 3 is the sign bit
+    of v (so -0.0 gives the E2M1 -0); NaN gives +6 (code 7), as the GPU's NaN is positive."""
+    a = v.abs().nan_to_num(nan=math.inf)
     code = sum((a > t).to(torch.uint8) for t in _RNE_STRICT) + sum((a >= t).to(torch.uint8) for t in _RNE_LOOSE)
     return code | ((v.signbit() & ~v.isnan()).to(torch.uint8) << 3)
 
