@@ -195,20 +195,25 @@ def _quantize_mx4_kernel(
 
 
 @functools.cache
-def _fp4_tiles(k: int) -> dict:
-    """4096-element tiles, at most 1024 wide, 4 warps: the best or within 2% of the best of ten shapes
-    measured on the H200 (RESULTS.md); the kernels are bound by their arithmetic, not by the tile."""
-    block_k = min(triton.next_power_of_2(max(k, 32)), 1024)
-    return {"BLOCK_M": max(1, 4096 // block_k), "BLOCK_K": block_k, "num_warps": 4}
+def _fp4_tiles(k: int, elements: int, max_width: int) -> dict:
+    """Tiles of `elements` elements, at most `max_width` wide (the whole row when shorter), 4 warps."""
+    block_k = min(triton.next_power_of_2(max(k, 32)), max_width)
+    return {"BLOCK_M": max(1, elements // block_k), "BLOCK_K": block_k, "num_warps": 4}
 
 
-def _launch_fp4(kernel, x, q, scale, m_sizes=None, **args):
+# (elements, max width) per kernel, the best of seven tiles measured on the H200 under CUDA graphs (RESULTS.md):
+# MXFP4 8 x 1024 (0.74x of a copy); NVFP4 4 x 512 (0.66x; its per-block divisions need 91 registers a thread
+# at 4 x 1024, which halves the warps an SM holds).
+_MX4_TILE, _NVFP4_TILE = (8192, 1024), (2048, 512)
+
+
+def _launch_fp4(kernel, tile, x, q, scale, m_sizes=None, **args):
     """Run an FP4 kernel over x [..., K] as [M, K]; `m_sizes` makes it stacked (see _scale_rows)."""
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
     if m and k:
-        tiles = _fp4_tiles(k)
+        tiles = _fp4_tiles(k, *tile)
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(k, tiles["BLOCK_K"]))
         g = 0 if m_sizes is None else m_sizes.numel()
         segments = 0 if m_sizes is None else max(16, triton.next_power_of_2(g))
@@ -224,8 +229,8 @@ def _run_mx4(x, scale_shape, layout, group_size, rounding_mode, stochastic_casti
     if seed is None and (stochastic_casting or rounding_mode == RoundingMode.stochastic):
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     _launch_fp4(
-        _quantize_mx4_kernel, x, q, scale, m_sizes, seed=seed or 0, GROUP=group_size, ROUNDING=int(rounding_mode),
-        STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
+        _quantize_mx4_kernel, _MX4_TILE, x, q, scale, m_sizes, seed=seed or 0, GROUP=group_size,
+        ROUNDING=int(rounding_mode), STOCHASTIC_CAST=stochastic_casting, SWIZZLED=layout == "swizzled",
     )  # fmt: skip
     return q, scale
 
@@ -340,7 +345,7 @@ def _quantize_nvfp4_kernel(
 def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None):
     q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
     scale = torch.zeros(scale_shape, dtype=torch.uint8, device=x.device)  # zero padding
-    _launch_fp4(_quantize_nvfp4_kernel, x, q, scale, m_sizes, global_scale_ptr=global_scale, GLOBAL=mode)
+    _launch_fp4(_quantize_nvfp4_kernel, _NVFP4_TILE, x, q, scale, m_sizes, global_scale_ptr=global_scale, GLOBAL=mode)
     return q, scale.view(torch.float8_e4m3fn)
 
 
