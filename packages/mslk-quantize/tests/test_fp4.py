@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mslk.core import formats, testing
 from mslk.quantize.triton import fp4_quantize as fp4
@@ -30,6 +32,31 @@ def test_e2m1_round_to_nearest_even_and_saturation():
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(u.unpack_fp4(u.pack_fp4(codes)), codes)
     assert u.pack_fp4(torch.tensor([1, 2], dtype=torch.uint8)).item() == 0x21, "even element in the low nibble"
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.floats(-10.0, 10.0, width=32))
+def test_e2m1_code_is_the_nearest_value(v):
+    x = torch.tensor([v])
+    got = u.fp4_to_float(u.e2m1_codes(x)).item()
+    grid = sorted({s * e for e in u.E2M1_VALUES for s in (1, -1)})
+    best = min(abs(g - max(min(v, 6.0), -6.0)) for g in grid)
+    assert abs(got - max(min(v, 6.0), -6.0)) == best, "the nearest E2M1 value (clamped to ±6)"
+    ties = [g for g in grid if abs(g - max(min(v, 6.0), -6.0)) == best]
+    if len(ties) == 2:  # a tie goes to the even code (mantissa bit 0)
+        assert int(u.e2m1_codes(x).item()) % 2 == 0
+
+
+@settings(deadline=None, max_examples=40)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6), extra=st.integers(0, 3), cols=st.integers(1, 9))
+def test_stacked_layout_round_trip(sizes, extra, cols):
+    m_sizes = torch.tensor(sizes)
+    rows = sum(sizes) + extra
+    scale = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    flat = u.to_blocked_stacked(scale, m_sizes)
+    assert flat.numel() == math.prod(formats.stacked_swizzled_scale_shape(rows, len(sizes), cols))
+    assert torch.equal(u.from_blocked_stacked(flat, m_sizes, cols), scale[: sum(sizes)])
+    assert (flat != 0).sum() == sum(sizes) * cols, "each scale of a segment row once, nothing else"
 
 
 def test_blocked_layout_matches_the_spec_formula():
@@ -243,6 +270,8 @@ def test_calculate_group_max(sizes):
     if sum(sizes) > 1:
         x[1] = 0.0
     global_scale, segment = fp4.calculate_group_max(x, m_sizes)
+    reference = u.calculate_group_max(x.cpu(), m_sizes.cpu())
+    assert torch.equal(global_scale.cpu(), reference[0]) and torch.equal(segment.cpu(), reference[1])
     assert segment.dtype == torch.int64 and segment.tolist() == u.row_segments(m_sizes.cpu(), x.shape[0]).tolist()
     start = 0
     for g, size in enumerate(sizes):
@@ -272,22 +301,35 @@ def test_mx4_stacked_kernel_matches_reference(sizes, m_dtype):
 def test_nvfp4_stacked_kernel_matches_reference(sizes, mode):
     m_sizes = torch.tensor(sizes, device=DEVICE)
     x = testing.randn(sum(sizes), 64, dtype=torch.bfloat16, device=DEVICE, std=2.0)
-    args = {
-        "none": (),
-        "per segment": (fp4.calculate_group_max(x, m_sizes)[0],),
-        "per token": (None, u.token_scale_inv_nvfp4(x)),
-    }[mode]
-    q, s = fp4.quantize_nvfp4_stacked_op.get_backend("triton").impl(m_sizes, x, *args)
-    rq, rs = u.quantize_nvfp4_stacked(m_sizes.cpu(), x.cpu(), *(a if a is None else a.cpu() for a in args))
+    if mode == "per token":
+        q, s, inv = fp4.quantize_nvfp4_stacked_token_scale_op.get_backend("triton").impl(m_sizes, x)
+        rq, rs, rinv = fp4._token_reference(m_sizes.cpu(), x.cpu())
+        assert torch.equal(inv.cpu(), rinv)
+    else:
+        args = (m_sizes, x) if mode == "none" else (m_sizes, x, fp4.calculate_group_max(x, m_sizes)[0])
+        q, s = fp4.quantize_nvfp4_stacked_op.get_backend("triton").impl(*args)
+        rq, rs = u.quantize_nvfp4_stacked(*(a.cpu() for a in args))
     testing.assert_fp8_equal(s.cpu(), rs, what="scale")
     if not testing.interpreting():  # the interpreter's e4m3 rounding moves some scales and their elements
         assert torch.equal(q.cpu(), rq)
     if mode == "per segment" and not testing.interpreting():  # segment g equals dense NVFP4 with gs[g]
         start = 0
         for g, size in enumerate(sizes):
-            dq, _ = fp4.quantize_nvfp4_op.get_backend("triton").impl(x[start : start + size], args[0][g : g + 1])
+            dq, _ = fp4.quantize_nvfp4_op.get_backend("triton").impl(x[start : start + size], args[2][g : g + 1])
             assert torch.equal(q[start : start + size], dq)
             start += size
+
+
+@pytest.mark.parametrize("shape", [(5, 3000), (130, 64), (1, 16), (0, 32)], ids=str)
+def test_row_abs_max_kernel(shape):
+    x = testing.randn(*shape, dtype=torch.bfloat16, device=DEVICE, std=5.0)
+    if shape[0] > 2:
+        x[1, 7], x[2] = float("nan"), 0.0
+    for inp in (x, x[:, ::2]):
+        got = fp4._row_abs_max(inp)
+        torch.testing.assert_close(
+            got.cpu(), inp.cpu().float().abs().amax(-1) if inp.numel() else got.cpu(), rtol=0, atol=0, equal_nan=True
+        )
 
 
 def test_nvfp4_token_scale_round_trip():
@@ -296,6 +338,7 @@ def test_nvfp4_token_scale_round_trip():
     q, s, inv = fp4.nvfp4_quantize_stacked_with_token_scale(m_sizes, x)
     expect = x.float().abs().amax(-1).clamp(min=1e-8) / 2688.0
     assert inv.shape == (128,) and torch.allclose(inv, expect, rtol=1e-6, atol=0)
+    assert torch.equal(inv, u.token_scale_inv_nvfp4(x)), "the kernel's row amax equals the reference's"
     plain = u.from_blocked_stacked(s.view(torch.uint8).cpu(), m_sizes.cpu(), 4).view(torch.float8_e4m3fn)
     back = u.dequantize_nvfp4(q.cpu(), plain) * inv.cpu()[:, None]  # dequantize with gs = 1, then per row
     testing.assert_rel_close(back, x.cpu().float(), 0.15)  # rows spanning 6 decades, each at NVFP4 accuracy
@@ -309,18 +352,9 @@ def test_nvfp4_token_scale_round_trip():
         (lambda: fp4.quantize_mx4_stacked(torch.tensor([4]), torch.ones(4, 40)), "multiple of the group size 32"),
         (
             lambda: fp4.nvfp4_quantize_stacked(torch.tensor([2, 2]), torch.ones(4, 32), torch.ones(3)),
-            r"global_scale must be float32 with one value per segment \(2\)",
+            r"global_scale must be float32 with one value per segment \(2,",
         ),
-        (
-            lambda: torch.ops.mslk.quantize_nvfp4_stacked(torch.tensor([4]), torch.ones(4, 32), None, torch.ones(3)),
-            r"token_scale_inv must be float32 with one value per row \(4\)",
-        ),
-        (
-            lambda: torch.ops.mslk.quantize_nvfp4_stacked(
-                torch.tensor([4]), torch.ones(4, 32), torch.ones(1), torch.ones(4)
-            ),
-            "not both",
-        ),
+        (lambda: fp4.calculate_group_max(torch.ones(4, 32), torch.tensor([[4]])), "1-D int64"),
     ],
 )
 def test_stacked_bad_input(call, message):
@@ -337,4 +371,14 @@ def test_stacked_compile_and_export():
     (q, s), (_, ns, _inv) = torch.compile(Quantize(), fullgraph=True, backend="aot_eager")(*args)
     assert q.shape == (8, 32) and s.shape == ((8 + 3 * 127) * 4,) and ns.shape == ((8 + 3 * 127) * 4,)
     graph = str(torch.export.export(Quantize(), args).graph)
-    assert "mslk.quantize_mx4_stacked" in graph and "mslk.quantize_nvfp4_stacked" in graph
+    assert "mslk.quantize_mx4_stacked" in graph and "mslk.quantize_nvfp4_stacked_token_scale" in graph
+
+
+def test_reference_module_paths():
+    from mslk.quantize.triton.quantize_kernels import mx4, mx4_stacked, nvfp4
+
+    x = testing.randn(4, 64)
+    (q, s), (rq, rs) = mx4.quantize_mx4(x, 16), fp4.triton_quantize_mx4_unpack(x, 16)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    assert mx4_stacked.quantize_mx4_stacked is fp4.quantize_mx4_stacked
+    assert nvfp4.quantize_nvfp4 is fp4.triton_quantize_nvfp4

@@ -88,6 +88,14 @@ def test_bad_input(call, message):
         call()
 
 
+@settings(deadline=None, max_examples=30)
+@given(lead=st.lists(st.integers(1, 3), max_size=2), n=st.integers(1, 9), runs=st.integers(1, 3))
+def test_preshuffle_round_trip(lead, n, runs):
+    q = torch.randint(-8, 8, (*lead, n, 128 * runs), dtype=torch.int8)
+    wq, _ = shuffle.preshuffle_i4(pack_int4(q), torch.ones(*lead, runs, n, dtype=torch.bfloat16))
+    assert wq.shape == (*lead, n, 64 * runs) and torch.equal(shuffle.unshuffle_i4(wq), q)
+
+
 def test_preshuffled_layout():
     q = torch.randint(-8, 8, (3, 5, 384), dtype=torch.int8)
     scale = torch.rand(3, 3, 5).to(torch.bfloat16)

@@ -128,25 +128,23 @@ _register(
 )
 
 
-def _nvfp4_stacked(quantize: Callable, x: torch.Tensor):
+def _nvfp4_stacked(group_max: Callable, quantize: Callable, x: torch.Tensor):
     """NVFP4 of stacked activations as MoE layers call it: per-expert global scales, then the quantizer."""
     m_sizes = _experts(x.shape[0], x.device)
-    return quantize(m_sizes, x, fp4.calculate_group_max(x, m_sizes)[0])
+    return quantize(m_sizes, x, group_max(x, m_sizes)[0])
 
 
 _register(
     "quantize_nvfp4_stacked",
     "mslk::quantize_nvfp4_stacked",
-    lambda x: _nvfp4_stacked(fp4.nvfp4_quantize_stacked, x),
-    lambda x: _nvfp4_stacked(fp4_utils.quantize_nvfp4_stacked, x),
+    lambda x: _nvfp4_stacked(fp4.calculate_group_max, fp4.nvfp4_quantize_stacked, x),
+    lambda x: _nvfp4_stacked(fp4_utils.calculate_group_max, fp4_utils.quantize_nvfp4_stacked, x),
     lambda m, k: m * k / 2 + _stacked_scale_bytes(m, k, 16),
 )
 _register(
     "quantize_nvfp4_stacked_token_scale",
-    "mslk::quantize_nvfp4_stacked",
+    "mslk::quantize_nvfp4_stacked_token_scale",
     lambda x: fp4.nvfp4_quantize_stacked_with_token_scale(_experts(x.shape[0], x.device), x),
-    lambda x: fp4_utils.quantize_nvfp4_stacked(
-        _experts(x.shape[0], x.device), x, None, fp4_utils.token_scale_inv_nvfp4(x)
-    ),
+    lambda x: fp4._token_reference(_experts(x.shape[0], x.device), x),
     lambda m, k: m * k / 2 + _stacked_scale_bytes(m, k, 16) + 4 * m,
 )

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from mslk.core import formats, registry, testing
-from mslk.quantize.reference import abs_max
 from mslk.quantize.triton import fp4_utils
 from mslk.quantize.triton.common import check_float_input, max_nan
 from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
@@ -450,23 +449,16 @@ def quantize_mx4_stacked(
     return torch.ops.mslk.quantize_mx4_stacked(m_sizes, x, group_size, int(rounding_mode), seed)
 
 
-def _validate_nvfp4_stacked(m_sizes, x, global_scale=None, token_scale_inv=None):
+def _validate_nvfp4_stacked(m_sizes, x, global_scale=None):
     _validate_stacked("quantize_nvfp4_stacked", m_sizes, x, 16)
-    counts = {"global_scale": ("segment", m_sizes.numel()), "token_scale_inv": ("row", math.prod(x.shape[:-1]))}
-    for name, value in (("global_scale", global_scale), ("token_scale_inv", token_scale_inv)):
-        per, expected = counts[name]
-        if value is not None and (value.dtype != torch.float32 or value.numel() != expected):
-            raise ValueError(
-                f"quantize_nvfp4_stacked: {name} must be float32 with one value per {per} ({expected}), got shape "
-                f"{tuple(value.shape)} {value.dtype}"
-            )
-    if global_scale is not None and token_scale_inv is not None:
+    if global_scale is not None and (global_scale.dtype != torch.float32 or global_scale.numel() != m_sizes.numel()):
         raise ValueError(
-            "quantize_nvfp4_stacked: pass global_scale (per segment) or token_scale_inv (per row), not both"
+            f"quantize_nvfp4_stacked: global_scale must be float32 with one value per segment ({m_sizes.numel()}, "
+            f"see calculate_group_max), got shape {tuple(global_scale.shape)} {global_scale.dtype}"
         )
 
 
-def _nvfp4_stacked_fake(m_sizes, x, global_scale=None, token_scale_inv=None):
+def _nvfp4_stacked_fake(m_sizes, x, global_scale=None):
     xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
     return xq, x.new_empty(_stacked_scale_numel(m_sizes, x, 16), dtype=torch.float8_e4m3fn)
 
@@ -475,13 +467,11 @@ def _nvfp4_stacked_samples(device):
     for m_sizes, x in _stacked_samples(device):
         if x.shape[-1] % 16 == 0:
             yield registry.Sample((m_sizes, x))
-            yield registry.Sample((m_sizes, x, calculate_group_max(x, m_sizes)[0]))
-            yield registry.Sample((m_sizes, x, None, fp4_utils.token_scale_inv_nvfp4(x)))
+            yield registry.Sample((m_sizes, x, fp4_utils.calculate_group_max(x, m_sizes)[0]))
 
 
 quantize_nvfp4_stacked_op = registry.Op(
-    "mslk::quantize_nvfp4_stacked(Tensor m_sizes, Tensor x, Tensor? global_scale=None, "
-    "Tensor? token_scale_inv=None) -> (Tensor, Tensor)",
+    "mslk::quantize_nvfp4_stacked(Tensor m_sizes, Tensor x, Tensor? global_scale=None) -> (Tensor, Tensor)",
     domain="quantize",
     reference=fp4_utils.quantize_nvfp4_stacked,
     fake=_nvfp4_stacked_fake,
@@ -492,26 +482,84 @@ quantize_nvfp4_stacked_op = registry.Op(
 
 
 @quantize_nvfp4_stacked_op.backend("triton", available=registry.triton_missing)
-def _nvfp4_stacked_triton(m_sizes, x, global_scale=None, token_scale_inv=None):
-    shape = (_stacked_scale_numel(m_sizes, x, 16),)
-    if token_scale_inv is not None:
-        return _run_nvfp4(x, shape, token_scale_inv, _GLOBAL_PER_ROW_INVERSE, m_sizes)
+def _nvfp4_stacked_triton(m_sizes, x, global_scale=None):
     mode = _NO_GLOBAL if global_scale is None else _GLOBAL_PER_SEGMENT
-    return _run_nvfp4(x, shape, global_scale, mode, m_sizes)
+    return _run_nvfp4(x, (_stacked_scale_numel(m_sizes, x, 16),), global_scale, mode, m_sizes)
+
+
+def _token_reference(m_sizes, x):
+    token_scale_inv = fp4_utils.token_scale_inv_nvfp4(x)
+    return *fp4_utils.quantize_nvfp4_stacked(m_sizes, x, None, token_scale_inv), token_scale_inv
+
+
+quantize_nvfp4_stacked_token_scale_op = registry.Op(
+    "mslk::quantize_nvfp4_stacked_token_scale(Tensor m_sizes, Tensor x) -> (Tensor, Tensor, Tensor)",
+    domain="quantize",
+    reference=_token_reference,
+    fake=lambda m_sizes, x: (*_nvfp4_stacked_fake(m_sizes, x), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)),
+    samples=lambda device: [registry.Sample(args) for args in _stacked_samples(device) if args[1].shape[-1] % 16 == 0],
+    validate=_validate_nvfp4_stacked,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@triton.jit
+def _row_abs_max_kernel(x_ptr, out_ptr, M, K, stride_m, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_K)[None, :]
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = (rows < M) & (k0 + cols < K)
+        x = tl.load(x_ptr + rows.to(tl.int64) * stride_m + (k0 + cols) * stride_k, mask=mask, other=0.0)
+        amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
+    tl.store(out_ptr + tl.reshape(rows, [BLOCK_M]), amax, mask=tl.reshape(rows < M, [BLOCK_M]))
+
+
+def _row_abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each row of x [..., K] in fp32 [M], NaN-propagating, reading x once (torch's aminmax
+    reaches a third of the memory speed there)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.zeros(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.numel():
+        block_k = min(triton.next_power_of_2(x2.shape[1]), 1024)
+        block_m = max(1, 4096 // block_k)
+        _row_abs_max_kernel[(triton.cdiv(x2.shape[0], block_m),)](
+            x2, out, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
+        )
+    return out
+
+
+@quantize_nvfp4_stacked_token_scale_op.backend("triton", available=registry.triton_missing)
+def _token_triton(m_sizes, x):
+    token_scale_inv = fp4_utils.token_scale_inv_nvfp4(x, _row_abs_max(x))
+    shape = (_stacked_scale_numel(m_sizes, x, 16),)
+    return *_run_nvfp4(x, shape, token_scale_inv, _GLOBAL_PER_ROW_INVERSE, m_sizes), token_scale_inv
+
+
+calculate_group_max_op = registry.Op(
+    "mslk::calculate_group_max(Tensor input, Tensor m_sizes) -> (Tensor, Tensor)",
+    domain="quantize",
+    reference=fp4_utils.calculate_group_max,
+    fake=lambda x, m_sizes: (
+        m_sizes.new_empty(m_sizes.shape, dtype=torch.float32),
+        m_sizes.new_empty(x.shape[:-1].numel(), dtype=torch.int64),
+    ),
+    samples=lambda device: [registry.Sample((x, m_sizes)) for m_sizes, x in _stacked_samples(device)],
+    validate=lambda x, m_sizes: _validate_stacked("calculate_group_max", m_sizes, x, 1),
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@calculate_group_max_op.backend("triton", available=registry.triton_missing)
+def _group_max_triton(x, m_sizes):
+    return fp4_utils.calculate_group_max(x, m_sizes, _row_abs_max(x))
 
 
 def calculate_group_max(input: torch.Tensor, m_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-segment NVFP4 global scales of a stacked input (spec Q-14): (global_scale [G] fp32 =
-    448 · 6 / amax of the segment (an all-zero segment counts amax 1e-8; an empty one gets the largest fp32),
-    segment of each row [M] int64 (G past sum(m_sizes))). Device-side torch ops, no host sync."""
-    _validate_stacked("calculate_group_max", m_sizes, input, 1)
-    x2 = input.reshape(-1, input.shape[-1])
-    row_amax = abs_max(x2, -1)
-    segment = fp4_utils.row_segments(m_sizes, x2.shape[0])
-    amax = row_amax.new_zeros(m_sizes.numel() + 1).scatter_reduce_(0, segment, row_amax, "amax")[:-1]
-    amax = torch.where(amax == 0, 1e-8, amax)
-    global_scale = amax.new_full((), FP8_E4M3_MAX * FP4_E2M1_MAX) / amax
-    return torch.where(m_sizes == 0, torch.finfo(torch.float32).max, global_scale), segment
+    """Per-segment NVFP4 global scales of a stacked input (spec Q-14): (global_scale [G] fp32 = 448 · 6 /
+    amax of the segment (an all-zero segment counts amax 1e-8; an empty one gets the largest fp32), the
+    segment of each row [M] int64 (G past sum(m_sizes))). No host sync."""
+    return torch.ops.mslk.calculate_group_max(input, m_sizes)
 
 
 def nvfp4_quantize_stacked(
@@ -529,6 +577,4 @@ def nvfp4_quantize_stacked_with_token_scale(
     """Stacked NVFP4 with one global scale per row (spec Q-14, the per-token "ultra" format): returns
     (xq, scales as nvfp4_quantize_stacked, token_scale_inv [M] fp32 = max(amax_row, 1e-8) / (448 · 6)); row r
     is quantized with gs = 1 / token_scale_inv[r], and the GEMM multiplies its output row by token_scale_inv."""
-    token_scale_inv = fp4_utils.token_scale_inv_nvfp4(input)
-    xq, scale = torch.ops.mslk.quantize_nvfp4_stacked(m_sizes, input, None, token_scale_inv)
-    return xq, scale, token_scale_inv
+    return torch.ops.mslk.quantize_nvfp4_stacked_token_scale(m_sizes, input)
