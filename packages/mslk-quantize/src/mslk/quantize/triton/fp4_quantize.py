@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mslk.core import formats, registry, testing
 from mslk.quantize.triton import fp4_utils
-from mslk.quantize.triton.common import check_float_input, max_nan
+from mslk.quantize.triton.common import check_float_input, e2m1_codes, max_nan
 from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
     E8M0_EXPONENT_BIAS,
     FP4_E2M1_MAX,
@@ -92,29 +92,6 @@ quantize_mx4_op = registry.Op(
 
 
 @triton.jit
-def _e2m1_codes(v, STOCHASTIC: tl.constexpr, seed, offsets):
-    """E2M1 codes of fp32 values, the sign bit of v in bit 3: round to nearest even, saturating at 6 (NaN as
-    6), or stochastic rounding (unbiased: up with probability of the distance to the lower code over the
-    step)."""
-    a = tl.abs(v)
-    if STOCHASTIC:
-        step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-        a = a + tl.rand(seed, offsets) * step
-        code = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
-        code += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
-        code = tl.where(a == a, code, 7)
-    else:
-        # The code is round(2a) below 2, round(a) + 2 below 4 and round(a / 2) + 4 above, and each of the three
-        # is the smallest of them in its own range: so take the minimum (and 7). Adding 1.5 · 2^23 rounds to an
-        # integer, ties to even (the even code), and leaves it in the fp32's low bits: 6 instructions.
-        magic = 12582912.0
-        c = tl.minimum(tl.minimum(a * 2.0 + magic, a + (magic + 2.0)), a * 0.5 + (magic + 4.0))
-        c = tl.where(c < magic + 7.0, c, magic + 7.0)  # saturate; NaN too (the same in the interpreter)
-        code = c.to(tl.int32, bitcast=True) & 7
-    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
-
-
-@triton.jit
 def _store_packed(q_ptr, codes, rows, M, half_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, pid_k):
     """Pack [BLOCK_M, BLOCK_K] codes two per byte (even element in the low nibble) and store them."""
     low, high = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
@@ -183,7 +160,7 @@ def _quantize_mx4_kernel(
     e = tl.minimum(tl.maximum(e - 2, -127), 125)
     inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
     scaled = tl.reshape(g * inverse[:, :, None], [BLOCK_M, BLOCK_K])
-    codes = _e2m1_codes(scaled, STOCHASTIC_CAST, seed, rows * K + cols)
+    codes = e2m1_codes(scaled, STOCHASTIC_CAST, seed, rows * K + cols)
     _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
 
     groups = pid_k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
@@ -334,7 +311,7 @@ def _quantize_nvfp4_kernel(
     # encodes zeros (there x · gs / s_b would be 0/0 or saturate).
     denom = block_scale.to(tl.float32)
     factor = tl.where(denom == 0.0, 0.0, tl.div_rn(gs + tl.zeros_like(denom), tl.where(denom == 0.0, 1.0, denom)))
-    codes = _e2m1_codes(tl.reshape(g * factor[:, :, None], [BLOCK_M, BLOCK_K]), False, 0, 0)
+    codes = e2m1_codes(tl.reshape(g * factor[:, :, None], [BLOCK_M, BLOCK_K]), False, 0, 0)
     _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
     groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
     offsets = _scale_offsets(scale_rows, groups, K // 16, True)

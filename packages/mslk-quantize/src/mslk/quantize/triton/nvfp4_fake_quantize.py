@@ -25,6 +25,7 @@ import triton.language as tl
 from mslk.core import registry, testing
 from mslk.quantize.reference import abs_max
 from mslk.quantize.triton import fp4_utils
+from mslk.quantize.triton.common import e2m1_codes
 
 FLT_MIN = 1.175494350822287508e-38  # C's FLT_MIN, 2^-126: keeps 1 / unscale finite when t8 is 0
 _FLT_MIN = tl.constexpr(FLT_MIN)  # the same, readable in kernels
@@ -132,12 +133,9 @@ def _round_to_e4m3(t):
 
 @triton.jit
 def _e2m1_magnitude(m):
-    """m >= 0 (or inf) rounded to the nearest E2M1 magnitude, ties to even, saturating at 6: one step for
-    each rounding boundary m passes (above a tie that rounds down, at or above one that rounds up)."""
-    r = 0.5 * ((m > 0.25).to(tl.float32) + (m >= 0.75).to(tl.float32))
-    r += 0.5 * ((m > 1.25).to(tl.float32) + (m >= 1.75).to(tl.float32))
-    r += (m > 2.5).to(tl.float32) + (m >= 3.5).to(tl.float32) + 2.0 * (m > 5.0).to(tl.float32)
-    return r
+    """m >= 0 (finite) rounded to the nearest E2M1 magnitude, ties to even, saturating at 6."""
+    code = (e2m1_codes(m, False, 0, 0) & 7).to(tl.float32)  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    return tl.where(code < 4.0, code * 0.5, tl.where(code < 7.0, code - 2.0, 6.0))
 
 
 @triton.jit
