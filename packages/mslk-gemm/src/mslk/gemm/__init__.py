@@ -2,3 +2,6 @@
 
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
 """
+
+from mslk.gemm import bench as _bench  # noqa: F401  (registers the bench specs)
+from mslk.gemm.triton import fp8_gemm as _fp8_gemm  # noqa: F401  (registers the ops)

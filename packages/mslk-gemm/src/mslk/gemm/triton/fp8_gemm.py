@@ -1,12 +1,23 @@
-"""FP8 GEMM module of mslk.gemm (the FP8 GEMM kernels land here).
+"""FP8 GEMMs (spec G-01, G-03, G-19; scale contract §7.2-7.3) and the MXFP8 quantizer `to_mxfp8` (Q-26 /
+G-52, here because the reference library puts it here).
 
-For now it holds only the MXFP8 quantizer `to_mxfp8` (spec Q-26 / G-52), which lives in this module
-because the reference library puts it here; it imports nothing from mslk.quantize, so mslk-gemm works alone.
+Rowwise: `out = (XQ · WQᵀ) · x_scale[m] · w_scale[n] (+ bias[n])` with XQ [..., M, K] and WQ [N, K] in this
+platform's FP8 (`quantize_fp8_row` makes them, with its dequantization scales), fp32 accumulation, bf16 (or
+fp16) output. One Triton kernel serves every shape: large M tiles 128 x 256 in grouped order; small M
+(decode) swaps the operands, so that the weight rows fill the 128-row MMA side and the few tokens the
+narrow one. The module imports nothing from mslk.quantize, so mslk-gemm works alone.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from mslk.core import arch, formats, registry, testing
 
 E4M3_MAX = 448.0
 _INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -68,3 +79,259 @@ def to_mxfp8(data_hp: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor,
 
     scale = scale_byte.to(torch.uint8).view(torch.float8_e8m0fnu)
     return scale, data.flatten(-2)
+
+
+# ------------------------------------------------------------------------------------------ rowwise FP8
+
+
+def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
+    formats.check_fp8_data(XQ, role=f"{where}: XQ", producer="quantize_fp8_row")
+    formats.check_fp8_data(WQ, role=f"{where}: WQ", producer="quantize_fp8_row")
+    if batched:
+        if XQ.dim() != 3 or WQ.dim() != 3 or XQ.shape[0] != WQ.shape[0]:
+            raise ValueError(
+                f"{where}: expected XQ [B, M, K] and WQ [B, N, K] with the same B, got {tuple(XQ.shape)} and "
+                f"{tuple(WQ.shape)}"
+            )
+    elif XQ.dim() < 2 or WQ.dim() != 2:
+        raise ValueError(f"{where}: expected XQ [..., M, K] and WQ [N, K], got {tuple(XQ.shape)} and {tuple(WQ.shape)}")
+    if XQ.shape[-1] != WQ.shape[-1]:
+        raise ValueError(f"{where}: XQ and WQ disagree on K: {tuple(XQ.shape)} and {tuple(WQ.shape)}")
+    for role, data, scale in (("x_scale", XQ, x_scale), ("w_scale", WQ, w_scale)):
+        if scale.dtype != torch.float32:
+            raise formats.ScaleFormatError(
+                f"{where}: {role} must be float32 (quantize_fp8_row's scales), got {scale.dtype}"
+            )
+        formats.Rowwise().check(data, scale, role=f"{where}: {role}")
+    n = WQ.shape[-2]
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"{where}: bias must be float32 or bfloat16 [N] = [{n}], got {tuple(bias.shape)} {bias.dtype}")
+    tensors = [t for t in (XQ, WQ, x_scale, w_scale, bias) if t is not None]
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{where}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+
+
+def _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, out_dtype):
+    """fp32: dequantized XQ · WQᵀ with both scales, plus bias, cast to out_dtype."""
+    out = torch.matmul(XQ.float(), WQ.float().transpose(-1, -2))
+    out = out * x_scale.float().reshape(*XQ.shape[:-1], 1) * w_scale.float().reshape(*WQ.shape[:-2], 1, -1)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+@triton.jit
+def _fp8_rowwise_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
+    HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """C[b] = (A[b] · B[b]ᵀ) · a_scale[b, m] · b_scale[b, n] (+ bias), A [M, K] and B [N, K] K-contiguous.
+    Program (pid, batch): tiles in groups of GROUP_M rows of tiles, so that neighbours share B tiles in L2."""
+    pid, batch = tl.program_id(0), tl.program_id(1)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_rows)
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Out-of-range rows/cols read row 0 (in bounds); their results are never stored.
+    a_ptrs = a_ptr + batch.to(tl.int64) * stride_ab + tl.where(rows < M, rows, 0).to(tl.int64)[:, None] * stride_am
+    b_ptrs = b_ptr + batch.to(tl.int64) * stride_bb + tl.where(cols < N, cols, 0).to(tl.int64)[:, None] * stride_bn
+    a_ptrs += ks[None, :]
+    b_ptrs += ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
+            b = tl.load(b_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
+        if FAST_ACCUM:
+            acc = tl.dot(a, b.T, acc)
+        else:  # each block's product is added in fp32 (the tensor cores' FP8 accumulation is narrower)
+            acc += tl.dot(a, b.T)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    a_scale = tl.load(a_scale_ptr + batch * stride_sab + rows, mask=rows < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + batch * stride_sbb + cols, mask=cols < N, other=0.0)
+    acc = acc * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        if BIAS_ON_M:
+            acc += tl.load(bias_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
+        else:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+# Rows of X up to which the operands are swapped: the weight rows go on the MMA's 64-row side, so that even
+# one token keeps N/64 programs streaming the weights, and the tokens on the narrow side (16 wide at least).
+_SWAP_MAX_M = 128
+
+
+@functools.cache
+def _rowwise_config(m: int, n: int, k: int) -> dict:
+    """Tiles by shape class (Hopper): decode swaps the operands; otherwise 128 x 256 x 128, 8 warps, 3 stages
+    (the shared memory of 3 stages: 3 · (128 + 256) · 128 B = 144 KiB)."""
+    if m <= _SWAP_MAX_M:
+        return {"BLOCK_M": 64, "BLOCK_N": max(16, triton.next_power_of_2(m)), "BLOCK_K": 128, "GROUP_M": 1,
+                "NUM_STAGES": 6, "num_warps": 4}  # fmt: skip
+    if m <= 256 or n <= 1024:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 4, "num_warps": 8}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 3, "num_warps": 8}
+
+
+def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
+    """out [B, M, N] = rowwise FP8 GEMM of XQ [B, M, K] and WQ [B or 1, N, K] (scales [B, M] and [B or 1, N])."""
+    batches, m, k = XQ.shape
+    n = WQ.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(torch.zeros_like(out, dtype=torch.float32) + (0 if bias is None else bias.float()))
+    cfg = _rowwise_config(m, n, k)
+    swap = m <= _SWAP_MAX_M
+    a, b, sa, sb = (WQ, XQ, w_scale, x_scale) if swap else (XQ, WQ, x_scale, w_scale)
+    c_strides = (out.stride(0), out.stride(2), out.stride(1)) if swap else (out.stride(0), out.stride(1), out.stride(2))
+    rows, cols = (n, m) if swap else (m, n)
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(cols, cfg["BLOCK_N"]), batches)
+    a_batch = a.stride(0) if a.shape[0] > 1 else 0
+    b_batch = b.stride(0) if b.shape[0] > 1 else 0
+    _fp8_rowwise_kernel[grid](
+        a, b, out, sa, sb, bias,
+        rows, cols, k, a_batch, a.stride(1), b_batch, b.stride(1), *c_strides,
+        sa.stride(0) if sa.shape[0] > 1 else 0, sb.stride(0) if sb.shape[0] > 1 else 0,
+        HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
+    """2-D WQ, XQ [..., M, K]: all rows of XQ as one [M', K] problem."""
+    x = _k_contiguous(XQ.reshape(math.prod(XQ.shape[:-1]), XQ.shape[-1]))
+    _run_rowwise(
+        x[None], _k_contiguous(WQ)[None], x_scale.reshape(1, -1).float(), w_scale.reshape(1, -1),
+        None if bias is None else bias.contiguous(), use_fast_accum, out.view(1, x.shape[0], WQ.shape[0]),
+    )  # fmt: skip
+    return out
+
+
+def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
+    where = name
+
+    def validate(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched=False)
+
+    def reference(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        return _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, out_dtype)
+
+    def fake(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        return XQ.new_empty((*XQ.shape[:-1], WQ.shape[0]), dtype=out_dtype)
+
+    op = registry.Op(
+        f"mslk::{name}(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor? bias=None, "
+        "bool use_fast_accum=True) -> Tensor",
+        domain="gemm",
+        reference=reference,
+        fake=fake,
+        samples=samples,
+        validate=validate,
+        tolerance=1e-2,
+    )
+
+    @op.backend("triton", available=registry.triton_missing)
+    def _triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=out_dtype, device=XQ.device)
+        return _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out)
+
+    return op
+
+
+def _quantized(*shape, device, std=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rowwise-FP8 data and its fp32 scales (a sample; tests quantize their own)."""
+    x = testing.randn(*shape, device=device, std=std)
+    fp8 = arch.fp8_dtype(device)
+    scale = x.abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
+    return (x / scale[..., None]).to(fp8), scale
+
+
+def _rowwise_samples(device):
+    x, xs = _quantized(37, 64, device=device)
+    w, ws = _quantized(24, 64, device=device)
+    yield registry.Sample((x, w, xs, ws))
+    x3, xs3 = _quantized(2, 5, 48, device=device)
+    w3, ws3 = _quantized(40, 48, device=device)
+    bias = testing.randn(40, device=device)
+    yield registry.Sample((x3, w3, xs3, ws3, bias, False))
+    yield registry.Sample((x, w, xs, ws, testing.randn(24, device=device).to(torch.bfloat16)))
+
+
+f8f8bf16_rowwise_op = _rowwise_op("f8f8bf16_rowwise", torch.bfloat16, _rowwise_samples)
+f8f8f16_rowwise_op = _rowwise_op("f8f8f16_rowwise", torch.float16, _rowwise_samples)
+
+
+def _validate_batched(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
+    _validate_rowwise("f8f8bf16_rowwise_batched", XQ, WQ, x_scale, w_scale, bias, batched=True)
+    expected = (*XQ.shape[:-1], WQ.shape[1])
+    if output is not None and (tuple(output.shape) != expected or output.dtype != torch.bfloat16):
+        raise ValueError(
+            f"f8f8bf16_rowwise_batched: output must be bfloat16 {expected}, got {tuple(output.shape)} {output.dtype}"
+        )
+
+
+def _batched_reference(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
+    out = _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, torch.bfloat16)
+    return out if output is None else output.copy_(out)
+
+
+def _batched_samples(device):
+    x, xs = _quantized(3, 20, 32, device=device)
+    w, ws = _quantized(3, 24, 32, device=device)
+    yield registry.Sample((x, w, xs, ws))
+    yield registry.Sample((x, w, xs, ws, testing.randn(24, device=device), False))
+
+
+f8f8bf16_rowwise_batched_op = registry.Op(
+    "mslk::f8f8bf16_rowwise_batched(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor? bias=None, "
+    "bool use_fast_accum=True, Tensor(a!)? output=None) -> Tensor",
+    domain="gemm",
+    reference=_batched_reference,
+    fake=lambda XQ, WQ, *args, **kwargs: XQ.new_empty((*XQ.shape[:-1], WQ.shape[1]), dtype=torch.bfloat16),
+    samples=_batched_samples,
+    validate=_validate_batched,
+    tolerance=1e-2,
+)
+
+
+@f8f8bf16_rowwise_batched_op.backend("triton", available=registry.triton_missing)
+def _batched_triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
+    out = torch.empty((*XQ.shape[:-1], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
+    x_scale = x_scale.reshape(XQ.shape[:-1]).contiguous()
+    w_scale = w_scale.reshape(WQ.shape[:-1]).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    _run_rowwise(_k_contiguous(XQ), _k_contiguous(WQ), x_scale, w_scale, bias, use_fast_accum, out)
+    return out if output is None else output.copy_(out)
+
+
+def f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True) -> torch.Tensor:
+    """`bf16((XQ · WQᵀ) · x_scale[m] · w_scale[n] + bias)` (spec G-01): XQ [..., M, K], WQ [N, K] FP8,
+    rowwise fp32 scales (quantize_fp8_row), bias [N] fp32/bf16; `use_fast_accum=False` sums each K block's
+    product in fp32."""
+    return torch.ops.mslk.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum)
+
+
+def matmul_fp8_row(a, b, a_scale, b_scale, bias=None, fp8_fast_accum=True, **_ignored) -> torch.Tensor:
+    """The reference library's Triton entry (spec G-50): `(a · bᵀ) · a_scale[m] · b_scale[n] (+ bias)` in bf16;
+    its tuning keywords (tma_persistent, dot_out_dtype, ...) are accepted and have no effect here."""
+    return torch.ops.mslk.f8f8bf16_rowwise(a, b, a_scale, b_scale, bias, fp8_fast_accum)

@@ -1,0 +1,63 @@
+"""Bench specs of mslk.gemm (`mslk bench --op f8f8bf16_rowwise`).
+
+FP8 rowwise GEMMs against `torch._scaled_mm` with rowwise scales on the same inputs (the cuBLAS FP8 GEMM),
+at the shapes of PERF.md and Llama-70B/405B projections; decode shapes (M <= 128) under CUDA graphs, so that
+both sides are timed without their host overhead (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mslk.core import arch, bench, testing
+from mslk.gemm.triton import fp8_gemm
+
+LARGE = [
+    {"M": 8192, "N": 8192, "K": 8192},
+    {"M": 2048, "N": 7168, "K": 2048},
+    {"M": 4096, "N": 28672, "K": 8192},  # Llama-70B FFN up
+    {"M": 1024, "N": 8192, "K": 28672},  # Llama-70B FFN down
+    {"M": 4096, "N": 16384, "K": 16384},  # Llama-405B attention projection
+]
+DECODE = [
+    {"M": 16, "N": 8192, "K": 8192},
+    {"M": 128, "N": 8192, "K": 8192},
+    {"M": 1, "N": 28672, "K": 8192},
+    {"M": 64, "N": 8192, "K": 28672},
+]
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8 = arch.fp8_dtype(x.device)
+    scale = x.abs().amax(-1).float().clamp(min=1e-12) / torch.finfo(fp8).max
+    return (x.float() / scale[:, None]).to(fp8), scale
+
+
+def _inputs(shape: dict, device: torch.device):
+    xq, x_scale = _quantize_rows(testing.randn(shape["M"], shape["K"], device=device))
+    wq, w_scale = _quantize_rows(testing.randn(shape["N"], shape["K"], device=device))
+    return xq, wq, x_scale, w_scale
+
+
+def _scaled_mm(i):
+    xq, wq, x_scale, w_scale = i
+    return torch._scaled_mm(
+        xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=True
+    )
+
+
+for name, shapes, graph in (("f8f8bf16_rowwise", LARGE, False), ("f8f8bf16_rowwise_decode", DECODE, True)):
+    bench.register(
+        bench.BenchSpec(
+            name=name,
+            op="mslk::f8f8bf16_rowwise",
+            shapes=shapes,
+            make_inputs=_inputs,
+            run=lambda i: fp8_gemm.f8f8bf16_rowwise(*i),
+            baselines={"torch._scaled_mm rowwise": _scaled_mm},
+            flops=lambda s: 2 * s["M"] * s["N"] * s["K"],
+            bytes=lambda s: s["M"] * s["K"] + s["N"] * s["K"] + 2 * s["M"] * s["N"],
+            cuda_graph=graph,
+            domain="gemm",
+        )
+    )

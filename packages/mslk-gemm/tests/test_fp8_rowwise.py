@@ -1,0 +1,123 @@
+"""Rowwise FP8 GEMMs (spec G-01, G-03, G-19, G-50): f8f8bf16_rowwise, f8f8f16_rowwise, f8f8bf16_rowwise_batched.
+
+T0: validation errors and compile/export. T1 (CPU, interpreter) and T2 (GPU): the Triton kernel against the
+dequantized product computed in float64. Inputs are quantized here with torch (mslk-gemm runs without
+mslk-quantize).
+"""
+
+import pytest
+import torch
+
+from mslk.core import arch, testing
+from mslk.gemm.triton import fp8_gemm as g
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel(op):
+    """The op's Triton backend itself (on a CPU it runs under the interpreter)."""
+    return op.get_backend("triton").impl
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8 = arch.fp8_dtype(x.device)
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
+    return (x.float() / scale[..., None]).to(fp8), scale
+
+
+def oracle(xq, wq, x_scale, w_scale, bias=None) -> torch.Tensor:
+    """float64 (XQ · WQᵀ) · x_scale · w_scale (+ bias)."""
+    out = torch.matmul(xq.double(), wq.double().transpose(-1, -2))
+    out = out * x_scale.double().reshape(*xq.shape[:-1], 1) * w_scale.double().reshape(*wq.shape[:-2], 1, -1)
+    return out if bias is None else out + bias.double()
+
+
+# M covers the swapped (decode) path up to 64 and the 128 x 128 / 128 x 256 tiles beyond; K not a multiple of
+# the 128-wide K block; N not a multiple of any tile.
+SHAPES = [(1, 40, 128), (16, 24, 256), (17, 130, 64), (64, 72, 160), (65, 40, 128), (200, 300, 96), (300, 1100, 128)]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
+def test_rowwise_matches_the_dequantized_product(m, n, k, bias_dtype):
+    xq, x_scale = quantize_rows(testing.randn(m, k, device=DEVICE, std=3.0))
+    wq, w_scale = quantize_rows(testing.randn(n, k, device=DEVICE, std=0.5))
+    bias = None if bias_dtype is None else testing.randn(n, device=DEVICE).to(bias_dtype)
+    for use_fast_accum in (True, False):
+        out = kernel(g.f8f8bf16_rowwise_op)(xq, wq, x_scale, w_scale, bias, use_fast_accum)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
+
+
+def test_fp16_output_3d_activations_and_strides():
+    xq, x_scale = quantize_rows(testing.randn(3, 7, 96, device=DEVICE))
+    wq, w_scale = quantize_rows(testing.randn(50, 96, device=DEVICE))
+    out = kernel(g.f8f8f16_rowwise_op)(xq, wq, x_scale, w_scale)
+    assert out.dtype == torch.float16 and out.shape == (3, 7, 50)
+    testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale), 1e-2)
+    # Rows apart in memory (padded), and flat rowwise scales.
+    padded = testing.padded_rows(xq.reshape(21, 96).view(torch.uint8), 16).view(xq.dtype)
+    out = kernel(g.f8f8bf16_rowwise_op)(padded, wq, x_scale.reshape(-1), w_scale)
+    testing.assert_rel_close(out, oracle(xq.reshape(21, 96), wq, x_scale.reshape(-1), w_scale), 1e-2)
+
+
+@pytest.mark.parametrize(("b", "m", "n", "k"), [(3, 20, 24, 32), (2, 100, 72, 160), (1, 1, 16, 128)], ids=str)
+def test_batched(b, m, n, k):
+    xq, x_scale = quantize_rows(testing.randn(b, m, k, device=DEVICE))
+    wq, w_scale = quantize_rows(testing.randn(b, n, k, device=DEVICE))
+    bias = testing.randn(n, device=DEVICE)
+    output = testing.empty_poisoned(b, m, n, dtype=torch.bfloat16, device=DEVICE)
+    out = kernel(g.f8f8bf16_rowwise_batched_op)(xq, wq, x_scale, w_scale, bias, True, output)
+    testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
+    assert torch.equal(output, out), "the output argument is filled"
+
+
+def test_empty_and_k_zero():
+    fp8 = arch.fp8_dtype(torch.device(DEVICE))
+    w, ws = quantize_rows(testing.randn(8, 32, device=DEVICE))
+    empty = g.f8f8bf16_rowwise_op(torch.empty(0, 32, dtype=fp8, device=DEVICE), w, torch.empty(0, device=DEVICE), ws)
+    assert empty.shape == (0, 8)
+    xk0 = torch.empty(4, 0, dtype=fp8, device=DEVICE)
+    bias = testing.randn(8, device=DEVICE)
+    out = kernel(g.f8f8bf16_rowwise_op)(xk0, w[:, :0], torch.ones(4, device=DEVICE), ws, bias)
+    assert torch.equal(out, bias.to(torch.bfloat16).expand(4, 8)), "K = 0: the bias alone"
+
+
+def _bad(**changes):
+    fp8 = arch.fp8_dtype(torch.device("cpu"))
+    args = {
+        "XQ": torch.zeros(4, 32, dtype=fp8),
+        "WQ": torch.zeros(8, 32, dtype=fp8),
+        "x_scale": torch.ones(4),
+        "w_scale": torch.ones(8),
+    }
+    args.update(changes)
+    return lambda: g.f8f8bf16_rowwise(**args)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (_bad(XQ=torch.zeros(4, 32, dtype=torch.bfloat16)), "XQ: expected .*float8_e4m3fn"),
+        (_bad(WQ=torch.zeros(8, 16, dtype=arch.fp8_dtype(torch.device("cpu")))), "disagree on K"),
+        (_bad(x_scale=torch.ones(5)), "x_scale.*rowwise"),
+        (_bad(w_scale=torch.ones(8, dtype=torch.float16)), "w_scale must be float32"),
+        (_bad(bias=torch.ones(7)), r"bias must be float32 or bfloat16 \[N\] = \[8\]"),
+        (_bad(WQ=torch.zeros(2, 8, 32, dtype=arch.fp8_dtype(torch.device("cpu")))), "WQ \\[N, K\\]"),
+    ],
+)
+def test_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_compile_and_export():
+    class Linear(torch.nn.Module):
+        def forward(self, xq, wq, xs, ws):
+            return g.f8f8bf16_rowwise(xq, wq, xs, ws)
+
+    xq, xs = quantize_rows(testing.randn(5, 32))
+    wq, ws = quantize_rows(testing.randn(8, 32))
+    out = torch.compile(Linear(), fullgraph=True, backend="aot_eager")(xq, wq, xs, ws)
+    assert out.shape == (5, 8) and out.dtype == torch.bfloat16
+    assert "mslk.f8f8bf16_rowwise" in str(torch.export.export(Linear(), (xq, wq, xs, ws)).graph)
