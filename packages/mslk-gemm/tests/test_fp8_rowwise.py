@@ -49,6 +49,22 @@ def test_rowwise_matches_the_dequantized_product(m, n, k, bias_dtype):
         testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(300, 1100, 128), (2048, 4000, 256)], ids=str)
+@pytest.mark.parametrize("group_m", [8, 16])
+def test_persistent_tile_loop(m, n, k, group_m, monkeypatch):
+    """The persistent variant (programs looping over tiles, the M >= 2048 default) on ragged tile grids."""
+    if testing.interpreting() and m > 300:
+        pytest.skip("large for the interpreter")
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": group_m, "PERSISTENT": True, "num_stages": 3,
+           "num_warps": 8}  # fmt: skip
+    monkeypatch.setattr(g, "_rowwise_config", lambda *shape: cfg)
+    xq, x_scale = quantize_rows(testing.randn(m, k, device=DEVICE))
+    wq, w_scale = quantize_rows(testing.randn(n, k, device=DEVICE))
+    bias = testing.randn(n, device=DEVICE)
+    out = kernel(g.f8f8bf16_rowwise_op)(xq, wq, x_scale, w_scale, bias)
+    testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
+
+
 def test_fp16_output_3d_activations_and_strides():
     xq, x_scale = quantize_rows(testing.randn(3, 7, 96, device=DEVICE))
     wq, w_scale = quantize_rows(testing.randn(50, 96, device=DEVICE))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mslk.core import formats, registry, testing
+from mslk.core import formats, launch, registry, testing
 from mslk.quantize.triton import fp4_utils
 from mslk.quantize.triton.common import check_float_input, e2m1_codes, max_nan
 from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
@@ -173,7 +173,7 @@ def _quantize_mx4_kernel(
 @functools.cache
 def _fp4_tiles(k: int, elements: int, max_width: int) -> dict:
     """Tiles of `elements` elements, at most `max_width` wide (the whole row when shorter), 4 warps."""
-    block_k = min(triton.next_power_of_2(max(k, 32)), max_width)
+    block_k = min(launch.next_power_of_2(max(k, 32)), max_width)
     return {"BLOCK_M": max(1, elements // block_k), "BLOCK_K": block_k, "num_warps": 4}
 
 
@@ -190,9 +190,9 @@ def _launch_fp4(kernel, tile, x, q, scale, m_sizes=None, **args):
     m = x2.shape[0]
     if m and k:
         tiles = _fp4_tiles(k, *tile)
-        grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(k, tiles["BLOCK_K"]))
+        grid = (launch.cdiv(m, tiles["BLOCK_M"]), launch.cdiv(k, tiles["BLOCK_K"]))
         g = 0 if m_sizes is None else m_sizes.numel()
-        segments = 0 if m_sizes is None else max(16, triton.next_power_of_2(g))
+        segments = 0 if m_sizes is None else max(16, launch.next_power_of_2(g))
         kernel[grid](
             x2, q, scale, m, k, x2.stride(0), x2.stride(1), x2 if m_sizes is None else m_sizes, g,
             SEGMENTS=segments, **tiles, **args,
@@ -498,9 +498,9 @@ def _row_abs_max(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.zeros(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.numel():
-        block_k = min(triton.next_power_of_2(x2.shape[1]), 1024)
+        block_k = min(launch.next_power_of_2(x2.shape[1]), 1024)
         block_m = max(1, 4096 // block_k)
-        _row_abs_max_kernel[(triton.cdiv(x2.shape[0], block_m),)](
+        _row_abs_max_kernel[(launch.cdiv(x2.shape[0], block_m),)](
             x2, out, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
         )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mslk.core import arch, formats, registry, testing
+from mslk.core import arch, formats, launch, registry, testing
 from mslk.quantize import reference
 from mslk.quantize.triton.common import check_float_input, check_scale_ub, max_nan, to_output_device
 
@@ -165,7 +165,7 @@ def _quantize_row_kernel(
 @functools.cache
 def _row_launch_config(k_out: int) -> dict:
     """Tile sizes: a whole row per pass when it fits, several short rows per program otherwise."""
-    block_k = min(triton.next_power_of_2(max(k_out, 1)), _SINGLE_PASS_MAX_K)
+    block_k = min(launch.next_power_of_2(max(k_out, 1)), _SINGLE_PASS_MAX_K)
     block_m = max(1, min(64, 4096 // block_k))
     # 4 warps measured best or within 1.5% of best for rows of 5120-8192 on the H200 (8 and 16 were slower).
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "SINGLE_PASS": k_out <= block_k, "num_warps": 4}
@@ -202,7 +202,7 @@ def run_row_kernel(a, dtype, scale_ub, zero_start_index_M, k_out, eps):
     if n_rows:
         config = _row_launch_config(k_out)
         qmax = float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
-        _quantize_row_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
+        _quantize_row_kernel[(launch.cdiv(n_rows, config["BLOCK_M"]),)](
             rows, xq, scale, scale_ub, zero_start_index_M,
             n_rows, k, k_out, a.shape[-2] if a.dim() > 1 else 1, rows.stride(0), rows.stride(1), k_out,
             eps, QMAX=qmax, HAS_UB=scale_ub is not None, JAGGED=zero_start_index_M is not None, **config,
@@ -366,8 +366,8 @@ def _block_launch_config(block_m: int, block_k: int, m: int, k: int) -> dict:
     """Tile shape: whole blocks per program when they fit, else one program per block, walked in chunks.
     Measured on the H200 (RESULTS.md): rows of up to 8192 per tile, 16 warps for 128x128 blocks."""
     if block_m * block_k <= _BLOCK_TILE:
-        tile_k = max(block_k, min(triton.next_power_of_2(k), 8192 // block_m))
-        tile_m = max(block_m, min(8192 // tile_k, triton.next_power_of_2(m)))
+        tile_k = max(block_k, min(launch.next_power_of_2(k), 8192 // block_m))
+        tile_m = max(block_m, min(8192 // tile_k, launch.next_power_of_2(m)))
         warps = 16 if tile_m * tile_k > 8192 else 4
         return {"TILE_M": tile_m, "TILE_K": tile_k, "WHOLE_BLOCKS": True, "num_warps": warps}
     return {"TILE_M": max(1, _BLOCK_TILE // block_k), "TILE_K": block_k, "WHOLE_BLOCKS": False, "num_warps": 8}
@@ -393,8 +393,8 @@ def triton_quantize_fp8_block(x, block_m=256, block_k=256, scale_ub=None, use_tr
     scale = torch.empty(_block_scale_shape(x, block_m, block_k, k_major), dtype=torch.float32, device=x.device)
     if xq.numel():
         config = _block_launch_config(block_m, block_k, m, k)
-        grid_m = triton.cdiv(m, config["TILE_M"]) if config["WHOLE_BLOCKS"] else triton.cdiv(m, block_m)
-        grid = (grid_m, triton.cdiv(k, config["TILE_K"]))
+        grid_m = launch.cdiv(m, config["TILE_M"]) if config["WHOLE_BLOCKS"] else launch.cdiv(m, block_m)
+        grid = (grid_m, launch.cdiv(k, config["TILE_K"]))
         stride_sm, stride_sk = scale.stride() if k_major else scale.stride()[::-1]
         _quantize_fp8_block_kernel[grid](
             x2, xq, scale, scale_ub, m, k, x2.stride(0), x2.stride(1), k, stride_sm, stride_sk, arch.FP8_EPS,
@@ -557,13 +557,13 @@ def triton_quantize_fp8_tensor(a, use_triton=True):
     scale = torch.empty((), dtype=torch.float32, device=a.device)
     n = a.numel()
     sms = arch.sm_count(a.device) if a.is_cuda else 2  # a CPU tensor: the interpreter (T1)
-    programs = max(1, min(triton.cdiv(n, _TENSOR_BLOCK), _TENSOR_MAX_PROGRAMS, 4 * sms))
+    programs = max(1, min(launch.cdiv(n, _TENSOR_BLOCK), _TENSOR_MAX_PROGRAMS, 4 * sms))
     partial = torch.empty(programs, dtype=torch.float32, device=a.device)
     flat = a.as_strided((n,), (1,))
     _amax_partial_kernel[(programs,)](flat, partial, n, BLOCK=_TENSOR_BLOCK, num_warps=8)
     _quantize_fp8_tensor_kernel[(programs,)](
         flat, xq.as_strided((n,), (1,)), partial, scale, n, programs, arch.FP8_EPS,
-        FP8_MAX=torch.finfo(fp8).max, BLOCK=_TENSOR_BLOCK, PARTIALS=triton.next_power_of_2(programs), num_warps=8,
+        FP8_MAX=torch.finfo(fp8).max, BLOCK=_TENSOR_BLOCK, PARTIALS=launch.next_power_of_2(programs), num_warps=8,
     )  # fmt: skip
     return xq, scale
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mslk.core import registry, testing
+from mslk.core import launch, registry, testing
 from mslk.quantize.reference import abs_max
 from mslk.quantize.triton import fp4_utils
 from mslk.quantize.triton.common import e2m1_codes
@@ -162,7 +162,7 @@ def _fake_quantize_nvfp4_kernel(x_ptr, y_ptr, amax_ptr, numel, BLOCKS: tl.conste
 
 def _launch(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
     """Fake-quantize contiguous bf16 x into contiguous out, reading the global amax (fp32 [1]) on the device."""
-    grid = (triton.cdiv(x.numel(), _BLOCKS * 16),)
+    grid = (launch.cdiv(x.numel(), _BLOCKS * 16),)
     _fake_quantize_nvfp4_kernel[grid](x, out, amax, x.numel(), BLOCKS=_BLOCKS, num_warps=4)
 
 
