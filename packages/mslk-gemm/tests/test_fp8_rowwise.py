@@ -88,6 +88,20 @@ def test_batched(b, m, n, k):
     assert torch.equal(output, out), "the output argument is filled"
 
 
+def test_out_variant_fills_the_given_tensor():
+    xq, x_scale = quantize_rows(testing.randn(2, 33, 64, device=DEVICE))
+    wq, w_scale = quantize_rows(testing.randn(40, 64, device=DEVICE))
+    expected = oracle(xq, wq, x_scale, w_scale)
+    output = testing.empty_poisoned(2, 33, 40, dtype=torch.bfloat16, device=DEVICE)
+    assert kernel(g.f8f8bf16_rowwise_out_op)(xq, wq, x_scale, w_scale, output) is None
+    testing.assert_rel_close(output, expected, 1e-2)
+    strided = testing.empty_poisoned(2, 40, 33, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
+    kernel(g.f8f8bf16_rowwise_out_op)(xq, wq, x_scale, w_scale, strided)
+    testing.assert_rel_close(strided, expected, 1e-2)
+    with pytest.raises(ValueError, match="output must be bfloat16"):
+        g.f8f8bf16_rowwise_out_op(xq, wq, x_scale, w_scale, output[:, :32])
+
+
 def test_empty_and_k_zero():
     fp8 = arch.fp8_dtype(torch.device(DEVICE))
     w, ws = quantize_rows(testing.randn(8, 32, device=DEVICE))

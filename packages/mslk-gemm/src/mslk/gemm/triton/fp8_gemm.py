@@ -312,6 +312,48 @@ f8f8bf16_rowwise_op = _rowwise_op("f8f8bf16_rowwise", torch.bfloat16, _rowwise_s
 f8f8f16_rowwise_op = _rowwise_op("f8f8f16_rowwise", torch.float16, _rowwise_samples)
 
 
+def _validate_out(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
+    _validate_rowwise("f8f8bf16_rowwise_out", XQ, WQ, x_scale, w_scale, bias, batched=False)
+    expected = (*XQ.shape[:-1], WQ.shape[0])
+    if tuple(output.shape) != expected or output.dtype != torch.bfloat16 or output.device != XQ.device:
+        raise ValueError(
+            f"f8f8bf16_rowwise_out: output must be bfloat16 {expected} on {XQ.device}, got {tuple(output.shape)} "
+            f"{output.dtype} on {output.device}"
+        )
+
+
+def _out_reference(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
+    output.copy_(_rowwise_reference(XQ, WQ, x_scale, w_scale, bias, torch.bfloat16))
+
+
+def _out_samples(device):
+    for sample in _rowwise_samples(device):
+        xq, wq = sample.args[:2]
+        output = testing.empty_poisoned(*xq.shape[:-1], wq.shape[0], dtype=torch.bfloat16, device=device)
+        yield registry.Sample((*sample.args[:4], output, *sample.args[4:]))
+
+
+f8f8bf16_rowwise_out_op = registry.Op(
+    "mslk::f8f8bf16_rowwise_out(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor(a!) output, "
+    "Tensor? bias=None, bool use_fast_accum=True) -> ()",
+    domain="gemm",
+    reference=_out_reference,
+    fake=lambda *args, **kwargs: None,
+    samples=_out_samples,
+    validate=_validate_out,
+    tolerance=1e-2,
+)
+
+
+@f8f8bf16_rowwise_out_op.backend("triton", available=registry.triton_missing)
+def _out_triton(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
+    if output.is_contiguous():
+        _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, output)
+    else:  # the kernel writes [M', N] rows; a strided output gets a copy
+        out = torch.empty(output.shape, dtype=output.dtype, device=output.device)
+        output.copy_(_rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out))
+
+
 def _validate_batched(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
     _validate_rowwise("f8f8bf16_rowwise_batched", XQ, WQ, x_scale, w_scale, bias, batched=True)
     expected = (*XQ.shape[:-1], WQ.shape[1])
