@@ -1,11 +1,12 @@
-"""FP8 GEMMs (spec G-01, G-03, G-19; scale contract §7.2-7.3) and the MXFP8 quantizer `to_mxfp8` (Q-26 /
-G-52, here because the reference library puts it here).
+"""FP8 GEMMs (spec G-01, G-02, G-03, G-19, G-50; scale contract §7.2-7.3) and the MXFP8 quantizer `to_mxfp8`
+(Q-26 / G-52, here because the reference library puts it here).
 
 Rowwise: `out = (XQ · WQᵀ) · x_scale[m] · w_scale[n] (+ bias[n])` with XQ [..., M, K] and WQ [N, K] in this
 platform's FP8 (`quantize_fp8_row` makes them, with its dequantization scales), fp32 accumulation, bf16 (or
-fp16) output. One Triton kernel serves every shape: large M tiles 128 x 256 in grouped order; small M
-(decode) swaps the operands, so that the weight rows fill the 128-row MMA side and the few tokens the
-narrow one. The module imports nothing from mslk.quantize, so mslk-gemm works alone.
+fp16) output. One Triton kernel serves every shape (`_rowwise_config` picks the tiles by shape class): large
+M loops persistent programs over 128 x 256 tiles in grouped order; small M (decode) swaps the operands, so that
+the weight rows fill the MMA's 64-row side and the few tokens the narrow one. The module imports nothing from
+mslk.quantize, so mslk-gemm works alone.
 """
 
 from __future__ import annotations
