@@ -1,10 +1,13 @@
-"""FP4 quantizers (spec Q-10, Q-11, Q-13; formats §7.5): MXFP4 (E8M0 scales per 32 or 16 elements) and
-NVFP4 (e4m3 scales per 16 elements and an fp32 global scale), as Triton kernels.
+"""FP4 quantizers (spec Q-10..Q-14; formats §7.5): MXFP4 (E8M0 scales per 32 or 16 elements) and NVFP4 (e4m3
+scales per 16 elements and fp32 global scales), dense and stacked (MoE segments), as Triton kernels.
 
-Registered as `torch.ops.mslk.quantize_mx4` and `torch.ops.mslk.quantize_nvfp4` (with fake kernels; the
-references of fp4_utils are the CPU kernels); the reference library's entry points `triton_quantize_mx4`,
-`triton_quantize_mx4_unpack` and `triton_quantize_nvfp4` call them. Scales come in this platform's layout
-(`mslk.core.formats.platform_mx_layout`): flat blocked (swizzled) on CUDA, plain [..., K/gs] on ROCm.
+Registered as `torch.ops.mslk.quantize_mx4`, `quantize_nvfp4`, `quantize_mx4_stacked`, `quantize_nvfp4_stacked`,
+`quantize_nvfp4_stacked_token_scale` and `calculate_group_max` (with fake kernels; the references of fp4_utils
+are the CPU kernels); the reference library's entry points (`triton_quantize_mx4`, `triton_quantize_mx4_unpack`,
+`triton_quantize_nvfp4`, `quantize_mx4_stacked`, `nvfp4_quantize_stacked(_with_token_scale)`,
+`calculate_group_max`) call them. Dense MXFP4 scales come in this platform's layout
+(`mslk.core.formats.platform_mx_layout`): flat blocked (swizzled) on CUDA, plain [..., K/gs] on ROCm; NVFP4
+and stacked scales are always blocked.
 """
 
 from __future__ import annotations
