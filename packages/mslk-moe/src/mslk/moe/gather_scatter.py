@@ -1,0 +1,144 @@
+"""Moving tokens to and from their experts' segments (spec M-03, M-05): `gather_scale_dense_tokens` and
+`scatter_add_dense_tokens`, on the index arrays of index_shuffling.
+
+This release runs the plain-PyTorch implementations on every device (device-side ops only: no host sync);
+Triton kernels will be backends of the same ops. Any hidden size D works (the reference library asserts
+D % 1024 == 0 past #SMs rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mslk.core import registry, testing
+
+
+def _valid_rows(n: int, valid_token_count: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Mask of the first valid_token_count of n rows (None: all), without reading the count on the host."""
+    if valid_token_count is None:
+        return None
+    return torch.arange(n, device=device) < valid_token_count.reshape(()).to(device)
+
+
+def _check_indices(where: str, name: str, indices: torch.Tensor, rows: int) -> None:
+    if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) or indices.shape[0] != rows:
+        raise ValueError(f"{where}: {name} must be int32/int64 [{rows}], got {tuple(indices.shape)} {indices.dtype}")
+
+
+def _check_count(where: str, valid_token_count: torch.Tensor | None) -> None:
+    if valid_token_count is not None and (valid_token_count.numel() != 1 or valid_token_count.dtype.is_floating_point):
+        raise ValueError(f"{where}: valid_token_count must be one integer, got {tuple(valid_token_count.shape)}")
+
+
+# --------------------------------------------------------------------------------- gather and scale
+
+
+def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count=None):
+    where = "gather_scale_dense_tokens"
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"{where}: x must be floating-point [T, D], got {tuple(x.shape)} {x.dtype}")
+    if scores.dim() != 2 or scores.shape[0] != x.shape[0] or not scores.dtype.is_floating_point:
+        raise ValueError(f"{where}: scores must be floating-point [T={x.shape[0]}, E], got {tuple(scores.shape)}")
+    _check_indices(where, "token_indices", token_indices, token_indices.shape[0] if token_indices.dim() else 0)
+    _check_indices(where, "expert_indices", expert_indices, token_indices.shape[0])
+    _check_count(where, valid_token_count)
+
+
+def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
+    tokens, experts = token_indices.long(), expert_indices.long()
+    valid = _valid_rows(tokens.shape[0], valid_token_count, x.device)
+    if valid is not None:  # rows past the count read row 0 and come out zero
+        tokens, experts = tokens.where(valid, 0), experts.where(valid, 0)
+    out = x[tokens].float() * scores[tokens, experts].float()[:, None]
+    return (out if valid is None else out * valid[:, None]).to(x.dtype)
+
+
+def _gather_samples(device):
+    x = testing.randn(40, 96, dtype=torch.bfloat16, device=device)
+    scores = torch.softmax(testing.randn(40, 8, device=device), -1)
+    tokens = torch.randint(0, 40, (50,), device=device, dtype=torch.int32)
+    experts = torch.randint(0, 8, (50,), device=device, dtype=torch.int32)
+    yield registry.Sample((x, tokens, experts, scores))
+    yield registry.Sample((x, tokens, experts, scores, torch.tensor([33], device=device)))
+
+
+gather_scale_dense_tokens_op = registry.Op(
+    "mslk::gather_scale_dense_tokens(Tensor x, Tensor token_indices, Tensor expert_indices, Tensor scores, "
+    "Tensor? valid_token_count=None) -> Tensor",
+    domain="moe",
+    reference=_gather,
+    fake=lambda x, token_indices, *args: x.new_empty((token_indices.shape[0], x.shape[1])),
+    samples=_gather_samples,
+    validate=_validate_gather,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def gather_scale_dense_tokens(
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    expert_indices: torch.Tensor,
+    scores: torch.Tensor,
+    valid_token_count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of x [T, D] in expert order, each scaled by its routing score (spec M-03): out [a, D] with
+    `out[i] = x[token_indices[i]] · scores[token_indices[i], expert_indices[i]]` (fp32 math, x's dtype);
+    rows at or past valid_token_count are zero."""
+    return torch.ops.mslk.gather_scale_dense_tokens(x, token_indices, expert_indices, scores, valid_token_count)
+
+
+# --------------------------------------------------------------------------------------- scatter-add
+
+
+def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
+    where = "scatter_add_dense_tokens"
+    if out_tokens.dim() != 2 or in_tokens.dim() != 2 or out_tokens.shape[1] != in_tokens.shape[1]:
+        raise ValueError(
+            f"{where}: expected out_tokens [T, D] and in_tokens [a, D], got {tuple(out_tokens.shape)} and "
+            f"{tuple(in_tokens.shape)}"
+        )
+    if out_tokens.dtype != in_tokens.dtype:
+        raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
+    _check_indices(where, "token_indices", token_indices, in_tokens.shape[0])
+    _check_count(where, valid_token_count)
+
+
+def _scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
+    values = in_tokens.float()
+    valid = _valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device)
+    if valid is not None:  # rows past the count add zero
+        values = values * valid[:, None]
+    total = out_tokens.float().index_add_(0, token_indices.long(), values)
+    out_tokens.copy_(total)
+
+
+def _scatter_samples(device):
+    out = testing.randn(30, 64, dtype=torch.bfloat16, device=device)
+    tokens = torch.randint(0, 30, (45,), device=device, dtype=torch.int64)
+    yield registry.Sample((out, testing.randn(45, 64, dtype=torch.bfloat16, device=device), tokens))
+    yield registry.Sample(
+        (out.float(), testing.randn(45, 64, device=device), tokens, torch.tensor([20], device=device))
+    )
+
+
+scatter_add_dense_tokens_op = registry.Op(
+    "mslk::scatter_add_dense_tokens(Tensor(a!) out_tokens, Tensor in_tokens, Tensor token_indices, "
+    "Tensor? valid_token_count=None) -> ()",
+    domain="moe",
+    reference=_scatter,
+    fake=lambda *args: None,
+    samples=_scatter_samples,
+    validate=_validate_scatter,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def scatter_add_dense_tokens(
+    out_tokens: torch.Tensor,
+    in_tokens: torch.Tensor,
+    token_indices: torch.Tensor,
+    valid_token_count: torch.Tensor | None = None,
+) -> None:
+    """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place;
+    sums in fp32, so a token receiving several experts' rows is rounded once."""
+    torch.ops.mslk.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)

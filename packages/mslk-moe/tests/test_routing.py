@@ -1,0 +1,129 @@
+"""MoE routing ops (spec M-01, M-03, M-05, M-07) against naive per-token loops; the README quick start."""
+
+import pytest
+import torch
+
+from mslk.core import testing
+from mslk.moe import gather_scale_dense_tokens, index_shuffling, scatter_add_dense_tokens, silu_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_readme_quick_start():
+    t, d, e = 256, 512, 8
+    x = testing.randn(t, d, device=DEVICE, dtype=torch.bfloat16)
+    routing_scores = torch.softmax(testing.randn(t, e, device=DEVICE), dim=-1)
+    counts, experts, tokens = torch.ops.mslk.index_shuffling(routing_scores, top_k=1)
+    expert_x = gather_scale_dense_tokens(x, tokens, experts, routing_scores)
+    out = torch.zeros_like(x)
+    scatter_add_dense_tokens(out, expert_x, tokens)
+    expected = x.float() * routing_scores.max(dim=-1).values[:, None]
+    testing.assert_rel_close(out, expected, 1e-2)
+    assert counts[:e].sum() == counts[e + 1] == t and counts[e] == t
+
+
+def _naive_shuffling(scores, start, end, valid, top_k):
+    """(counts per kept expert, [(local expert, token)] by expert then token)."""
+    chosen = torch.topk(scores.float(), top_k, dim=1).indices.tolist()
+    pairs = [(ex - start, tok) for tok, row in enumerate(chosen[:valid]) for ex in row if start <= ex < end]
+    pairs.sort()
+    counts = [sum(1 for ex, _ in pairs if ex == e - start) for e in range(start, end)]
+    return counts, pairs
+
+
+def _distinct_scores(t, e, dtype):
+    """Scores without ties within a row (so that top-k is unambiguous), in dtype."""
+    ranks = torch.stack([torch.randperm(e) for _ in range(t)]).float() if t else torch.empty(0, e)
+    return ((ranks + 1) / (e + 1)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "top_k"),
+    [(1, 1, 1), (0, 8, 1), (37, 8, 2), (100, 16, 4), (64, 60, 8), (300, 128, 1), (50, 256, 8), (20, 320, 4)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ranged", [False, True])
+def test_index_shuffling_matches_a_naive_loop(t, e, top_k, dtype, ranged):
+    if dtype == torch.bfloat16 and e > 128:
+        pytest.skip("steps of 1/(E+1) round together in bf16 (8 bits) past E = 128: ties make top-k ambiguous")
+    scores = _distinct_scores(t, e, dtype)
+    start, end = (e // 4, e - e // 4) if ranged else (0, e)
+    valid = max(t - 3, 0) if ranged else t
+    count = torch.tensor([valid], device=DEVICE) if ranged else None
+    counts, experts, tokens = index_shuffling(scores, start, end, count, top_k)
+    ref_counts, pairs = _naive_shuffling(scores, start, end, valid, top_k)
+    assert counts.dtype == experts.dtype == tokens.dtype == torch.int32
+    assert counts.shape == (e + 2,) and experts.shape == tokens.shape == (t * top_k,)
+    assert counts[start:end].tolist() == ref_counts and counts[:start].sum() == counts[end:e].sum() == 0
+    assert counts[e] == t and counts[e + 1] == len(pairs)
+    assert list(zip(experts[: len(pairs)].tolist(), tokens[: len(pairs)].tolist(), strict=True)) == pairs
+
+
+@pytest.mark.parametrize("d", [96, 5120, 1000], ids=str)
+def test_gather_and_scatter_against_loops(d):
+    t, e, a = 50, 8, 70
+    x = testing.randn(t, d, device=DEVICE, dtype=torch.bfloat16)
+    scores = torch.rand(t, e, device=DEVICE)
+    tokens = torch.randint(0, t, (a,), device=DEVICE, dtype=torch.int32)
+    experts = torch.randint(0, e, (a,), device=DEVICE, dtype=torch.int32)
+    gathered = gather_scale_dense_tokens(x, tokens, experts, scores, torch.tensor([60], device=DEVICE))
+    for i in (0, 17, 59):
+        expected = x[tokens[i]].float() * scores[tokens[i], experts[i]]
+        testing.assert_rel_close(gathered[i], expected, 1e-2)
+    assert (gathered[60:] == 0).all(), "rows past valid_token_count are zero"
+
+    out = testing.randn(t, d, device=DEVICE)
+    expected = out.double().clone()
+    for i in range(60):
+        expected[tokens[i]] += gathered[i].double()
+    scatter_add_dense_tokens(out, gathered.float(), tokens.long(), torch.tensor([60], device=DEVICE))
+    testing.assert_rel_close(out, expected, 1e-6)
+
+
+def test_silu_mul():
+    x0, x1 = (testing.randn(33, 200, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    a = x0.double()
+    testing.assert_rel_close(silu_mul(x0, x1), a * torch.sigmoid(a) * x1.double(), 1e-2)
+    partial = silu_mul(x0, x1, torch.tensor([10], device=DEVICE))
+    assert (partial[10:] == 0).all() and torch.equal(partial[:10], silu_mul(x0[:10], x1[:10]))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: index_shuffling(torch.rand(4, 8, dtype=torch.float16)), "bfloat16 or float32"),
+        (lambda: index_shuffling(torch.rand(4, 8), top_k=9), r"top_k must be in \[1, E=8\]"),
+        (lambda: index_shuffling(torch.rand(4, 8), 6, 3), "expert_index_start <= expert_index_end"),
+        (lambda: index_shuffling(torch.rand(4, 8), valid_token_count=torch.ones(2)), "one integer"),
+        (
+            lambda: gather_scale_dense_tokens(
+                torch.rand(4, 8), torch.zeros(3).int(), torch.zeros(2).int(), torch.rand(4, 2)
+            ),
+            r"expert_indices must be int32/int64 \[3\]",
+        ),
+        (
+            lambda: scatter_add_dense_tokens(torch.rand(4, 8), torch.rand(3, 8).double(), torch.zeros(3).int()),
+            "float64",
+        ),
+        (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 9)), "one shape and dtype"),
+    ],
+)
+def test_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_compile_and_export():
+    class Route(torch.nn.Module):
+        def forward(self, x, scores):
+            counts, experts, tokens = index_shuffling(scores, top_k=2)
+            y = silu_mul(gather_scale_dense_tokens(x, tokens, experts, scores), x[tokens.long()])
+            out = torch.zeros_like(x)
+            scatter_add_dense_tokens(out, y, tokens)
+            return counts, out
+
+    x, scores = testing.randn(16, 32), torch.rand(16, 4)
+    counts, out = torch.compile(Route(), fullgraph=True, backend="aot_eager")(x, scores)
+    assert counts.shape == (6,) and out.shape == (16, 32)
+    assert "mslk.index_shuffling" in str(torch.export.export(Route(), (x, scores)).graph)
