@@ -5,6 +5,13 @@ Importing this module registers the domain's `torch.ops` (`import mslk` does it 
 
 from mslk.moe.activation import silu_mul
 from mslk.moe.gather_scatter import gather_scale_dense_tokens, scatter_add_dense_tokens
-from mslk.moe.shuffling import index_shuffling
+from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling
 
-__all__ = ["gather_scale_dense_tokens", "index_shuffling", "scatter_add_dense_tokens", "silu_mul"]
+__all__ = [
+    "combine_shuffling",
+    "gather_scale_dense_tokens",
+    "index_shuffling",
+    "scatter_add_dense_tokens",
+    "silu_mul",
+    "split_shuffling",
+]

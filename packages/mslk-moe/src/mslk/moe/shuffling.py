@@ -106,3 +106,137 @@ def index_shuffling(
     return torch.ops.mslk.index_shuffling(
         routing_scores, expert_index_start, expert_index_end, valid_token_count, top_k
     )
+
+
+# ------------------------------------------------------------------- expert-parallel regrouping (M-09, M-10)
+# After the all-to-all of expert parallelism, the tokens of EP ranks arrive rank by rank, each rank's tokens
+# grouped by expert (token_counts [EP, E]); combine_shuffling regroups them expert by expert for experts
+# [start, end), split_shuffling puts the experts' outputs back in rank order. A rank's tokens start at
+# rank · T/EP when is_padded, else right after the previous rank's.
+
+
+def _chunks(tokens, token_counts, expert_start, expert_end, is_padded):
+    """For the chunks (expert e in [start, end), rank r), in that order: (their sizes, their first row in the
+    rank-ordered layout, the number of kept experts). The expert-ordered layout is the chunks back to back."""
+    ranks, experts = token_counts.shape
+    start = 0 if expert_start is None else expert_start
+    end = experts if expert_end is None else expert_end
+    counts = token_counts.to(torch.int64)
+    within_rank = torch.cumsum(counts, 1) - counts  # offset of expert e inside rank r's tokens
+    if is_padded:
+        rank_start = torch.arange(ranks, device=counts.device) * (tokens.shape[0] // ranks)
+    else:
+        totals = counts.sum(1)
+        rank_start = torch.cumsum(totals, 0) - totals
+    sizes = counts[:, start:end].t().reshape(-1)  # (e, r) order
+    rank_rows = (rank_start[:, None] + within_rank)[:, start:end].t().reshape(-1)
+    return sizes, rank_rows, end - start
+
+
+def _expert_side(tokens, sizes):
+    """For each row of the expert-ordered side (chunks back to back, at least one chunk): (its chunk, its
+    offset in the chunk, whether it is in one at all)."""
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    ends = torch.cumsum(sizes, 0)
+    chunk = torch.searchsorted(ends, rows, right=True).clamp(max=sizes.numel() - 1)
+    return chunk, rows - (ends - sizes)[chunk], rows < ends[-1]
+
+
+def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
+    if tokens.dim() != 2 or token_counts.dim() != 2 or token_counts.dtype.is_floating_point:
+        raise ValueError(
+            f"{where}: expected tokens [T, D] and integer token_counts [EP, E], got {tuple(tokens.shape)} and "
+            f"{tuple(token_counts.shape)} {token_counts.dtype}"
+        )
+    experts = token_counts.shape[1]
+    start = 0 if expert_start is None else expert_start
+    end = experts if expert_end is None else expert_end
+    if not 0 <= start <= end <= experts:
+        raise ValueError(f"{where}: need 0 <= expert_start <= expert_end <= E={experts}, got {start}, {end}")
+
+
+def _combine(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False):
+    sizes, rank_rows, kept = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
+    out = torch.zeros_like(tokens)
+    if sizes.numel():
+        chunk, offset, used = _expert_side(tokens, sizes)  # each output row reads its rank-ordered row
+        out = torch.where(used[:, None], tokens[torch.where(used, rank_rows[chunk] + offset, 0)], out)
+    counts = sizes.reshape(kept, token_counts.shape[0]).sum(1)
+    return out, torch.cat([counts, counts.sum().reshape(1)]).to(torch.int32)
+
+
+def _split(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False, init_with_zeros=False):
+    sizes, rank_rows, _ = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
+    rows = tokens.shape[0]
+    out = tokens.new_zeros(rows + 1, tokens.shape[1])  # row `rows` takes the rows in no chunk
+    if sizes.numel():
+        chunk, offset, used = _expert_side(tokens, sizes)  # each input row goes back to its rank-ordered row
+        out.index_copy_(0, torch.where(used, rank_rows[chunk] + offset, rows), tokens)
+    return out[:rows]
+
+
+def _shuffle_samples(device):
+    counts = torch.tensor([[3, 0, 2, 4], [1, 5, 0, 2]], device=device, dtype=torch.int32)
+    tokens = testing.randn(20, 24, device=device, dtype=torch.bfloat16)
+    yield registry.Sample((tokens, counts, 1, 3, True))
+    yield registry.Sample((tokens[:17], counts))
+
+
+combine_shuffling_op = registry.Op(
+    "mslk::combine_shuffling(Tensor tokens, Tensor token_counts, int? expert_start=None, int? expert_end=None, "
+    "bool? is_padded=False) -> (Tensor, Tensor)",
+    domain="moe",
+    reference=_combine,
+    fake=lambda tokens, token_counts, expert_start=None, expert_end=None, is_padded=False: (
+        torch.empty_like(tokens),
+        token_counts.new_empty(
+            ((token_counts.shape[1] if expert_end is None else expert_end) - (expert_start or 0)) + 1,
+            dtype=torch.int32,
+        ),
+    ),
+    samples=_shuffle_samples,
+    validate=lambda tokens, token_counts, expert_start=None, expert_end=None, is_padded=False: _validate_shuffle(
+        "combine_shuffling", tokens, token_counts, expert_start, expert_end
+    ),
+    reference_devices=("cpu", "cuda"),
+)
+split_shuffling_op = registry.Op(
+    "mslk::split_shuffling(Tensor tokens, Tensor token_counts, int? expert_start=None, int? expert_end=None, "
+    "bool? is_padded=False, bool? init_with_zeros=False) -> Tensor",
+    domain="moe",
+    reference=_split,
+    fake=lambda tokens, *args, **kwargs: torch.empty_like(tokens),
+    samples=_shuffle_samples,
+    validate=lambda tokens, token_counts, expert_start=None, expert_end=None, *args: _validate_shuffle(
+        "split_shuffling", tokens, token_counts, expert_start, expert_end
+    ),
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def combine_shuffling(
+    tokens: torch.Tensor,
+    token_counts: torch.Tensor,
+    expert_start: int | None = None,
+    expert_end: int | None = None,
+    is_padded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Regroup tokens received from EP ranks expert by expert (spec M-09): tokens [T, D] rank by rank, each
+    rank's grouped by expert (token_counts [EP, E]) -> (tokens [T, D] for experts [expert_start, expert_end),
+    expert by expert and within an expert rank by rank, zeros after them; counts int32 [EG + 1], tokens per kept
+    expert then their total)."""
+    return torch.ops.mslk.combine_shuffling(tokens, token_counts, expert_start, expert_end, is_padded)
+
+
+def split_shuffling(
+    tokens: torch.Tensor,
+    token_counts: torch.Tensor,
+    expert_start: int | None = None,
+    expert_end: int | None = None,
+    is_padded: bool = False,
+    init_with_zeros: bool = False,
+) -> torch.Tensor:
+    """The inverse of combine_shuffling (spec M-10): expert-ordered tokens [T, D] back to rank order, each chunk
+    where combine_shuffling read it (is_padded: rank slabs of T/EP rows). Rows nothing is written to are zero
+    whatever init_with_zeros says (the argument is accepted for compatibility)."""
+    return torch.ops.mslk.split_shuffling(tokens, token_counts, expert_start, expert_end, is_padded, init_with_zeros)

@@ -1,0 +1,62 @@
+"""combine_shuffling / split_shuffling (spec M-09, M-10) against a naive chunk loop."""
+
+import pytest
+import torch
+
+from mslk.core import testing
+from mslk.moe import shuffling
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layout(counts: list[list[int]], slab: int | None):
+    """{(rank, expert): first row} of the rank-ordered layout (slab rows a rank when padded)."""
+    first, row = {}, 0
+    for r, per_rank in enumerate(counts):
+        row = r * slab if slab is not None else row
+        for e, n in enumerate(per_rank):
+            first[r, e] = row
+            row += n
+    return first
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("ep", "experts", "kept"), [(1, 4, (0, 4)), (2, 8, (2, 6)), (4, 3, (0, 3)), (3, 6, (5, 6))])
+def test_combine_and_split_match_chunk_loops(ep, experts, kept, padded):
+    start, end = kept
+    counts = torch.randint(0, 5, (ep, experts))
+    slab = int(counts.sum(1).max()) + 2 if padded else None
+    rows = ep * slab if padded else int(counts.sum())
+    tokens = testing.randn(rows + (0 if padded else 3), 40, device=DEVICE)
+    first = _layout(counts.tolist(), slab)
+
+    out, out_counts = shuffling.combine_shuffling(tokens, counts.to(DEVICE).int(), start, end, padded)
+    expected, row = torch.zeros_like(tokens), 0
+    for e in range(start, end):
+        for r in range(ep):
+            n = int(counts[r, e])
+            expected[row : row + n] = tokens[first[r, e] : first[r, e] + n]
+            row += n
+    assert torch.equal(out, expected), "expert by expert, rank by rank, zeros after"
+    assert out_counts.tolist() == [*counts[:, start:end].sum(0).tolist(), row]
+
+    back = shuffling.split_shuffling(out, counts.to(DEVICE), start, end, padded)
+    for e in range(start, end):
+        for r in range(ep):
+            n = int(counts[r, e])
+            assert torch.equal(back[first[r, e] : first[r, e] + n], tokens[first[r, e] : first[r, e] + n])
+    written = sum(int(counts[r, e]) for e in range(start, end) for r in range(ep))
+    assert int((back.abs().sum(1) != 0).sum()) == written, "nothing else is written; the rest is zero"
+
+
+def test_no_experts_kept_and_no_ranks():
+    out, counts = shuffling.combine_shuffling(torch.rand(4, 3), torch.ones(2, 3, dtype=torch.int32), 1, 1)
+    assert (out == 0).all() and counts.tolist() == [0]
+    assert (shuffling.split_shuffling(torch.rand(4, 3), torch.zeros(0, 3, dtype=torch.int32)) == 0).all()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="expert_start <= expert_end"):
+        shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32), 2, 1)
+    with pytest.raises(ValueError, match="integer token_counts"):
+        shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3))
