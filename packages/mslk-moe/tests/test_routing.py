@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from mslk.core import testing
-from mslk.moe import gather_scale_dense_tokens, index_shuffling, scatter_add_dense_tokens, silu_mul
+from mslk.moe import (
+    gather_scale_dense_tokens,
+    gather_scale_quant_dense_tokens,
+    index_shuffling,
+    scatter_add_dense_tokens,
+    silu_mul,
+    silu_mul_quant,
+)
+from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -87,6 +95,25 @@ def test_silu_mul():
     testing.assert_rel_close(silu_mul(x0, x1), a * torch.sigmoid(a) * x1.double(), 1e-2)
     partial = silu_mul(x0, x1, torch.tensor([10], device=DEVICE))
     assert (partial[10:] == 0).all() and torch.equal(partial[:10], silu_mul(x0[:10], x1[:10]))
+
+
+def test_quantized_variants_quantize_rowwise():
+    x0, x1 = (testing.randn(20, 160, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    count, ub = torch.tensor([15], device=DEVICE), torch.tensor([2.0], device=DEVICE)
+    xq, scale = silu_mul_quant(x0, x1, ub, count)
+    rq, rs = quantize_fp8_row(silu_mul(x0, x1, count), ub)
+    assert xq.dtype == rq.dtype and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(scale, rs)
+    back = xq.float() * scale[:, None]
+    a = x0.double()
+    expected = (a * torch.sigmoid(a) * x1.double()).clamp(-2, 2)  # scale_ub bounds amax at 2
+    testing.assert_rel_close(back[:15], expected[:15], 0.08)
+
+    x, scores = testing.randn(30, 64, device=DEVICE), torch.rand(30, 4, device=DEVICE)
+    tokens = torch.randint(0, 30, (40,), device=DEVICE, dtype=torch.int32)
+    experts = torch.randint(0, 4, (40,), device=DEVICE, dtype=torch.int32)
+    gq, gs = gather_scale_quant_dense_tokens(x, tokens, experts, scores)
+    rq, rs = quantize_fp8_row(gather_scale_dense_tokens(x, tokens, experts, scores))
+    assert torch.equal(gq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(gs, rs)
 
 
 @pytest.mark.parametrize(

@@ -3,15 +3,17 @@
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
 """
 
-from mslk.moe.activation import silu_mul
-from mslk.moe.gather_scatter import gather_scale_dense_tokens, scatter_add_dense_tokens
+from mslk.moe.activation import silu_mul, silu_mul_quant
+from mslk.moe.gather_scatter import gather_scale_dense_tokens, gather_scale_quant_dense_tokens, scatter_add_dense_tokens
 from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling
 
 __all__ = [
     "combine_shuffling",
     "gather_scale_dense_tokens",
+    "gather_scale_quant_dense_tokens",
     "index_shuffling",
     "scatter_add_dense_tokens",
     "silu_mul",
+    "silu_mul_quant",
     "split_shuffling",
 ]

@@ -1,5 +1,6 @@
-"""Moving tokens to and from their experts' segments (spec M-03, M-05): `gather_scale_dense_tokens` and
-`scatter_add_dense_tokens`, on the index arrays of index_shuffling.
+"""Moving tokens to and from their experts' segments (spec M-03, M-04, M-05): `gather_scale_dense_tokens`
+(and `gather_scale_quant_dense_tokens`, followed by rowwise FP8 quantization) and `scatter_add_dense_tokens`,
+on the index arrays of index_shuffling.
 
 This release runs the plain-PyTorch implementations on every device (device-side ops only: no host sync);
 Triton kernels will be backends of the same ops. Any hidden size D works (the reference library asserts
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from mslk.core import registry, testing
+from mslk.core import arch, registry, testing
+from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 
 def _valid_rows(n: int, valid_token_count: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -85,6 +87,48 @@ def gather_scale_dense_tokens(
     `out[i] = x[token_indices[i]] · scores[token_indices[i], expert_indices[i]]` (fp32 math, x's dtype);
     rows at or past valid_token_count are zero."""
     return torch.ops.mslk.gather_scale_dense_tokens(x, token_indices, expert_indices, scores, valid_token_count)
+
+
+def _validate_gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
+    _validate_gather(x, token_indices, expert_indices, scores, valid_token_count)
+    if scale_ub is not None and (scale_ub.numel() != 1 or scale_ub.dtype != torch.float32):
+        raise ValueError(f"gather_scale_quant_dense_tokens: scale_ub must be one float32 value, got {scale_ub.shape}")
+
+
+def _gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
+    return quantize_fp8_row(_gather(x, token_indices, expert_indices, scores, valid_token_count), scale_ub)
+
+
+gather_scale_quant_dense_tokens_op = registry.Op(
+    "mslk::gather_scale_quant_dense_tokens(Tensor x, Tensor token_indices, Tensor expert_indices, Tensor scores, "
+    "Tensor? scale_ub=None, Tensor? valid_token_count=None) -> (Tensor, Tensor)",
+    domain="moe",
+    reference=_gather_quant,
+    fake=lambda x, token_indices, *args: (
+        x.new_empty((token_indices.shape[0], x.shape[1]), dtype=arch.fp8_dtype(x.device)),
+        x.new_empty(token_indices.shape[0], dtype=torch.float32),
+    ),
+    samples=lambda device: [
+        registry.Sample((*sample.args[:4], None, *sample.args[4:])) for sample in _gather_samples(device)
+    ],
+    validate=_validate_gather_quant,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def gather_scale_quant_dense_tokens(
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    expert_indices: torch.Tensor,
+    scores: torch.Tensor,
+    scale_ub: torch.Tensor | None = None,
+    valid_token_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_scale_dense_tokens then rowwise FP8 (spec M-04; two outputs, as the schema says): (xq [a, D] in
+    this platform's FP8, dequantization scale fp32 [a], quantize_fp8_row's)."""
+    return torch.ops.mslk.gather_scale_quant_dense_tokens(
+        x, token_indices, expert_indices, scores, scale_ub, valid_token_count
+    )
 
 
 # --------------------------------------------------------------------------------------- scatter-add
