@@ -8,6 +8,7 @@ from mslk.moe import (
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,
     index_shuffling,
+    scatter_add_along_first_dim,
     scatter_add_dense_tokens,
     silu_mul,
     silu_mul_quant,
@@ -87,6 +88,15 @@ def test_gather_and_scatter_against_loops(d):
         expected[tokens[i]] += gathered[i].double()
     scatter_add_dense_tokens(out, gathered.float(), tokens.long(), torch.tensor([60], device=DEVICE))
     testing.assert_rel_close(out, expected, 1e-6)
+
+
+def test_scatter_add_along_first_dim():
+    dst = testing.randn(20, 48, device=DEVICE)
+    src = testing.randn(33, 48, device=DEVICE)
+    index = torch.randint(0, 20, (33,), device=DEVICE, dtype=torch.int32)
+    expected = dst.double().index_add(0, index.long(), src.double())
+    scatter_add_along_first_dim(dst, src, index)
+    testing.assert_rel_close(dst, expected, 1e-6)
 
 
 def test_silu_mul():

@@ -4,7 +4,12 @@ Importing this module registers the domain's `torch.ops` (`import mslk` does it 
 """
 
 from mslk.moe.activation import silu_mul, silu_mul_quant
-from mslk.moe.gather_scatter import gather_scale_dense_tokens, gather_scale_quant_dense_tokens, scatter_add_dense_tokens
+from mslk.moe.gather_scatter import (
+    gather_scale_dense_tokens,
+    gather_scale_quant_dense_tokens,
+    scatter_add_along_first_dim,
+    scatter_add_dense_tokens,
+)
 from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling
 
 __all__ = [
@@ -12,6 +17,7 @@ __all__ = [
     "gather_scale_dense_tokens",
     "gather_scale_quant_dense_tokens",
     "index_shuffling",
+    "scatter_add_along_first_dim",
     "scatter_add_dense_tokens",
     "silu_mul",
     "silu_mul_quant",

@@ -1,6 +1,6 @@
-"""Moving tokens to and from their experts' segments (spec M-03, M-04, M-05): `gather_scale_dense_tokens`
-(and `gather_scale_quant_dense_tokens`, followed by rowwise FP8 quantization) and `scatter_add_dense_tokens`,
-on the index arrays of index_shuffling.
+"""Moving tokens to and from their experts' segments (spec M-02..M-05): `gather_scale_dense_tokens` (and
+`gather_scale_quant_dense_tokens`, followed by rowwise FP8 quantization), `scatter_add_dense_tokens` on the
+index arrays of index_shuffling, and the generic `scatter_add_along_first_dim`.
 
 This release runs the plain-PyTorch implementations on every device (device-side ops only: no host sync);
 Triton kernels will be backends of the same ops. Any hidden size D works (the reference library asserts
@@ -186,3 +186,42 @@ def scatter_add_dense_tokens(
     """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place;
     sums in fp32, so a token receiving several experts' rows is rounded once."""
     torch.ops.mslk.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)
+
+
+def _validate_scatter_first_dim(Dst, Src, Index):
+    where = "scatter_add_along_first_dim"
+    if Dst.dim() != 2 or Src.dim() != 2 or Dst.shape[1] != Src.shape[1] or Dst.dtype != Src.dtype:
+        raise ValueError(
+            f"{where}: expected Dst [T, D] and Src [a, D] of one dtype, got {tuple(Dst.shape)} {Dst.dtype} and "
+            f"{tuple(Src.shape)} {Src.dtype}"
+        )
+    _check_indices(where, "Index", Index, Src.shape[0])
+
+
+def _scatter_first_dim(Dst, Src, Index):
+    Dst.index_add_(0, Index.long(), Src)
+
+
+scatter_add_along_first_dim_op = registry.Op(
+    "mslk::scatter_add_along_first_dim(Tensor(a!) Dst, Tensor Src, Tensor Index) -> ()",
+    domain="moe",
+    reference=_scatter_first_dim,
+    fake=lambda *args: None,
+    samples=lambda device: [
+        registry.Sample(
+            (
+                testing.randn(30, 64, dtype=torch.bfloat16, device=device),
+                testing.randn(45, 64, dtype=torch.bfloat16, device=device),
+                torch.randint(0, 30, (45,), device=device, dtype=torch.int32),
+            )
+        )
+    ],
+    validate=_validate_scatter_first_dim,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+def scatter_add_along_first_dim(Dst: torch.Tensor, Src: torch.Tensor, Index: torch.Tensor) -> None:
+    """`Dst[Index[i], :] += Src[i, :]` in place (spec M-02; the mutation is declared in the schema), in Dst's
+    dtype, on any device."""
+    torch.ops.mslk.scatter_add_along_first_dim(Dst, Src, Index)
