@@ -1,0 +1,498 @@
+"""The attention masks (spec §3, `mslk.attention.fmha.attn_bias`): what each query may attend to.
+
+Notation, per block (one sequence of a varlen batch, or the whole tensor for the non-block masks): query i in
+[0, nq), key j in [0, nk), s = nk − nq (the bottom-right shift). A mask allows (i, j) or not; `materialize`
+gives the dense additive mask (0 allowed, −inf not), for debugging and as the oracle of the kernels' tests.
+
+Varlen ("block diagonal") masks describe a batch packed into one sequence (B = 1): q [1, Σnq, H, K] and keys
+either packed (Σnk), in slots of `padding` keys (padded keys), or at arbitrary starts (gappy keys). Their
+sequence metadata (`_SeqLenInfo` and subclasses) holds the starts as an int32 tensor for the kernels and as a
+Python list. The paged masks (B15-B17, B21-B22) come with the decode kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _int_tensor(values: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=device or _default_device())
+
+
+class AttentionBias:
+    """Base of the masks (B00); a plain tensor bias is passed as a torch.Tensor instead."""
+
+    def _allowed(self, i: torch.Tensor, j: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+        """Whether query i may see key j inside one block of nq queries and nk keys (broadcasting i, j)."""
+        raise NotImplementedError
+
+    def _blocks(self, mq: int, mk: int) -> Iterable[tuple[int, int, int, int]]:
+        """(q start, q end, k start, k end) of each block; the whole matrix for non-block masks."""
+        yield 0, mq, 0, mk
+
+    def materialize(self, shape: Sequence[int], dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        """The dense additive mask of shape [..., Mq, Mkv]: 0 where allowed, −inf elsewhere."""
+        mq, mk = shape[-2], shape[-1]
+        mask = torch.full((mq, mk), -math.inf, dtype=torch.float32, device=device)
+        for q0, q1, k0, k1 in self._blocks(mq, mk):
+            i = torch.arange(q1 - q0, device=device)[:, None]
+            j = torch.arange(k1 - k0, device=device)[None, :]
+            allowed = self._allowed(i, j, q1 - q0, k1 - k0)
+            mask[q0:q1, k0:k1] = torch.where(allowed, 0.0, -math.inf)
+        return mask.to(dtype).expand(*shape)
+
+    def to(self, device) -> AttentionBias:
+        return self
+
+
+# ----------------------------------------------------------------------------------------- B01-B05
+
+
+class LowerTriangularMask(AttentionBias):
+    """B01: causal from the top left, j <= i. `device` is accepted for compatibility and unused."""
+
+    def __init__(self, device=None) -> None:
+        del device
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i
+
+    def add_bias(self, bias: torch.Tensor) -> LowerTriangularMaskWithTensorBias:
+        return LowerTriangularMaskWithTensorBias(bias)
+
+
+class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
+    """B02: B01 plus a dense additive bias."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        self._bias = bias
+
+    def materialize(self, shape, dtype=torch.float32, device="cpu"):
+        return super().materialize(shape, dtype, device) + self._bias.to(dtype=dtype, device=device)
+
+    def to(self, device) -> LowerTriangularMaskWithTensorBias:
+        return LowerTriangularMaskWithTensorBias(self._bias.to(device))
+
+
+class LowerTriangularFromBottomRightMask(AttentionBias):
+    """B03: causal from the bottom right, j <= i + s (the last query sees the last key)."""
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i + (nk - nq)
+
+    def make_local_attention(self, window_size: int) -> LowerTriangularFromBottomRightLocalAttentionMask:
+        return LowerTriangularFromBottomRightLocalAttentionMask(window_size)
+
+
+def _check_window(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
+    """B04: bottom-right causal over the last `_window_size` keys: s − w < j − i <= s."""
+
+    _window_size: int
+
+    def __post_init__(self) -> None:
+        _check_window("window_size", self._window_size, 1)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self._window_size - 1, 0)
+
+
+def _local(i, j, shift: int, left: int, right: int) -> torch.Tensor:
+    """−left <= j − i − shift <= right."""
+    d = j - i - shift
+    return (d >= -left) & (d <= right)
+
+
+@dataclass
+class LocalAttentionFromBottomRightMask(AttentionBias):
+    """B05: a window around the bottom-right diagonal: −window_left <= j − i − s <= window_right."""
+
+    window_left: int
+    window_right: int
+
+    def __post_init__(self) -> None:
+        _check_window("window_left", self.window_left, 0)
+        _check_window("window_right", self.window_right, 0)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self.window_left, self.window_right)
+
+
+# ------------------------------------------------------------------------------------ sequence metadata
+
+
+@dataclass
+class _SeqLenInfo:
+    """Packed sequences: sequence b is rows [seqstart[b], seqstart[b + 1])."""
+
+    seqstart: torch.Tensor  # int32 [B + 1], on the device
+    max_seqlen: int
+    min_seqlen: int
+    seqstart_py: list[int]
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Iterable[int], *, device=None) -> _SeqLenInfo:
+        lengths = list(seqlens)
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
+        starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+        return cls(_int_tensor(starts, device), max(lengths, default=0), min(lengths, default=0), starts)
+
+    def intervals(self) -> Iterable[tuple[int, int]]:
+        return zip(self.seqstart_py[:-1], self.seqstart_py[1:], strict=True)
+
+    def lengths(self) -> list[int]:
+        return [end - start for start, end in self.intervals()]
+
+    def to(self, device) -> _SeqLenInfo:
+        return replace(self, seqstart=self.seqstart.to(device))
+
+
+@dataclass
+class _PaddedSeqLenInfo(_SeqLenInfo):
+    """Keys in slots of `padding` rows: sequence b is rows [b · padding, b · padding + seqlen[b])."""
+
+    seqlen: torch.Tensor  # int32 [B]
+    seqlen_py: list[int]
+    padding: int
+
+    @classmethod
+    def from_seqlens_padded(cls, seqlens: Iterable[int], padding: int, *, device=None) -> _PaddedSeqLenInfo:
+        lengths = list(seqlens)
+        if any(not 0 <= n <= padding for n in lengths):
+            raise ValueError(f"key lengths must be in [0, padding={padding}], got {lengths}")
+        starts = [b * padding for b in range(len(lengths) + 1)]
+        return cls(
+            _int_tensor(starts, device), max(lengths, default=0), min(lengths, default=0), starts,
+            _int_tensor(lengths, device), lengths, padding,
+        )  # fmt: skip
+
+    def intervals(self) -> Iterable[tuple[int, int]]:
+        return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
+
+    def to(self, device) -> _PaddedSeqLenInfo:
+        return replace(self, seqstart=self.seqstart.to(device), seqlen=self.seqlen.to(device))
+
+
+@dataclass
+class _GappySeqInfo(_SeqLenInfo):
+    """Keys anywhere: sequence b is rows [seqstart[b], seqstart[b] + seqlen[b]); seqstart has B + 1 entries,
+    the last the total number of key rows."""
+
+    seqlen: torch.Tensor  # int32 [B]
+    seqlen_py: list[int]
+
+    @classmethod
+    def from_seqlens_gappy(
+        cls, seqstarts: Sequence[int], seqlens: Sequence[int], paged: bool = False, *, device=None
+    ) -> _GappySeqInfo:
+        if paged:
+            raise NotImplementedError("paged gappy keys come with the paged masks (B21, B22)")
+        starts, lengths = list(seqstarts), list(seqlens)
+        if len(starts) != len(lengths) + 1 or any(
+            s < 0 or s + n > starts[-1] or n < 0 for s, n in zip(starts, lengths, strict=False)
+        ):
+            raise ValueError(
+                f"kv_seqstarts must have B + 1 entries (the last the number of key rows) and each sequence must "
+                f"fit, got starts {starts} and lengths {lengths}"
+            )
+        return cls(
+            _int_tensor(starts, device), max(lengths, default=0), min(lengths, default=0), starts,
+            _int_tensor(lengths, device), lengths,
+        )  # fmt: skip
+
+    def intervals(self) -> Iterable[tuple[int, int]]:
+        return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
+
+    def to(self, device) -> _GappySeqInfo:
+        return replace(self, seqstart=self.seqstart.to(device), seqlen=self.seqlen.to(device))
+
+
+# ----------------------------------------------------------------------------------- block masks B06-B10
+
+
+@dataclass
+class BlockDiagonalMask(AttentionBias):
+    """B06: varlen batch packed with B = 1; query block b sees key block b only (full attention inside)."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _SeqLenInfo
+    _batch_sizes: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.q_seqinfo.seqstart_py) != len(self.k_seqinfo.seqstart_py):
+            raise ValueError(
+                f"{type(self).__name__}: {len(self.q_seqinfo.seqstart_py) - 1} query blocks but "
+                f"{len(self.k_seqinfo.seqstart_py) - 1} key blocks"
+            )
+
+    def _allowed(self, i, j, nq, nk):
+        return torch.ones_like(i + j, dtype=torch.bool)
+
+    def _blocks(self, mq, mk):
+        for (q0, q1), (k0, k1) in zip(self.q_seqinfo.intervals(), self.k_seqinfo.intervals(), strict=True):
+            yield q0, q1, k0, k1
+
+    def to(self, device):
+        return replace(self, q_seqinfo=self.q_seqinfo.to(device), k_seqinfo=self.k_seqinfo.to(device))
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None, *, device=None):
+        """Blocks of q_seqlen queries and kv_seqlen keys (the same lengths when kv_seqlen is None)."""
+        q = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
+        k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device=device)
+        return cls(q_seqinfo=q, k_seqinfo=k)
+
+    @classmethod
+    def from_tensor_list(cls, tensors: Sequence[torch.Tensor]) -> tuple[BlockDiagonalMask, torch.Tensor]:
+        """Tensors [B_i, M_i, ...] -> (the mask of their B_i · M_i-row sequences, their rows packed [1, Σ, ...])."""
+        batch_sizes = [t.shape[0] for t in tensors]
+        seqlens = [t.shape[1] for t in tensors for _ in range(t.shape[0])]
+        mask = cls.from_seqlens(seqlens, device=tensors[0].device)
+        mask._batch_sizes = batch_sizes
+        return mask, torch.cat([t.reshape(1, -1, *t.shape[2:]) for t in tensors], dim=1)
+
+    @classmethod
+    def from_tensor_lists_qkv(cls, tensors_q, tensors_k, tensors_v=None):
+        """(mask, q, k, v) packed from per-input lists (v None when tensors_v is None)."""
+        if [t.shape[0] for t in tensors_q] != [t.shape[0] for t in tensors_k]:
+            raise ValueError("from_tensor_lists_qkv: q and k tensors must have the same batch sizes")
+        mask_q, q = cls.from_tensor_list(tensors_q)
+        mask_k, k = cls.from_tensor_list(tensors_k)
+        v = None if tensors_v is None else cls.from_tensor_list(tensors_v)[1]
+        return cls(mask_q.q_seqinfo, mask_k.q_seqinfo, mask_q._batch_sizes), q, k, v
+
+    def _split(self, t: torch.Tensor, info: _SeqLenInfo) -> list[torch.Tensor]:
+        if t.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__}: varlen tensors have batch size 1, got shape {tuple(t.shape)}")
+        parts = [t[:, start:end] for start, end in info.intervals()]
+        if self._batch_sizes is None:
+            return parts
+        out, first = [], 0
+        for size in self._batch_sizes:  # sequences of one input tensor regrouped as its batch
+            out.append(torch.cat([p.reshape(1, *p.shape[1:]) for p in parts[first : first + size]]))
+            first += size
+        return out
+
+    def split_queries(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._split(t, self.q_seqinfo)
+
+    def split_kv(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._split(t, self.k_seqinfo)
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The packed output [1, Σnq, ...] back as the list given to from_tensor_list."""
+        return self.split_queries(t)
+
+    def _derive(self, cls, **fields):
+        return cls(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, _batch_sizes=self._batch_sizes, **fields)
+
+    def make_causal(self) -> BlockDiagonalCausalMask:
+        return self._derive(BlockDiagonalCausalMask)
+
+    def make_causal_from_bottomright(self) -> BlockDiagonalCausalFromBottomRightMask:
+        return self._derive(BlockDiagonalCausalFromBottomRightMask)
+
+    def make_local_attention(self, window_size: int) -> BlockDiagonalCausalLocalAttentionMask:
+        return self._derive(BlockDiagonalCausalLocalAttentionMask, _window_size=window_size)
+
+    def make_local_attention_from_bottomright(
+        self, window_size: int
+    ) -> BlockDiagonalCausalLocalAttentionFromBottomRightMask:
+        return self._derive(BlockDiagonalCausalLocalAttentionFromBottomRightMask, _window_size=window_size)
+
+
+@dataclass
+class BlockDiagonalCausalMask(BlockDiagonalMask):
+    """B07: B06 and causal from the top left inside each block, j <= i."""
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i
+
+
+def _check_keys_cover_queries(mask: BlockDiagonalMask) -> None:
+    for nq, nk in zip(mask.q_seqinfo.lengths(), mask.k_seqinfo.lengths(), strict=True):
+        if nk < nq:
+            raise ValueError(f"{type(mask).__name__}: a block has fewer keys ({nk}) than queries ({nq})")
+
+
+@dataclass
+class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
+    """B08: B06 and causal from the bottom right inside each block, j <= i + s; every block needs nk >= nq."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_keys_cover_queries(self)
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i + (nk - nq)
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
+    """B09: B07 over the last `_window_size` keys of each query, i − w < j <= i."""
+
+    _window_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_size", self._window_size, 1)
+        for nq, nk in zip(self.q_seqinfo.lengths(), self.k_seqinfo.lengths(), strict=True):
+            if nq - self._window_size >= nk:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a block of {nq} queries and {nk} keys leaves its last queries without "
+                    f"keys for window {self._window_size}"
+                )
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, 0, self._window_size - 1, 0)
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):
+    """B10: B08 over a window of `_window_size` keys, s − w < j − i <= s."""
+
+    _window_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_size", self._window_size, 1)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self._window_size - 1, 0)
+
+
+# ----------------------------------------------------------------------------- padded keys, B11-B14
+
+
+@dataclass
+class BlockDiagonalPaddedKeysMask(BlockDiagonalMask):
+    """B11: keys in slots of `padding` rows (a KV cache), block b's keys [b · padding, b · padding + n_b);
+    full attention inside a block."""
+
+    k_seqinfo: _PaddedSeqLenInfo = None  # type: ignore[assignment]
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_padding: int, kv_seqlen, causal_diagonal=None, *, device=None):
+        if causal_diagonal is not None:
+            raise ValueError(f"{cls.__name__}: causal_diagonal is not supported (it is deprecated upstream)")
+        return cls(
+            q_seqinfo=_SeqLenInfo.from_seqlens(q_seqlen, device=device),
+            k_seqinfo=_PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device=device),
+        )
+
+    def make_local_attention(self, window_left: int, window_right: int) -> BlockDiagonalLocalAttentionPaddedKeysMask:
+        return BlockDiagonalLocalAttentionPaddedKeysMask(
+            q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, window_left=window_left, window_right=window_right
+        )
+
+
+@dataclass
+class BlockDiagonalCausalWithOffsetPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """B12, the decode / KV-cache mask: B11 and causal from the bottom right over the used keys, j <= i + s."""
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i + (nk - nq)
+
+
+@dataclass
+class BlockDiagonalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """B13: B11 and −window_left <= j − i − s <= window_right in each block."""
+
+    window_left: int = 0
+    window_right: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_left", self.window_left, 0)
+        _check_window("window_right", self.window_right, 0)
+
+    @classmethod
+    def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_left, window_right, *, device=None):
+        base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
+        return base.make_local_attention(window_left, window_right)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self.window_left, self.window_right)
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """B14: B11 and s − w < j − i <= s in each block (bottom-right causal over a window of w keys)."""
+
+    _window_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_size", self._window_size, 1)
+
+    @classmethod
+    def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_size, *, device=None):
+        base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
+        return cls(q_seqinfo=base.q_seqinfo, k_seqinfo=base.k_seqinfo, _window_size=window_size)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self._window_size - 1, 0)
+
+
+# ------------------------------------------------------------------------------- gappy keys, B18-B20
+
+
+@dataclass
+class BlockDiagonalGappyKeysMask(BlockDiagonalMask):
+    """B18: block b's keys anywhere, [kv_seqstarts[b], kv_seqstarts[b] + kv_seqlen[b]); full attention."""
+
+    k_seqinfo: _GappySeqInfo = None  # type: ignore[assignment]
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, *, device=None):
+        return cls(
+            q_seqinfo=_SeqLenInfo.from_seqlens(q_seqlen, device=device),
+            k_seqinfo=_GappySeqInfo.from_seqlens_gappy(kv_seqstarts, kv_seqlen, device=device),
+        )
+
+
+@dataclass
+class BlockDiagonalCausalWithOffsetGappyKeysMask(BlockDiagonalGappyKeysMask):
+    """B19: B18 and causal from the bottom right in each block."""
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i + (nk - nq)
+
+
+@dataclass
+class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(BlockDiagonalGappyKeysMask):
+    """B20: B18 and −window_left <= j − i − s <= window_right in each block."""
+
+    window_left: int = 0
+    window_right: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_left", self.window_left, 0)
+        _check_window("window_right", self.window_right, 0)
+
+    @classmethod
+    def from_seqlens_local_gappy(cls, q_seqlen, kv_seqstarts, kv_seqlen, window_left, window_right, device=None):
+        base = BlockDiagonalGappyKeysMask.from_seqlens(q_seqlen, kv_seqstarts, kv_seqlen, device=device)
+        return cls(base.q_seqinfo, base.k_seqinfo, None, window_left, window_right)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self.window_left, self.window_right)
+
+
+# Masks whose inputs are packed varlen batches (B = 1); the paged ones join them with the decode kernels.
+VARLEN_BIASES = (BlockDiagonalMask, BlockDiagonalGappyKeysMask, BlockDiagonalPaddedKeysMask)

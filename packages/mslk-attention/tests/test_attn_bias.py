@@ -1,0 +1,168 @@
+"""The attention masks (spec §3): materialize against the definitions, element by element; constructors,
+derivations, split/pack round trips and errors."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from mslk.attention.fmha import attn_bias as ab
+
+
+def dense(blocks, rule, mq, mk):
+    """The additive mask from (q0, q1, k0, k1) blocks and rule(i, j, nq, nk) on local indices."""
+    out = torch.full((mq, mk), -math.inf)
+    for q0, q1, k0, k1 in blocks:
+        for i in range(q1 - q0):
+            for j in range(k1 - k0):
+                if rule(i, j, q1 - q0, k1 - k0):
+                    out[q0 + i, k0 + j] = 0.0
+    return out
+
+
+def packed(q_lens, k_lens):
+    qs, ks = [0], [0]
+    for n in q_lens:
+        qs.append(qs[-1] + n)
+    for n in k_lens:
+        ks.append(ks[-1] + n)
+    return [(qs[b], qs[b + 1], ks[b], ks[b + 1]) for b in range(len(q_lens))]
+
+
+@pytest.mark.parametrize(
+    ("mask", "rule"),
+    [
+        (ab.LowerTriangularMask(), lambda i, j, nq, nk: j <= i),
+        (ab.LowerTriangularFromBottomRightMask(), lambda i, j, nq, nk: j <= i + nk - nq),
+        (
+            ab.LowerTriangularFromBottomRightMask().make_local_attention(3),
+            lambda i, j, nq, nk: nk - nq - 3 < j - i <= nk - nq,
+        ),
+        (ab.LocalAttentionFromBottomRightMask(2, 1), lambda i, j, nq, nk: -2 <= j - i - (nk - nq) <= 1),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, ab.AttentionBias) else "",
+)
+@pytest.mark.parametrize(("mq", "mk"), [(5, 5), (4, 9), (7, 3)], ids=str)
+def test_dense_masks(mask, rule, mq, mk):
+    got = mask.materialize((2, 3, mq, mk))
+    assert got.shape == (2, 3, mq, mk)
+    assert torch.equal(got[1, 2], dense([(0, mq, 0, mk)], rule, mq, mk))
+
+
+def test_tensor_bias_is_added():
+    bias = torch.randn(4, 6)
+    mask = ab.LowerTriangularMask().add_bias(bias)
+    assert isinstance(mask, ab.LowerTriangularMaskWithTensorBias)
+    assert torch.equal(mask.materialize((4, 6)), ab.LowerTriangularMask().materialize((4, 6)) + bias)
+
+
+def _lens(seed):
+    rng = random.Random(seed)
+    q = [rng.randint(0, 6) for _ in range(rng.randint(1, 5))]
+    k = [n + rng.randint(0, 4) for n in q]  # keys cover queries (bottom-right masks need it)
+    return q, k
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_diagonal_family(seed):
+    q, k = _lens(seed)
+    mq, mk = sum(q), sum(k)
+    blocks = packed(q, k)
+    base = ab.BlockDiagonalMask.from_seqlens(q, k, device="cpu")
+    cases = [
+        (base, lambda i, j, nq, nk: True),
+        (base.make_causal(), lambda i, j, nq, nk: j <= i),
+        (base.make_causal_from_bottomright(), lambda i, j, nq, nk: j <= i + nk - nq),
+        (base.make_local_attention_from_bottomright(2), lambda i, j, nq, nk: nk - nq - 2 < j - i <= nk - nq),
+        (base.make_local_attention(3), lambda i, j, nq, nk: i - 3 < j <= i),
+    ]
+    for mask, rule in cases:
+        assert torch.equal(mask.materialize((mq, mk)), dense(blocks, rule, mq, mk)), type(mask).__name__
+    assert base.q_seqinfo.seqstart.dtype == torch.int32 and base.q_seqinfo.seqstart.tolist() == [
+        0,
+        *torch.tensor(q).cumsum(0).tolist(),
+    ]
+    assert base.q_seqinfo.max_seqlen == max(q) and base.q_seqinfo.min_seqlen == min(q)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_and_gappy_keys(seed):
+    q, k = _lens(seed)
+    pad = max(k) + 2
+    blocks = [(b0, b1, b * pad, b * pad + k[b]) for b, (b0, b1, _, _) in enumerate(packed(q, k))]
+    mq, mk = sum(q), pad * len(q)
+    padded = ab.BlockDiagonalPaddedKeysMask.from_seqlens(q, pad, k, device="cpu")
+    cases = [
+        (padded, lambda i, j, nq, nk: True),
+        (
+            ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q, pad, k, device="cpu"),
+            lambda i, j, nq, nk: j <= i + nk - nq,
+        ),
+        (padded.make_local_attention(1, 2), lambda i, j, nq, nk: -1 <= j - i - (nk - nq) <= 2),
+        (
+            ab.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local(q, pad, k, 2, device="cpu"),
+            lambda i, j, nq, nk: nk - nq - 2 < j - i <= nk - nq,
+        ),
+    ]
+    for mask, rule in cases:
+        assert torch.equal(mask.materialize((mq, mk)), dense(blocks, rule, mq, mk)), type(mask).__name__
+
+    starts = [3 + 10 * b for b in range(len(k))] + [10 * len(k) + 5]
+    gappy_blocks = [(b0, b1, starts[b], starts[b] + k[b]) for b, (b0, b1, _, _) in enumerate(packed(q, k))]
+    gappy = ab.BlockDiagonalGappyKeysMask.from_seqlens(q, starts, k, device="cpu")
+    cases = [
+        (gappy, lambda i, j, nq, nk: True),
+        (
+            ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q, starts, k, device="cpu"),
+            lambda i, j, nq, nk: j <= i + nk - nq,
+        ),
+        (
+            ab.BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask.from_seqlens_local_gappy(
+                q, starts, k, 0, 1, "cpu"
+            ),
+            lambda i, j, nq, nk: 0 <= j - i - (nk - nq) <= 1,
+        ),
+    ]
+    for mask, rule in cases:
+        assert torch.equal(mask.materialize((mq, starts[-1])), dense(gappy_blocks, rule, mq, starts[-1])), type(
+            mask
+        ).__name__
+
+
+def test_pack_and_split_round_trip():
+    tensors = [torch.randn(2, 3, 4, 8), torch.randn(1, 5, 4, 8), torch.randn(3, 1, 4, 8)]
+    mask, packed_x = ab.BlockDiagonalMask.from_tensor_list(tensors)
+    assert packed_x.shape == (1, 2 * 3 + 5 + 3, 4, 8)
+    assert mask.q_seqinfo.seqstart_py == [0, 3, 6, 11, 12, 13, 14]
+    assert all(torch.equal(a, b) for a, b in zip(mask.split(packed_x), tensors, strict=True))
+    ks = [torch.randn(2, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(3, 6, 4, 8)]
+    mask, q, k, v = ab.BlockDiagonalMask.from_tensor_lists_qkv(tensors, ks, ks)
+    assert torch.equal(q, packed_x)
+    assert mask.k_seqinfo.seqstart_py[-1] == k.shape[1] == 2 * 4 + 2 + 18 and torch.equal(k, v)
+    assert all(torch.equal(a, b) for a, b in zip(mask.split_kv(k), ks, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: ab.LocalAttentionFromBottomRightMask(-1, 0), ValueError, "window_left must be >= 0"),
+        (lambda: ab.LowerTriangularFromBottomRightLocalAttentionMask(0), ValueError, "window_size must be >= 1"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([3], [2]).make_causal_from_bottomright(), ValueError, "fewer keys"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([5], [2]).make_local_attention(2), RuntimeError, "without keys"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([1, 2], [1]), ValueError, "2 query blocks but 1 key blocks"),
+        (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4, [5]), ValueError, r"in \[0, padding=4\]"),
+        (lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [0], [1]), ValueError, "B \\+ 1 entries"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([2]).split(torch.zeros(2, 2, 1)), ValueError, "batch size 1"),
+    ],
+)
+def test_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_to_moves_the_sequence_tensors():
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 2], 4, [3, 2], device="cpu")
+    moved = mask.to("meta")
+    assert moved.q_seqinfo.seqstart.device.type == "meta" and moved.k_seqinfo.seqlen.device.type == "meta"
+    assert type(moved) is type(mask) and moved.k_seqinfo.seqlen_py == [3, 2]
