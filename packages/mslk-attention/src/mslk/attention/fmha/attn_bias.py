@@ -53,6 +53,61 @@ class AttentionBias:
         return self
 
 
+def _check_window(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _local(i, j, shift: int, left: int, right: int) -> torch.Tensor:
+    """−left <= j − i − shift <= right."""
+    d = j - i - shift
+    return (d >= -left) & (d <= right)
+
+
+class _Checked:
+    """Runs the parents' __post_init__ (dataclass masks chain their checks)."""
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+
+
+class _CausalFromBottomRight:
+    """Rule: j <= i + s."""
+
+    def _allowed(self, i, j, nq, nk):
+        return j <= i + (nk - nq)
+
+
+class _WindowFromBottomRight(_Checked):
+    """Rule: bottom-right causal over a window of `_window_size` keys, s − w < j − i <= s."""
+
+    _window_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_size", self._window_size, 1)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self._window_size - 1, 0)
+
+
+class _LocalFromBottomRight(_Checked):
+    """Rule: −window_left <= j − i − s <= window_right."""
+
+    window_left: int
+    window_right: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_left", self.window_left, 0)
+        _check_window("window_right", self.window_right, 0)
+
+    def _allowed(self, i, j, nq, nk):
+        return _local(i, j, nk - nq, self.window_left, self.window_right)
+
+
 # ----------------------------------------------------------------------------------------- B01-B05
 
 
@@ -82,53 +137,26 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
         return LowerTriangularMaskWithTensorBias(self._bias.to(device))
 
 
-class LowerTriangularFromBottomRightMask(AttentionBias):
+class LowerTriangularFromBottomRightMask(_CausalFromBottomRight, AttentionBias):
     """B03: causal from the bottom right, j <= i + s (the last query sees the last key)."""
-
-    def _allowed(self, i, j, nq, nk):
-        return j <= i + (nk - nq)
 
     def make_local_attention(self, window_size: int) -> LowerTriangularFromBottomRightLocalAttentionMask:
         return LowerTriangularFromBottomRightLocalAttentionMask(window_size)
 
 
-def _check_window(name: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 @dataclass
-class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
+class LowerTriangularFromBottomRightLocalAttentionMask(_WindowFromBottomRight, LowerTriangularFromBottomRightMask):
     """B04: bottom-right causal over the last `_window_size` keys: s − w < j − i <= s."""
 
     _window_size: int
 
-    def __post_init__(self) -> None:
-        _check_window("window_size", self._window_size, 1)
-
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self._window_size - 1, 0)
-
-
-def _local(i, j, shift: int, left: int, right: int) -> torch.Tensor:
-    """−left <= j − i − shift <= right."""
-    d = j - i - shift
-    return (d >= -left) & (d <= right)
-
 
 @dataclass
-class LocalAttentionFromBottomRightMask(AttentionBias):
+class LocalAttentionFromBottomRightMask(_LocalFromBottomRight, AttentionBias):
     """B05: a window around the bottom-right diagonal: −window_left <= j − i − s <= window_right."""
 
     window_left: int
     window_right: int
-
-    def __post_init__(self) -> None:
-        _check_window("window_left", self.window_left, 0)
-        _check_window("window_right", self.window_right, 0)
-
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self.window_left, self.window_right)
 
 
 # ------------------------------------------------------------------------------------ sequence metadata
@@ -330,15 +358,12 @@ def _check_keys_cover_queries(mask: BlockDiagonalMask) -> None:
 
 
 @dataclass
-class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
+class BlockDiagonalCausalFromBottomRightMask(_CausalFromBottomRight, BlockDiagonalMask):
     """B08: B06 and causal from the bottom right inside each block, j <= i + s; every block needs nk >= nq."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_keys_cover_queries(self)
-
-    def _allowed(self, i, j, nq, nk):
-        return j <= i + (nk - nq)
 
 
 @dataclass
@@ -362,17 +387,12 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
 
 @dataclass
-class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):
+class BlockDiagonalCausalLocalAttentionFromBottomRightMask(
+    _WindowFromBottomRight, BlockDiagonalCausalFromBottomRightMask
+):
     """B10: B08 over a window of `_window_size` keys, s − w < j − i <= s."""
 
     _window_size: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_window("window_size", self._window_size, 1)
-
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self._window_size - 1, 0)
 
 
 # ----------------------------------------------------------------------------- padded keys, B11-B14
@@ -401,51 +421,33 @@ class BlockDiagonalPaddedKeysMask(BlockDiagonalMask):
 
 
 @dataclass
-class BlockDiagonalCausalWithOffsetPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+class BlockDiagonalCausalWithOffsetPaddedKeysMask(_CausalFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B12, the decode / KV-cache mask: B11 and causal from the bottom right over the used keys, j <= i + s."""
-
-    def _allowed(self, i, j, nq, nk):
-        return j <= i + (nk - nq)
 
 
 @dataclass
-class BlockDiagonalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+class BlockDiagonalLocalAttentionPaddedKeysMask(_LocalFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B13: B11 and −window_left <= j − i − s <= window_right in each block."""
 
     window_left: int = 0
     window_right: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_window("window_left", self.window_left, 0)
-        _check_window("window_right", self.window_right, 0)
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_left, window_right, *, device=None):
         base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
         return base.make_local_attention(window_left, window_right)
 
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self.window_left, self.window_right)
-
 
 @dataclass
-class BlockDiagonalCausalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+class BlockDiagonalCausalLocalAttentionPaddedKeysMask(_WindowFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B14: B11 and s − w < j − i <= s in each block (bottom-right causal over a window of w keys)."""
 
     _window_size: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_window("window_size", self._window_size, 1)
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_size, *, device=None):
         base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
         return cls(q_seqinfo=base.q_seqinfo, k_seqinfo=base.k_seqinfo, _window_size=window_size)
-
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self._window_size - 1, 0)
 
 
 # ------------------------------------------------------------------------------- gappy keys, B18-B20
@@ -466,32 +468,21 @@ class BlockDiagonalGappyKeysMask(BlockDiagonalMask):
 
 
 @dataclass
-class BlockDiagonalCausalWithOffsetGappyKeysMask(BlockDiagonalGappyKeysMask):
+class BlockDiagonalCausalWithOffsetGappyKeysMask(_CausalFromBottomRight, BlockDiagonalGappyKeysMask):
     """B19: B18 and causal from the bottom right in each block."""
-
-    def _allowed(self, i, j, nq, nk):
-        return j <= i + (nk - nq)
 
 
 @dataclass
-class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(BlockDiagonalGappyKeysMask):
+class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(_LocalFromBottomRight, BlockDiagonalGappyKeysMask):
     """B20: B18 and −window_left <= j − i − s <= window_right in each block."""
 
     window_left: int = 0
     window_right: int = 0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_window("window_left", self.window_left, 0)
-        _check_window("window_right", self.window_right, 0)
-
     @classmethod
     def from_seqlens_local_gappy(cls, q_seqlen, kv_seqstarts, kv_seqlen, window_left, window_right, device=None):
         base = BlockDiagonalGappyKeysMask.from_seqlens(q_seqlen, kv_seqstarts, kv_seqlen, device=device)
         return cls(base.q_seqinfo, base.k_seqinfo, None, window_left, window_right)
-
-    def _allowed(self, i, j, nq, nk):
-        return _local(i, j, nk - nq, self.window_left, self.window_right)
 
 
 # Masks whose inputs are packed varlen batches (B = 1); the paged ones join them with the decode kernels.
