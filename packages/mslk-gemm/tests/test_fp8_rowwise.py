@@ -75,6 +75,10 @@ def test_fp16_output_3d_activations_and_strides():
     padded = testing.padded_rows(xq.reshape(21, 96).view(torch.uint8), 16).view(xq.dtype)
     out = kernel(g.f8f8bf16_rowwise_op)(padded, wq, x_scale.reshape(-1), w_scale)
     testing.assert_rel_close(out, oracle(xq.reshape(21, 96), wq, x_scale.reshape(-1), w_scale), 1e-2)
+    # Scales that are strided views.
+    strided_w_scale = torch.stack([w_scale, w_scale], 1)[:, 0]
+    out = kernel(g.f8f8bf16_rowwise_op)(xq, wq, x_scale, strided_w_scale)
+    testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale), 1e-2)
 
 
 @pytest.mark.parametrize(("b", "m", "n", "k"), [(3, 20, 24, 32), (2, 100, 72, 160), (1, 1, 16, 128)], ids=str)

@@ -253,7 +253,7 @@ def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     """2-D WQ, XQ [..., M, K]: all rows of XQ as one [M', K] problem."""
     x = _k_contiguous(XQ.reshape(math.prod(XQ.shape[:-1]), XQ.shape[-1]))
     _run_rowwise(
-        x[None], _k_contiguous(WQ)[None], x_scale.reshape(1, -1).float(), w_scale.reshape(1, -1),
+        x[None], _k_contiguous(WQ)[None], x_scale.reshape(1, -1).contiguous(), w_scale.reshape(1, -1).contiguous(),
         None if bias is None else bias.contiguous(), use_fast_accum, out.view(1, x.shape[0], WQ.shape[0]),
     )  # fmt: skip
     return out
