@@ -332,6 +332,15 @@ def test_row_abs_max_kernel(shape):
         )
 
 
+def test_stacked_strided_metadata():
+    sizes = torch.tensor([[5, 1], [0, 1], [130, 1], [1, 1]], device=DEVICE)[:, 0]  # a strided m_sizes view
+    x = testing.randn(136, 64, dtype=torch.bfloat16, device=DEVICE)
+    gs = torch.stack([fp4.calculate_group_max(x, sizes)[0]] * 2, 1)[:, 0]  # and a strided global scale
+    q, s = fp4.quantize_nvfp4_stacked_op.get_backend("triton").impl(sizes, x, gs)
+    rq, rs = fp4.quantize_nvfp4_stacked_op.get_backend("triton").impl(sizes.contiguous(), x, gs.contiguous())
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+
+
 def test_nvfp4_token_scale_round_trip():
     m_sizes = torch.tensor([70, 0, 58], device=DEVICE)
     x = testing.randn(128, 64, dtype=torch.bfloat16, device=DEVICE) * torch.logspace(-3, 3, 128, device=DEVICE)[:, None]

@@ -197,7 +197,7 @@ def _launch_fp4(kernel, tile, x, q, scale, m_sizes=None, **args):
         g = 0 if m_sizes is None else m_sizes.numel()
         segments = 0 if m_sizes is None else max(16, launch.next_power_of_2(g))
         kernel[grid](
-            x2, q, scale, m, k, x2.stride(0), x2.stride(1), x2 if m_sizes is None else m_sizes, g,
+            x2, q, scale, m, k, x2.stride(0), x2.stride(1), x2 if m_sizes is None else m_sizes.contiguous(), g,
             SEGMENTS=segments, **tiles, **args,
         )  # fmt: skip
 
@@ -463,8 +463,10 @@ quantize_nvfp4_stacked_op = registry.Op(
 
 @quantize_nvfp4_stacked_op.backend("triton", available=registry.triton_missing)
 def _nvfp4_stacked_triton(m_sizes, x, global_scale=None):
-    mode = _NO_GLOBAL if global_scale is None else _GLOBAL_PER_SEGMENT
-    return _run_nvfp4(x, (_stacked_scale_numel(m_sizes, x, 16),), global_scale, mode, m_sizes)
+    if global_scale is None:
+        return _run_nvfp4(x, (_stacked_scale_numel(m_sizes, x, 16),), None, _NO_GLOBAL, m_sizes)
+    shape = (_stacked_scale_numel(m_sizes, x, 16),)
+    return _run_nvfp4(x, shape, global_scale.contiguous(), _GLOBAL_PER_SEGMENT, m_sizes)  # read with unit stride
 
 
 def _token_reference(m_sizes, x):
