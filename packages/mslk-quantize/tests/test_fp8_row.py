@@ -152,6 +152,7 @@ def test_kernel_options():
     a = testing.randn(3, 4, 33, dtype=torch.bfloat16, device=DEVICE, std=50.0)
     _kernel_vs_reference(a, torch.tensor([20.0], device=DEVICE))
     _kernel_vs_reference(a, None, torch.tensor([4, 0, 2], device=DEVICE))
+    _kernel_vs_reference(a, None, torch.tensor([[4, 9], [0, 9], [2, 9]], device=DEVICE)[:, 0])  # strided counts
     _kernel_vs_reference(a, align_rows_to=16)
     _kernel_vs_reference(a, eps_opt=None)
     _kernel_vs_reference(testing.randn(2, 10, device=DEVICE, std=1e-5))
