@@ -166,3 +166,52 @@ def test_to_moves_the_sequence_tensors():
     moved = mask.to("meta")
     assert moved.q_seqinfo.seqstart.device.type == "meta" and moved.k_seqinfo.seqlen.device.type == "meta"
     assert type(moved) is type(mask) and moved.k_seqinfo.seqlen_py == [3, 2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_masks_read_keys_through_the_page_table(seed):
+    rng = random.Random(seed)
+    page, pages, lanes = 4, 3, rng.randint(1, 3)
+    q = [rng.randint(1, 4) for _ in range(lanes)]
+    k = [rng.randint(n, pages * page) for n in q]
+    physical_pages = lanes * pages + 2
+    tables = torch.tensor([rng.sample(range(physical_pages), pages) for _ in range(lanes)], dtype=torch.int32)
+    mq, pool = sum(q), physical_pages * page
+    qs = [0, *torch.tensor(q).cumsum(0).tolist()]
+
+    def rows(b, j):
+        return int(tables[b, j // page]) * page + j % page
+
+    cases = [
+        (ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(q, k, tables, page, device="cpu"), lambda i, j, nq, nk: True),
+        (
+            ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q, k, tables, page, device="cpu"),
+            lambda i, j, nq, nk: j <= i + nk - nq,
+        ),
+        (
+            ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens_local(q, k, tables, page, 2, device="cpu"),
+            lambda i, j, nq, nk: nk - nq - 2 < j - i <= nk - nq,
+        ),
+    ]
+    for mask, rule in cases:
+        expected = torch.full((mq, pool), -math.inf)
+        for b in range(lanes):
+            for i in range(q[b]):
+                for j in range(k[b]):
+                    if rule(i, j, q[b], k[b]):
+                        expected[qs[b] + i, rows(b, j)] = 0.0
+        assert torch.equal(mask.materialize((mq, pool)), expected), type(mask).__name__
+
+    unpaged = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q, pages * page, k, device="cpu")
+    paged = unpaged.make_paged(tables, page, ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask)
+    assert torch.equal(paged.materialize((mq, pool)), cases[1][0].materialize((mq, pool)))
+
+
+def test_paged_mask_errors():
+    tables = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1, 1], [2, 2], tables.long(), 4)
+    with pytest.raises(ValueError, match="pages BlockDiagonalCausalWithOffsetPaddedKeysMask"):
+        ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 12, [2, 2]).make_paged(
+            tables, 4, ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
+        )

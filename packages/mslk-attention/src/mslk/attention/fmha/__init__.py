@@ -21,6 +21,9 @@ from mslk.attention.fmha.attn_bias import (
     LowerTriangularFromBottomRightMask,
     LowerTriangularMask,
     LowerTriangularMaskWithTensorBias,
+    PagedBlockDiagonalCausalLocalPaddedKeysMask,
+    PagedBlockDiagonalCausalWithOffsetPaddedKeysMask,
+    PagedBlockDiagonalPaddedKeysMask,
 )
 
 __all__ = [
@@ -42,5 +45,8 @@ __all__ = [
     "LowerTriangularFromBottomRightMask",
     "LowerTriangularMask",
     "LowerTriangularMaskWithTensorBias",
+    "PagedBlockDiagonalCausalLocalPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "PagedBlockDiagonalPaddedKeysMask",
     "attn_bias",
 ]

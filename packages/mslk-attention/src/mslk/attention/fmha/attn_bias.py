@@ -7,14 +7,17 @@ gives the dense additive mask (0 allowed, −inf not), for debugging and as the 
 Varlen ("block diagonal") masks describe a batch packed into one sequence (B = 1): q [1, Σnq, H, K] and keys
 either packed (Σnk), in slots of `padding` keys (padded keys), or at arbitrary starts (gappy keys). Their
 sequence metadata (`_SeqLenInfo` and subclasses) holds the starts as an int32 tensor for the kernels and as a
-Python list. The paged masks (B15-B17, B21-B22) come with the decode kernels.
+Python list. Paged masks (B15-B17) read padded keys through a page table: logical key j of sequence b lives in
+physical page block_tables[b, j // page_size] of a shared pool. The paged gappy masks (B21, B22) come with the
+decode kernels.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 import torch
 
@@ -419,6 +422,21 @@ class BlockDiagonalPaddedKeysMask(BlockDiagonalMask):
             q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, window_left=window_left, window_right=window_right
         )
 
+    def make_paged(
+        self, block_tables: torch.Tensor, page_size: int, paged_type: type
+    ) -> PagedBlockDiagonalPaddedKeysMask:
+        """This mask read through the page table (B15-B17): paged_type is the paged twin of this class."""
+        if paged_type._UNPAGED is not type(self):
+            raise ValueError(
+                f"make_paged: {paged_type.__name__} pages {paged_type._UNPAGED.__name__}, not {type(self).__name__}"
+            )
+        extra = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("q_seqinfo", "k_seqinfo", "_batch_sizes")
+        }
+        return paged_type(self.q_seqinfo, self.k_seqinfo, block_tables, page_size, **extra)
+
 
 @dataclass
 class BlockDiagonalCausalWithOffsetPaddedKeysMask(_CausalFromBottomRight, BlockDiagonalPaddedKeysMask):
@@ -485,5 +503,95 @@ class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(_LocalFromBottomRi
         return cls(base.q_seqinfo, base.k_seqinfo, None, window_left, window_right)
 
 
-# Masks whose inputs are packed varlen batches (B = 1); the paged ones join them with the decode kernels.
-VARLEN_BIASES = (BlockDiagonalMask, BlockDiagonalGappyKeysMask, BlockDiagonalPaddedKeysMask)
+# ------------------------------------------------------------------------------------ paged keys, B15-B17
+
+
+@dataclass
+class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
+    """B15: B11 with the keys in pages: logical key j of sequence b (j < padding = max_pages · page_size) is row
+    block_tables[b, j // page_size] · page_size + j % page_size of a pool of pages."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
+    block_tables: torch.Tensor  # int32 [B, max_pages]: logical page -> physical page
+    page_size: int
+    _UNPAGED: ClassVar[type] = BlockDiagonalPaddedKeysMask
+
+    def __post_init__(self) -> None:
+        batch = len(self.q_seqinfo.seqstart_py) - 1
+        if (
+            self.block_tables.dim() != 2
+            or self.block_tables.shape[0] != batch
+            or self.block_tables.dtype != torch.int32
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: block_tables must be int32 [B={batch}, max_pages], got "
+                f"{tuple(self.block_tables.shape)} {self.block_tables.dtype}"
+            )
+        if self.k_seqinfo.padding != self.block_tables.shape[1] * self.page_size:
+            raise ValueError(
+                f"{type(self).__name__}: the key padding {self.k_seqinfo.padding} must be max_pages · page_size = "
+                f"{self.block_tables.shape[1]} · {self.page_size}"
+            )
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen, block_tables, page_size, *, device=None, **window):
+        padded = BlockDiagonalPaddedKeysMask.from_seqlens(
+            q_seqlen, block_tables.shape[1] * page_size, kv_seqlen, device=device
+        )
+        return cls(padded.q_seqinfo, padded.k_seqinfo, block_tables, page_size, **window)
+
+    def _unpaged(self) -> BlockDiagonalPaddedKeysMask:
+        extra = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("q_seqinfo", "k_seqinfo", "block_tables", "page_size")
+        }
+        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, **extra)
+
+    def materialize(self, shape, dtype=torch.float32, device="cpu"):
+        """[..., Mq, pool rows]: the unpaged mask's logical key columns moved to their physical rows (a row that
+        several sequences share is allowed where any of them allows it)."""
+        lanes, pages = self.block_tables.shape
+        logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
+        j = torch.arange(pages * self.page_size, device=device)
+        physical = self.block_tables.to(device).long()[:, j // self.page_size] * self.page_size + j % self.page_size
+        out = torch.full((shape[-2], shape[-1]), -math.inf, dtype=dtype, device=device)
+        out.scatter_reduce_(1, physical.reshape(1, -1).expand(shape[-2], -1), logical, "amax")
+        return out.expand(*shape)
+
+    def to(self, device):
+        return replace(
+            self,
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+            block_tables=self.block_tables.to(device),
+        )
+
+
+@dataclass
+class PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(PagedBlockDiagonalPaddedKeysMask):
+    """B16: B12 (bottom-right causal over the used keys), paged."""
+
+    _UNPAGED: ClassVar[type] = BlockDiagonalCausalWithOffsetPaddedKeysMask
+
+
+@dataclass
+class PagedBlockDiagonalCausalLocalPaddedKeysMask(PagedBlockDiagonalPaddedKeysMask):
+    """B17: B14 (bottom-right causal over a window of `_window_size` keys), paged."""
+
+    _window_size: int = 0
+    _UNPAGED: ClassVar[type] = BlockDiagonalCausalLocalAttentionPaddedKeysMask
+
+    @classmethod
+    def from_seqlens_local(cls, q_seqlen, kv_seqlen, block_tables, page_size, window_size, *, device=None):
+        return cls.from_seqlens(q_seqlen, kv_seqlen, block_tables, page_size, device=device, _window_size=window_size)
+
+
+# Masks whose inputs are packed varlen batches (B = 1); the paged gappy ones join them with the decode kernels.
+VARLEN_BIASES = (
+    BlockDiagonalMask,
+    BlockDiagonalGappyKeysMask,
+    BlockDiagonalPaddedKeysMask,
+    PagedBlockDiagonalPaddedKeysMask,
+)
