@@ -207,6 +207,32 @@ def test_paged_masks_read_keys_through_the_page_table(seed):
     assert torch.equal(paged.materialize((mq, pool)), cases[1][0].materialize((mq, pool)))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_gappy_masks(seed):
+    rng = random.Random(seed)
+    page, pages, lanes = 4, 3, rng.randint(1, 3)
+    q = [rng.randint(1, 4) for _ in range(lanes)]
+    lens = [rng.randint(n, 8) for n in q]
+    starts = [rng.randint(0, pages * page - n) for n in lens]
+    physical_pages = lanes * pages + 1
+    tables = torch.tensor([rng.sample(range(physical_pages), pages) for _ in range(lanes)], dtype=torch.int32)
+    mq, pool = sum(q), physical_pages * page
+    qs = [0, *torch.tensor(q).cumsum(0).tolist()]
+    for cls, rule in (
+        (ab.PagedBlockDiagonalGappyKeysMask, lambda i, j, nq, nk: True),
+        (ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask, lambda i, j, nq, nk: j <= i + nk - nq),
+    ):
+        mask = cls.from_seqlens(q, starts, lens, tables, page, device="cpu")
+        expected = torch.full((mq, pool), -math.inf)
+        for b in range(lanes):
+            for i in range(q[b]):
+                for j in range(lens[b]):
+                    if rule(i, j, q[b], lens[b]):
+                        logical = starts[b] + j
+                        expected[qs[b] + i, int(tables[b, logical // page]) * page + logical % page] = 0.0
+        assert torch.equal(mask.materialize((mq, pool)), expected), cls.__name__
+
+
 def test_paged_mask_errors():
     tables = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -215,3 +241,5 @@ def test_paged_mask_errors():
         ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 12, [2, 2]).make_paged(
             tables, 4, ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
         )
+    with pytest.raises(ValueError, match="inside its lane of 12 keys"):
+        ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 11], [2, 2], tables, 4)

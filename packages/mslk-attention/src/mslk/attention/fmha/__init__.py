@@ -22,7 +22,9 @@ from mslk.attention.fmha.attn_bias import (
     LowerTriangularMask,
     LowerTriangularMaskWithTensorBias,
     PagedBlockDiagonalCausalLocalPaddedKeysMask,
+    PagedBlockDiagonalCausalWithOffsetGappyKeysMask,
     PagedBlockDiagonalCausalWithOffsetPaddedKeysMask,
+    PagedBlockDiagonalGappyKeysMask,
     PagedBlockDiagonalPaddedKeysMask,
 )
 
@@ -46,7 +48,9 @@ __all__ = [
     "LowerTriangularMask",
     "LowerTriangularMaskWithTensorBias",
     "PagedBlockDiagonalCausalLocalPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetGappyKeysMask",
     "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "PagedBlockDiagonalGappyKeysMask",
     "PagedBlockDiagonalPaddedKeysMask",
     "attn_bias",
 ]

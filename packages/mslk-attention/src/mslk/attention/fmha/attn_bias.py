@@ -7,9 +7,8 @@ gives the dense additive mask (0 allowed, −inf not), for debugging and as the 
 Varlen ("block diagonal") masks describe a batch packed into one sequence (B = 1): q [1, Σnq, H, K] and keys
 either packed (Σnk), in slots of `padding` keys (padded keys), or at arbitrary starts (gappy keys). Their
 sequence metadata (`_SeqLenInfo` and subclasses) holds the starts as an int32 tensor for the kernels and as a
-Python list. Paged masks (B15-B17) read padded keys through a page table: logical key j of sequence b lives in
-physical page block_tables[b, j // page_size] of a shared pool. The paged gappy masks (B21, B22) come with the
-decode kernels.
+Python list. Paged masks (B15-B17, B21-B22) read their keys through a page table: logical key j of sequence b
+lives in physical page block_tables[b, j // page_size] of a shared pool.
 """
 
 from __future__ import annotations
@@ -506,52 +505,30 @@ class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(_LocalFromBottomRi
 # ------------------------------------------------------------------------------------ paged keys, B15-B17
 
 
-@dataclass
-class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
-    """B15: B11 with the keys in pages: logical key j of sequence b (j < padding = max_pages · page_size) is row
-    block_tables[b, j // page_size] · page_size + j % page_size of a pool of pages."""
+class _Paged(AttentionBias):
+    """Keys read through a page table: logical key j of lane b (j < max_pages · page_size) is row
+    block_tables[b, j // page_size] · page_size + j % page_size of a pool of pages. `_unpaged()` is the same
+    mask over the logical keys laid out lane after lane."""
 
     q_seqinfo: _SeqLenInfo
-    k_seqinfo: _PaddedSeqLenInfo
     block_tables: torch.Tensor  # int32 [B, max_pages]: logical page -> physical page
     page_size: int
-    _UNPAGED: ClassVar[type] = BlockDiagonalPaddedKeysMask
 
-    def __post_init__(self) -> None:
+    def _check_table(self) -> None:
         batch = len(self.q_seqinfo.seqstart_py) - 1
-        if (
-            self.block_tables.dim() != 2
-            or self.block_tables.shape[0] != batch
-            or self.block_tables.dtype != torch.int32
-        ):
+        tables = self.block_tables
+        if tables.dim() != 2 or tables.shape[0] != batch or tables.dtype != torch.int32:
             raise ValueError(
                 f"{type(self).__name__}: block_tables must be int32 [B={batch}, max_pages], got "
-                f"{tuple(self.block_tables.shape)} {self.block_tables.dtype}"
-            )
-        if self.k_seqinfo.padding != self.block_tables.shape[1] * self.page_size:
-            raise ValueError(
-                f"{type(self).__name__}: the key padding {self.k_seqinfo.padding} must be max_pages · page_size = "
-                f"{self.block_tables.shape[1]} · {self.page_size}"
+                f"{tuple(tables.shape)} {tables.dtype}"
             )
 
-    @classmethod
-    def from_seqlens(cls, q_seqlen, kv_seqlen, block_tables, page_size, *, device=None, **window):
-        padded = BlockDiagonalPaddedKeysMask.from_seqlens(
-            q_seqlen, block_tables.shape[1] * page_size, kv_seqlen, device=device
-        )
-        return cls(padded.q_seqinfo, padded.k_seqinfo, block_tables, page_size, **window)
-
-    def _unpaged(self) -> BlockDiagonalPaddedKeysMask:
-        extra = {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("q_seqinfo", "k_seqinfo", "block_tables", "page_size")
-        }
-        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, **extra)
+    def _unpaged(self) -> AttentionBias:
+        raise NotImplementedError
 
     def materialize(self, shape, dtype=torch.float32, device="cpu"):
         """[..., Mq, pool rows]: the unpaged mask's logical key columns moved to their physical rows (a row that
-        several sequences share is allowed where any of them allows it)."""
+        several lanes share is allowed where any of them allows it)."""
         lanes, pages = self.block_tables.shape
         logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
         j = torch.arange(pages * self.page_size, device=device)
@@ -561,12 +538,38 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
         return out.expand(*shape)
 
     def to(self, device):
-        return replace(
-            self,
-            q_seqinfo=self.q_seqinfo.to(device),
-            k_seqinfo=self.k_seqinfo.to(device),
-            block_tables=self.block_tables.to(device),
-        )
+        moved = ("q_seqinfo", "k_seqinfo", "block_tables")
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name in moved})
+
+
+@dataclass
+class PagedBlockDiagonalPaddedKeysMask(_Paged):
+    """B15: B11 with the keys in pages (padding = max_pages · page_size)."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
+    block_tables: torch.Tensor
+    page_size: int
+    _UNPAGED: ClassVar[type] = BlockDiagonalPaddedKeysMask
+
+    def __post_init__(self) -> None:
+        self._check_table()
+        if self.k_seqinfo.padding != self.block_tables.shape[1] * self.page_size:
+            raise ValueError(
+                f"{type(self).__name__}: the key padding {self.k_seqinfo.padding} must be max_pages · page_size = "
+                f"{self.block_tables.shape[1]} · {self.page_size}"
+            )
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen, block_tables, page_size, *, device=None, **window):
+        padding = block_tables.shape[1] * page_size
+        padded = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, padding, kv_seqlen, device=device)
+        return cls(padded.q_seqinfo, padded.k_seqinfo, block_tables, page_size, **window)
+
+    def _unpaged(self) -> BlockDiagonalPaddedKeysMask:
+        paging = ("q_seqinfo", "k_seqinfo", "block_tables", "page_size")
+        extra = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in paging}
+        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, **extra)
 
 
 @dataclass
@@ -588,10 +591,50 @@ class PagedBlockDiagonalCausalLocalPaddedKeysMask(PagedBlockDiagonalPaddedKeysMa
         return cls.from_seqlens(q_seqlen, kv_seqlen, block_tables, page_size, device=device, _window_size=window_size)
 
 
-# Masks whose inputs are packed varlen batches (B = 1); the paged gappy ones join them with the decode kernels.
+@dataclass
+class PagedBlockDiagonalGappyKeysMask(_Paged):
+    """B21: lane b's keys are its logical keys [kv_seqstarts[b], kv_seqstarts[b] + kv_seqlen[b]) (starts inside
+    the lane, one per lane), read through the page table; full attention. k_seqinfo holds them over the logical
+    keys laid out lane after lane (start b · max_pages · page_size + kv_seqstarts[b])."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _GappySeqInfo
+    block_tables: torch.Tensor
+    page_size: int
+    _UNPAGED: ClassVar[type] = BlockDiagonalGappyKeysMask
+
+    def __post_init__(self) -> None:
+        self._check_table()
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, block_tables, page_size, *, device=None):
+        lane = block_tables.shape[1] * page_size
+        starts, lengths = list(kv_seqstarts), list(kv_seqlen)
+        if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
+            raise ValueError(
+                f"{cls.__name__}: kv_seqstarts (one per lane) and kv_seqlen must keep each sequence inside its lane "
+                f"of {lane} keys, got {starts} and {lengths}"
+            )
+        logical = [b * lane + start for b, start in enumerate(starts)] + [len(starts) * lane]
+        gappy = BlockDiagonalGappyKeysMask.from_seqlens(q_seqlen, logical, lengths, device=device)
+        return cls(gappy.q_seqinfo, gappy.k_seqinfo, block_tables, page_size)
+
+    def _unpaged(self) -> BlockDiagonalGappyKeysMask:
+        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo)
+
+
+@dataclass
+class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKeysMask):
+    """B22: B21 and causal from the bottom right in each block."""
+
+    _UNPAGED: ClassVar[type] = BlockDiagonalCausalWithOffsetGappyKeysMask
+
+
+# Masks whose inputs are packed varlen batches (B = 1).
 VARLEN_BIASES = (
     BlockDiagonalMask,
     BlockDiagonalGappyKeysMask,
     BlockDiagonalPaddedKeysMask,
     PagedBlockDiagonalPaddedKeysMask,
+    PagedBlockDiagonalGappyKeysMask,
 )
