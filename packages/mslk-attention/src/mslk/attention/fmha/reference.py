@@ -1,0 +1,50 @@
+"""Attention in plain PyTorch (spec A-01 semantics): the oracle of the attention kernels' tests and the CPU
+path of memory_efficient_attention.
+
+`out = softmax(scale · Q·Kᵀ + bias) · V` per head, in float64, with its log-sum-exp. Layouts: BMK [B, M, K]
+(one head), BMHK [B, M, H, K], BMGHK [B, M, G, H, K] (grouped-query attention: K/V expanded over H by the
+caller, possibly with stride 0). Masks are materialized (`AttentionBias.materialize`); varlen masks take packed
+inputs with B = 1. A query with no allowed key gets zeros and a log-sum-exp of −inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mslk.attention.fmha.attn_bias import AttentionBias
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[B, M, (G, H,) K] -> [B, (G, H,) M, K] in float64."""
+    if t.dim() == 3:
+        return t.double()
+    return t.movedim(1, -2).double()
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | AttentionBias | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in query's layout and dtype with value's last dim, lse float32 [B, (G, H,) Mq]); see the module
+    docstring. A tensor bias has the shape of the scores, [B, (G, H,) Mq, Mk] (broadcast by expand)."""
+    if not query.dim() == key.dim() == value.dim() or query.dim() not in (3, 4, 5):
+        raise ValueError(
+            f"attention_reference: query, key and value must all be BMK, BMHK or BMGHK, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    scores = q @ k.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if isinstance(attn_bias, AttentionBias):
+        scores = scores + attn_bias.materialize(scores.shape, dtype=torch.float64, device=scores.device)
+    elif attn_bias is not None:
+        scores = scores + attn_bias.double()
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(−inf − (−inf)) is NaN: a fully masked row gets zero weights instead.
+    weights = torch.where(lse[..., None] == -torch.inf, 0.0, torch.exp(scores - lse[..., None]))
+    out = weights @ v
+    if query.dim() > 3:
+        out = out.movedim(-2, 1)
+    return out.to(query.dtype), lse.float()
