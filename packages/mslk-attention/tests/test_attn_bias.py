@@ -243,3 +243,21 @@ def test_paged_mask_errors():
         )
     with pytest.raises(ValueError, match="inside its lane of 12 keys"):
         ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 11], [2, 2], tables, 4)
+
+
+def test_in_place_updates_keep_the_tensors():
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 8, [5, 3], device="cpu")
+    q_start, k_len = mask.q_seqinfo.seqstart, mask.k_seqinfo.seqlen
+    mask.k_seqinfo.from_seqlens_padded_inplace([6, 4])  # a decode step: one more key each
+    assert mask.k_seqinfo.seqlen is k_len and k_len.tolist() == [6, 4] and mask.k_seqinfo.seqlen_py == [6, 4]
+    expected = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 8, [6, 4], device="cpu")
+    assert torch.equal(mask.materialize((2, 16)), expected.materialize((2, 16)))
+    packed_mask = ab.BlockDiagonalMask.from_seqlens([3, 5], device="cpu")
+    packed_mask.q_seqinfo.from_seqlens_inplace([4, 2])
+    assert packed_mask.q_seqinfo.seqstart.tolist() == [0, 4, 6] and mask.q_seqinfo.seqstart is q_start
+    with pytest.raises(ValueError, match=r"in \[0, max_seqlen=5\]"):
+        packed_mask.q_seqinfo.from_seqlens_inplace([6, 1])
+    with pytest.raises(ValueError, match="the captured batch has 2"):
+        packed_mask.q_seqinfo.from_seqlens_inplace([1])
+    with pytest.raises(ValueError, match=r"in \[0, padding=8\]"):
+        mask.k_seqinfo.from_seqlens_padded_inplace([9, 1])

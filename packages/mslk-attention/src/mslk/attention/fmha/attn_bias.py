@@ -184,6 +184,25 @@ class _SeqLenInfo:
     def intervals(self) -> Iterable[tuple[int, int]]:
         return zip(self.seqstart_py[:-1], self.seqstart_py[1:], strict=True)
 
+    def _update(self, lengths: list[int], starts: list[int], longest: int, what: str) -> None:
+        """New lengths for a CUDA graph that captured this metadata: the tensors are written in place, the batch
+        size must stay and no length may pass `longest` (what the captured kernels were sized by)."""
+        if len(lengths) != len(self.seqstart_py) - 1:
+            raise ValueError(
+                f"in-place update: {len(lengths)} sequences, the captured batch has {len(self.seqstart_py) - 1}"
+            )
+        if any(not 0 <= n <= longest for n in lengths):
+            raise ValueError(f"in-place update: lengths must be in [0, {what}={longest}], got {lengths}")
+        self.seqstart.copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seqstart_py[:] = starts
+        self.min_seqlen = min(lengths, default=0)  # max_seqlen stays the bound the graph was captured with
+
+    def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
+        """Packed sequences of new lengths (at most the captured max_seqlen) in this metadata's tensors."""
+        lengths = list(seqlens)
+        starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+        self._update(lengths, starts, self.max_seqlen, "max_seqlen")
+
     def lengths(self) -> list[int]:
         return [end - start for start, end in self.intervals()]
 
@@ -212,6 +231,14 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
 
     def intervals(self) -> Iterable[tuple[int, int]]:
         return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
+
+    def from_seqlens_padded_inplace(self, seqlens: Iterable[int]) -> None:
+        """New key lengths (each at most padding) in this metadata's tensors, for a captured CUDA graph."""
+        lengths = list(seqlens)
+        self._update(lengths, list(self.seqstart_py), self.padding, "padding")
+        self.max_seqlen = max([self.max_seqlen, *lengths])
+        self.seqlen.copy_(torch.tensor(lengths, dtype=torch.int32))
+        self.seqlen_py[:] = lengths
 
     def to(self, device) -> _PaddedSeqLenInfo:
         return replace(self, seqstart=self.seqstart.to(device), seqlen=self.seqlen.to(device))
