@@ -19,12 +19,6 @@ def kernel(op):
     return op.get_backend("triton").impl
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8 = arch.fp8_dtype(x.device)
-    scale = x.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
-    return (x.float() / scale[..., None]).to(fp8), scale
-
-
 def oracle(xq, wq, x_scale, w_scale, bias=None) -> torch.Tensor:
     """float64 (XQ · WQᵀ) · x_scale · w_scale (+ bias)."""
     out = torch.matmul(xq.double(), wq.double().transpose(-1, -2))
@@ -40,8 +34,8 @@ SHAPES = [(1, 40, 128), (16, 24, 256), (17, 130, 64), (64, 72, 160), (65, 40, 12
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16], ids=str)
 def test_rowwise_matches_the_dequantized_product(m, n, k, bias_dtype):
-    xq, x_scale = quantize_rows(testing.randn(m, k, device=DEVICE, std=3.0))
-    wq, w_scale = quantize_rows(testing.randn(n, k, device=DEVICE, std=0.5))
+    xq, x_scale = g.quantize_rows(testing.randn(m, k, device=DEVICE, std=3.0))
+    wq, w_scale = g.quantize_rows(testing.randn(n, k, device=DEVICE, std=0.5))
     bias = None if bias_dtype is None else testing.randn(n, device=DEVICE).to(bias_dtype)
     for use_fast_accum in (True, False):
         out = kernel(g.f8f8bf16_rowwise_op)(xq, wq, x_scale, w_scale, bias, use_fast_accum)
@@ -58,16 +52,16 @@ def test_persistent_tile_loop(m, n, k, group_m, monkeypatch):
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": group_m, "PERSISTENT": True, "num_stages": 3,
            "num_warps": 8}  # fmt: skip
     monkeypatch.setattr(g, "_rowwise_config", lambda *shape: cfg)
-    xq, x_scale = quantize_rows(testing.randn(m, k, device=DEVICE))
-    wq, w_scale = quantize_rows(testing.randn(n, k, device=DEVICE))
+    xq, x_scale = g.quantize_rows(testing.randn(m, k, device=DEVICE))
+    wq, w_scale = g.quantize_rows(testing.randn(n, k, device=DEVICE))
     bias = testing.randn(n, device=DEVICE)
     out = kernel(g.f8f8bf16_rowwise_op)(xq, wq, x_scale, w_scale, bias)
     testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
 
 
 def test_fp16_output_3d_activations_and_strides():
-    xq, x_scale = quantize_rows(testing.randn(3, 7, 96, device=DEVICE))
-    wq, w_scale = quantize_rows(testing.randn(50, 96, device=DEVICE))
+    xq, x_scale = g.quantize_rows(testing.randn(3, 7, 96, device=DEVICE))
+    wq, w_scale = g.quantize_rows(testing.randn(50, 96, device=DEVICE))
     out = kernel(g.f8f8f16_rowwise_op)(xq, wq, x_scale, w_scale)
     assert out.dtype == torch.float16 and out.shape == (3, 7, 50)
     testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale), 1e-2)
@@ -83,8 +77,8 @@ def test_fp16_output_3d_activations_and_strides():
 
 @pytest.mark.parametrize(("b", "m", "n", "k"), [(3, 20, 24, 32), (2, 100, 72, 160), (1, 1, 16, 128)], ids=str)
 def test_batched(b, m, n, k):
-    xq, x_scale = quantize_rows(testing.randn(b, m, k, device=DEVICE))
-    wq, w_scale = quantize_rows(testing.randn(b, n, k, device=DEVICE))
+    xq, x_scale = g.quantize_rows(testing.randn(b, m, k, device=DEVICE))
+    wq, w_scale = g.quantize_rows(testing.randn(b, n, k, device=DEVICE))
     bias = testing.randn(n, device=DEVICE)
     output = testing.empty_poisoned(b, m, n, dtype=torch.bfloat16, device=DEVICE)
     out = kernel(g.f8f8bf16_rowwise_batched_op)(xq, wq, x_scale, w_scale, bias, True, output)
@@ -93,8 +87,8 @@ def test_batched(b, m, n, k):
 
 
 def test_out_variant_fills_the_given_tensor():
-    xq, x_scale = quantize_rows(testing.randn(2, 33, 64, device=DEVICE))
-    wq, w_scale = quantize_rows(testing.randn(40, 64, device=DEVICE))
+    xq, x_scale = g.quantize_rows(testing.randn(2, 33, 64, device=DEVICE))
+    wq, w_scale = g.quantize_rows(testing.randn(40, 64, device=DEVICE))
     expected = oracle(xq, wq, x_scale, w_scale)
     output = testing.empty_poisoned(2, 33, 40, dtype=torch.bfloat16, device=DEVICE)
     assert kernel(g.f8f8bf16_rowwise_out_op)(xq, wq, x_scale, w_scale, output) is None
@@ -108,7 +102,7 @@ def test_out_variant_fills_the_given_tensor():
 
 def test_empty_and_k_zero():
     fp8 = arch.fp8_dtype(torch.device(DEVICE))
-    w, ws = quantize_rows(testing.randn(8, 32, device=DEVICE))
+    w, ws = g.quantize_rows(testing.randn(8, 32, device=DEVICE))
     empty = g.f8f8bf16_rowwise_op(torch.empty(0, 32, dtype=fp8, device=DEVICE), w, torch.empty(0, device=DEVICE), ws)
     assert empty.shape == (0, 8)
     xk0 = torch.empty(4, 0, dtype=fp8, device=DEVICE)
@@ -150,8 +144,8 @@ def test_compile_and_export():
         def forward(self, xq, wq, xs, ws):
             return g.f8f8bf16_rowwise(xq, wq, xs, ws)
 
-    xq, xs = quantize_rows(testing.randn(5, 32))
-    wq, ws = quantize_rows(testing.randn(8, 32))
+    xq, xs = g.quantize_rows(testing.randn(5, 32))
+    wq, ws = g.quantize_rows(testing.randn(8, 32))
     out = torch.compile(Linear(), fullgraph=True, backend="aot_eager")(xq, wq, xs, ws)
     assert out.shape == (5, 8) and out.dtype == torch.bfloat16
     assert "mslk.f8f8bf16_rowwise" in str(torch.export.export(Linear(), (xq, wq, xs, ws)).graph)

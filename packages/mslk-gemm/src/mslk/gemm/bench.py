@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mslk.core import arch, bench, testing
+from mslk.core import bench, testing
 from mslk.gemm.triton import fp8_gemm
 
 LARGE = [
@@ -27,15 +27,9 @@ DECODE = [
 ]
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8 = arch.fp8_dtype(x.device)
-    scale = x.abs().amax(-1).float().clamp(min=1e-12) / torch.finfo(fp8).max
-    return (x.float() / scale[:, None]).to(fp8), scale
-
-
 def _inputs(shape: dict, device: torch.device):
-    xq, x_scale = _quantize_rows(testing.randn(shape["M"], shape["K"], device=device))
-    wq, w_scale = _quantize_rows(testing.randn(shape["N"], shape["K"], device=device))
+    xq, x_scale = fp8_gemm.quantize_rows(testing.randn(shape["M"], shape["K"], device=device))
+    wq, w_scale = fp8_gemm.quantize_rows(testing.randn(shape["N"], shape["K"], device=device))
     return xq, wq, x_scale, w_scale
 
 

@@ -290,12 +290,16 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
     return op
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] in this platform's FP8 with rowwise fp32 dequantization scales (amax / FP8_MAX): the inputs of
+    the samples, tests and benches (mslk-gemm works without mslk.quantize's quantize_fp8_row)."""
+    fp8 = arch.fp8_dtype(x.device)
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
+    return (x.float() / scale[..., None]).to(fp8), scale
+
+
 def _quantized(*shape, device, std=1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rowwise-FP8 data and its fp32 scales (a sample; tests quantize their own)."""
-    x = testing.randn(*shape, device=device, std=std)
-    fp8 = arch.fp8_dtype(device)
-    scale = x.abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
-    return (x / scale[..., None]).to(fp8), scale
+    return quantize_rows(testing.randn(*shape, device=device, std=std))
 
 
 def _rowwise_samples(device):
