@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from mslk.core import arch, registry, testing
+from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.quantize.triton.common import check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 
@@ -19,15 +21,15 @@ def _validate(x0, x1, valid_token_count=None):
             f"silu_mul: x0 and x1 must be floating-point [T, D] of one shape and dtype, got {tuple(x0.shape)} "
             f"{x0.dtype} and {tuple(x1.shape)} {x1.dtype}"
         )
-    if valid_token_count is not None and (valid_token_count.numel() != 1 or valid_token_count.dtype.is_floating_point):
-        raise ValueError(f"silu_mul: valid_token_count must be one integer, got {tuple(valid_token_count.shape)}")
+    check_valid_token_count("silu_mul", valid_token_count)
 
 
 def _silu_mul(x0, x1, valid_token_count=None):
     a = x0.float()
     out = a * torch.sigmoid(a) * x1.float()
-    if valid_token_count is not None:  # rows at or past the count are zero
-        out = out * (torch.arange(x0.shape[0], device=x0.device) < valid_token_count.reshape(()).to(x0.device))[:, None]
+    valid = valid_rows(x0.shape[0], valid_token_count, x0.device)
+    if valid is not None:  # rows at or past the count are zero
+        out = out * valid[:, None]
     return out.to(x0.dtype)
 
 
@@ -55,8 +57,7 @@ def silu_mul(x0: torch.Tensor, x1: torch.Tensor, valid_token_count: torch.Tensor
 
 def _validate_quant(x0, x1, scale_ub=None, valid_token_count=None):
     _validate(x0, x1, valid_token_count)
-    if scale_ub is not None and (scale_ub.numel() != 1 or scale_ub.dtype != torch.float32):
-        raise ValueError(f"silu_mul_quant: scale_ub must be one float32 value, got {tuple(scale_ub.shape)}")
+    check_scale_ub("silu_mul_quant", scale_ub, x0)
 
 
 def _silu_mul_quant(x0, x1, scale_ub=None, valid_token_count=None):

@@ -12,24 +12,14 @@ from __future__ import annotations
 import torch
 
 from mslk.core import arch, registry, testing
+from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.quantize.triton.common import check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
-
-
-def _valid_rows(n: int, valid_token_count: torch.Tensor | None, device) -> torch.Tensor | None:
-    """Mask of the first valid_token_count of n rows (None: all), without reading the count on the host."""
-    if valid_token_count is None:
-        return None
-    return torch.arange(n, device=device) < valid_token_count.reshape(()).to(device)
 
 
 def _check_indices(where: str, name: str, indices: torch.Tensor, rows: int) -> None:
     if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64) or indices.shape[0] != rows:
         raise ValueError(f"{where}: {name} must be int32/int64 [{rows}], got {tuple(indices.shape)} {indices.dtype}")
-
-
-def _check_count(where: str, valid_token_count: torch.Tensor | None) -> None:
-    if valid_token_count is not None and (valid_token_count.numel() != 1 or valid_token_count.dtype.is_floating_point):
-        raise ValueError(f"{where}: valid_token_count must be one integer, got {tuple(valid_token_count.shape)}")
 
 
 # --------------------------------------------------------------------------------- gather and scale
@@ -43,12 +33,12 @@ def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count
         raise ValueError(f"{where}: scores must be floating-point [T={x.shape[0]}, E], got {tuple(scores.shape)}")
     _check_indices(where, "token_indices", token_indices, token_indices.shape[0] if token_indices.dim() else 0)
     _check_indices(where, "expert_indices", expert_indices, token_indices.shape[0])
-    _check_count(where, valid_token_count)
+    check_valid_token_count(where, valid_token_count)
 
 
 def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
     tokens, experts = token_indices.long(), expert_indices.long()
-    valid = _valid_rows(tokens.shape[0], valid_token_count, x.device)
+    valid = valid_rows(tokens.shape[0], valid_token_count, x.device)
     if valid is not None:  # rows past the count read row 0 and come out zero
         tokens, experts = tokens.where(valid, 0), experts.where(valid, 0)
     out = x[tokens].float() * scores[tokens, experts].float()[:, None]
@@ -91,8 +81,7 @@ def gather_scale_dense_tokens(
 
 def _validate_gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
     _validate_gather(x, token_indices, expert_indices, scores, valid_token_count)
-    if scale_ub is not None and (scale_ub.numel() != 1 or scale_ub.dtype != torch.float32):
-        raise ValueError(f"gather_scale_quant_dense_tokens: scale_ub must be one float32 value, got {scale_ub.shape}")
+    check_scale_ub("gather_scale_quant_dense_tokens", scale_ub, x)
 
 
 def _gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
@@ -144,12 +133,12 @@ def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=No
     if out_tokens.dtype != in_tokens.dtype:
         raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
     _check_indices(where, "token_indices", token_indices, in_tokens.shape[0])
-    _check_count(where, valid_token_count)
+    check_valid_token_count(where, valid_token_count)
 
 
 def _scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
     values = in_tokens.float()
-    valid = _valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device)
+    valid = valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device)
     if valid is not None:  # rows past the count add zero
         values = values * valid[:, None]
     total = out_tokens.float().index_add_(0, token_indices.long(), values)

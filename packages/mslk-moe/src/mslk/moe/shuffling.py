@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mslk.core import registry, testing
+from mslk.moe.common import check_valid_token_count, valid_rows
 
 
 def _bounds(routing_scores, expert_index_start, expert_index_end) -> tuple[int, int]:
@@ -34,11 +35,7 @@ def _validate(routing_scores, expert_index_start=None, expert_index_end=None, va
         raise ValueError(
             f"{where}: need 0 <= expert_index_start <= expert_index_end <= E={experts}, got {start}, {end}"
         )
-    if valid_token_count is not None and (valid_token_count.numel() != 1 or valid_token_count.dtype.is_floating_point):
-        raise ValueError(
-            f"{where}: valid_token_count must be one integer (a tensor of one element), got shape "
-            f"{tuple(valid_token_count.shape)} {valid_token_count.dtype}"
-        )
+    check_valid_token_count(where, valid_token_count)
 
 
 def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None, top_k=1):
@@ -48,8 +45,9 @@ def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=N
     chosen = torch.topk(routing_scores.float(), top_k, dim=1).indices  # [T, k]; ties: torch.topk's choice
     token = torch.arange(tokens, device=device)[:, None].expand(tokens, top_k)
     valid = (chosen >= start) & (chosen < end)
-    if valid_token_count is not None:
-        valid &= token < valid_token_count.reshape(()).to(device)
+    valid_tokens = valid_rows(tokens, valid_token_count, device)
+    if valid_tokens is not None:
+        valid &= valid_tokens[:, None]
     # Selected (token, expert) pairs first, by expert then token; the rest after them (their slots are unused).
     local = chosen - start
     key = torch.where(valid, local * tokens + token, (end - start) * tokens + token).flatten()
