@@ -174,16 +174,15 @@ def _quantize_mx4_kernel(
 
 
 @functools.cache
-def _fp4_tiles(k: int, elements: int, max_width: int) -> dict:
-    """Tiles of `elements` elements, at most `max_width` wide (the whole row when shorter), 4 warps."""
+def _fp4_tiles(k: int, elements: int, max_width: int, warps: int) -> dict:
+    """Tiles of `elements` elements, at most `max_width` wide (the whole row when shorter)."""
     block_k = min(launch.next_power_of_2(max(k, 32)), max_width)
-    return {"BLOCK_M": max(1, elements // block_k), "BLOCK_K": block_k, "num_warps": 4}
+    return {"BLOCK_M": max(1, elements // block_k), "BLOCK_K": block_k, "num_warps": warps}
 
 
-# (elements, max width) per kernel, the best of seven tiles measured on the H200 under CUDA graphs (RESULTS.md):
-# MXFP4 8 x 1024 (0.74x of a copy); NVFP4 4 x 512 (0.66x; its per-block divisions need 91 registers a thread
-# at 4 x 1024, which halves the warps an SM holds).
-_MX4_TILE, _NVFP4_TILE = (8192, 1024), (2048, 512)
+# (elements, max width, warps) per kernel, the best of the tiles measured on the H200 under CUDA graphs
+# (RESULTS.md): MXFP4 8 x 1024, 4 warps (0.72x of a copy); NVFP4 4 x 512, 2 warps (0.74x; 4 warps: 0.64x).
+_MX4_TILE, _NVFP4_TILE = (8192, 1024, 4), (2048, 512, 2)
 
 
 def _launch_fp4(kernel, tile, x, q, scale, m_sizes=None, **args):
@@ -288,15 +287,27 @@ _GLOBAL_PER_ROW_INVERSE: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
+def _pack_half_blocks(codes, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr):
+    """Codes [BLOCK_M, BLOCKS, 8] two per byte, the even element in the low nibble -> [BLOCK_M, BLOCKS, 4]."""
+    low, high = tl.split(tl.reshape(codes, [BLOCK_M, BLOCKS, 4, 2]))
+    return low | (high << 4)
+
+
+@triton.jit
 def _quantize_nvfp4_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, m_sizes_ptr, G, global_scale_ptr,
     GLOBAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # Each 16-element block is loaded as two 8-element halves of the same [BLOCK_M, BLOCK_K // 16, 8] shape, so
+    # one thread holds a whole block: its amax, e4m3 scale and division are computed once, not on two threads.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
-    g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 16, 16])
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    blocks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]  # [1, BLOCK_K // 16]
+    cols = blocks[:, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # the low half of each block
+    in_range = (rows < M) & (blocks < K // 16)
+    x_ptrs = x_ptr + rows[:, :, None].to(tl.int64) * stride_xm + cols * stride_xk
+    low = tl.load(x_ptrs, mask=in_range[:, :, None], other=0.0).to(tl.float32)
+    high = tl.load(x_ptrs + 8 * stride_xk, mask=in_range[:, :, None], other=0.0).to(tl.float32)
     scale_rows, has_scale, segment = _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS)
     if GLOBAL == _ONE_GLOBAL:
         gs = tl.load(global_scale_ptr)
@@ -307,18 +318,20 @@ def _quantize_nvfp4_kernel(
         gs = tl.div_rn(tl.full(inverse.shape, 1.0, tl.float32), inverse)
     else:
         gs = 1.0
-    amax = tl.reduce(tl.abs(g), 2, max_nan)  # [BLOCK_M, BLOCK_K // 16]
+    amax = max_nan(tl.reduce(tl.abs(low), 2, max_nan), tl.reduce(tl.abs(high), 2, max_nan))  # [BLOCK_M, BLOCKS]
     # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
     block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
     # One IEEE division per block, as the reference library does (x · (gs / s_b)); a zero block scale
     # encodes zeros (there x · gs / s_b would be 0/0 or saturate).
     denom = block_scale.to(tl.float32)
     factor = tl.where(denom == 0.0, 0.0, tl.div_rn(gs + tl.zeros_like(denom), tl.where(denom == 0.0, 1.0, denom)))
-    codes = e2m1_codes(tl.reshape(g * factor[:, :, None], [BLOCK_M, BLOCK_K]), False, 0, 0)
-    _store_packed(q_ptr, codes, rows, M, K // 2, BLOCK_M, BLOCK_K, pid_k)
-    groups = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]
-    offsets = _scale_offsets(scale_rows, groups, K // 16, True)
-    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=has_scale & (groups < K // 16))
+    packed_low = _pack_half_blocks(e2m1_codes(low * factor[:, :, None], False, 0, 0), BLOCK_M, BLOCK_K // 16)
+    packed_high = _pack_half_blocks(e2m1_codes(high * factor[:, :, None], False, 0, 0), BLOCK_M, BLOCK_K // 16)
+    q_ptrs = q_ptr + rows[:, :, None].to(tl.int64) * (K // 2) + blocks[:, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    tl.store(q_ptrs, packed_low, mask=in_range[:, :, None])
+    tl.store(q_ptrs + 4, packed_high, mask=in_range[:, :, None])
+    offsets = _scale_offsets(scale_rows, blocks, K // 16, True)
+    tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=has_scale & (blocks < K // 16))
 
 
 def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None):
