@@ -164,3 +164,142 @@ def test_compile_and_export():
     counts, out = torch.compile(Route(), fullgraph=True, backend="aot_eager")(x, scores)
     assert counts.shape == (6,) and out.shape == (16, 32)
     assert "mslk.index_shuffling" in str(torch.export.export(Route(), (x, scores)).graph)
+
+
+# ------------------------------------------------------------------ the Triton kernels against the references
+# T1 on the CPU (interpreter, small shapes), T2 on the GPU (larger shapes, marked gpu).
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton(op_module, name):
+    return getattr(op_module, name).get_backend("triton").impl
+
+
+def _tied_scores(t, e, dtype):
+    """Random scores with ties (a row of one value, bf16 collisions), a NaN and a negative zero."""
+    scores = testing.randn(t, e, dtype=dtype, device=KERNEL_DEVICE)
+    if t > 3:
+        scores[3] = scores[3, 0]
+    if t > 5 and e > 2:
+        scores[5, 1] = float("nan")
+        scores[5, 0] = -0.0
+    return scores
+
+
+def _check_shuffling(t, e, top_k, dtype, ranged, with_count):
+    from mslk.moe import shuffling
+
+    scores = _tied_scores(t, e, dtype)
+    start, end = (e // 4, e - e // 4) if ranged else (None, None)
+    count = torch.tensor([max(t - 3, 0)], device=KERNEL_DEVICE) if with_count else None
+    out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, top_k)
+    ref = shuffling._index_shuffling(scores, start, end, count, top_k)
+    for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name  # the unused tail too
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "top_k"), [(0, 8, 1), (1, 1, 1), (37, 8, 2), (100, 16, 4), (64, 60, 3), (50, 20, 8)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("ranged", "with_count"), [(False, False), (True, True)], ids=["all", "ranged_count"])
+def test_index_shuffling_kernel(t, e, top_k, dtype, ranged, with_count):
+    _check_shuffling(t, e, top_k, dtype, ranged, with_count)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("t", "e", "top_k"),
+    [(16384, 128, 1), (16384, 16, 8), (2048, 256, 8), (5000, 320, 4), (3000, 4096, 2), (777, 1, 1)],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("ranged", "with_count"), [(False, False), (True, True)], ids=["all", "ranged_count"])
+def test_index_shuffling_kernel_gpu(t, e, top_k, dtype, ranged, with_count):
+    _check_shuffling(t, e, top_k, dtype, ranged, with_count)
+
+
+def test_index_shuffling_kernel_limits():
+    from mslk.moe import shuffling
+
+    backend = shuffling.index_shuffling_op.get_backend("triton")
+    assert backend.reasons("cuda", (torch.rand(4, 5000),), {"top_k": 1}) == ["E = 5000 > 4096 experts"]
+    assert backend.reasons("cuda", (torch.rand(4, 16),), {"top_k": 9}) == ["top_k = 9 > 8"]
+
+
+def _routing(t, e, top_k, device):
+    from mslk.moe import shuffling
+
+    scores = torch.rand(t, e, device=device)
+    _, experts, tokens = shuffling._index_shuffling(scores, top_k=top_k)
+    return scores, experts, tokens
+
+
+@pytest.mark.parametrize(("t", "d", "top_k"), [(40, 96, 2), (7, 3000, 1), (5, 1, 4), (0, 16, 1)], ids=str)
+@pytest.mark.parametrize("with_count", [False, True])
+def test_gather_and_scatter_kernels(t, d, top_k, with_count):
+    _check_gather_scatter(t, d, top_k, with_count, [torch.float32, torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "d", "top_k"), [(4096, 5120, 1), (1000, 7168, 8), (333, 1000, 2), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("with_count", [False, True])
+def test_gather_and_scatter_kernels_gpu(t, d, top_k, with_count):
+    _check_gather_scatter(t, d, top_k, with_count, [torch.bfloat16, torch.float32, torch.float16])
+
+
+def _check_gather_scatter(t, d, top_k, with_count, dtypes):
+    from mslk.moe import gather_scatter as gs
+
+    scores, experts, tokens = _routing(t, 8, top_k, KERNEL_DEVICE)
+    rows = t * top_k
+    count = torch.tensor([max(rows - 5, 0)], device=KERNEL_DEVICE) if with_count else None
+    for dtype in dtypes:
+        x = testing.randn(t, d, dtype=dtype, device=KERNEL_DEVICE)
+        gathered = _triton(gs, "gather_scale_dense_tokens_op")(x, tokens, experts, scores, count)
+        expected = gs._gather(x, tokens, experts, scores, count)
+        if testing.interpreting() and dtype == torch.bfloat16:
+            testing.assert_rel_close(gathered, expected, 1e-2)  # the interpreter truncates fp32 -> bf16
+        else:
+            assert torch.equal(gathered, expected), dtype
+        # Scatter-add: atomic adds in the output dtype, in no fixed order; top-1 rows each hit their own token.
+        out = testing.randn(t, d, dtype=dtype, device=KERNEL_DEVICE)
+        ref = out.clone()
+        gs._scatter(ref, expected, tokens, count)
+        _triton(gs, "scatter_add_dense_tokens_op")(out, expected, tokens, count)
+        if top_k == 1 or dtype == torch.float32:
+            testing.assert_rel_close(out, ref, 1e-6 if dtype == torch.float32 else 0.0)
+        else:
+            testing.assert_rel_close(out, ref, 1e-2)
+        dst = testing.randn(t + 3, d, dtype=dtype, device=KERNEL_DEVICE)
+        dst_ref = dst.double().index_add(0, tokens.long(), expected.double())
+        _triton(gs, "scatter_add_along_first_dim_op")(dst, expected, tokens)
+        testing.assert_rel_close(dst, dst_ref, 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_out_of_range_indices_are_skipped_by_the_kernels():
+    from mslk.moe import gather_scatter as gs
+
+    x, scores = testing.randn(6, 40, device=KERNEL_DEVICE), torch.rand(6, 4, device=KERNEL_DEVICE)
+    tokens = torch.tensor([2, -1, 6, 5], device=KERNEL_DEVICE, dtype=torch.int32)
+    experts = torch.tensor([1, 0, 0, 4], device=KERNEL_DEVICE, dtype=torch.int32)
+    out = _triton(gs, "gather_scale_dense_tokens_op")(x, tokens, experts, scores)
+    assert torch.equal(out[0], x[2] * scores[2, 1]) and (out[1:] == 0).all()
+    dst = testing.randn(6, 40, device=KERNEL_DEVICE)
+    before = dst.clone()
+    _triton(gs, "scatter_add_dense_tokens_op")(dst, testing.randn(4, 40, device=KERNEL_DEVICE), tokens[1:3].repeat(2))
+    assert torch.equal(dst, before)
+
+
+def test_scatter_add_kernel_yields_to_deterministic_mode():
+    from mslk.moe import gather_scatter as gs
+
+    backend = gs.scatter_add_dense_tokens_op.get_backend("triton")
+    args = (torch.rand(4, 8), torch.rand(3, 8), torch.zeros(3, dtype=torch.int32))
+    assert backend.reasons("cuda", args, {}) == []
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "torch deterministic mode" in backend.reasons("cuda", args, {})[0]
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -3,6 +3,7 @@
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
 """
 
+from mslk.moe import bench as _bench  # noqa: F401  (registers the bench specs)
 from mslk.moe.activation import silu_mul, silu_mul_quant
 from mslk.moe.gather_scatter import (
     gather_scale_dense_tokens,

@@ -2,16 +2,19 @@
 `gather_scale_quant_dense_tokens`, followed by rowwise FP8 quantization), `scatter_add_dense_tokens` on the
 index arrays of index_shuffling, and the generic `scatter_add_along_first_dim`.
 
-This release runs the plain-PyTorch implementations on every device (device-side ops only: no host sync);
-Triton kernels will be backends of the same ops. Any hidden size D works (the reference library asserts
-D % 1024 == 0 past #SMs rows).
+The plain-PyTorch implementations serve every device; on a GPU, Triton kernels (one program per row, no host
+sync) serve rows with a contiguous last dim. Any hidden size D works (the reference library asserts
+D % 1024 == 0 past #SMs rows). Indices are not checked on the host (that would need a sync): the kernels
+skip rows whose index is out of range (a gathered row comes out zero, a scattered one adds nothing).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from mslk.core import arch, registry, testing
+from mslk.core import arch, launch, registry, testing
 from mslk.moe.common import check_valid_token_count, valid_rows
 from mslk.quantize.triton.common import check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
@@ -64,6 +67,52 @@ gather_scale_dense_tokens_op = registry.Op(
     validate=_validate_gather,
     reference_devices=("cpu", "cuda"),
 )
+
+
+_ROW_BLOCK = 2048  # elements of a row per loop step of the row kernels
+
+
+def _row_block(d: int) -> int:
+    return min(launch.next_power_of_2(max(d, 1)), _ROW_BLOCK)
+
+
+def _contiguous_rows(*tensors: torch.Tensor) -> list[str]:
+    return [f"{t.dim()}-D tensor with last-dim stride {t.stride(-1)}" for t in tensors if t.stride(-1) != 1]
+
+
+@triton.jit
+def _gather_scale_kernel(
+    x_ptr, out_ptr, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, D,
+    stride_x, stride_out, stride_st, stride_se, HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[i] = x[token[i]] · scores[token[i], expert[i]], one program per output row i."""
+    i = tl.program_id(0)
+    token = tl.load(token_ptr + i).to(tl.int64)
+    expert = tl.load(expert_ptr + i).to(tl.int64)
+    readable = (token >= 0) & (token < T) & (expert >= 0) & (expert < E)
+    if HAS_COUNT:
+        readable &= i < tl.load(valid_count_ptr)
+    score = tl.load(scores_ptr + token * stride_st + expert * stride_se, mask=readable, other=0.0).to(tl.float32)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        x = tl.load(x_ptr + token * stride_x + d0 + cols, mask=readable & (d0 + cols < D), other=0.0)
+        out = (x.to(tl.float32) * score).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + i.to(tl.int64) * stride_out + d0 + cols, out, mask=d0 + cols < D)
+
+
+@gather_scale_dense_tokens_op.backend(
+    "triton", available=registry.triton_missing, supports=lambda x, *args: _contiguous_rows(x)
+)
+def _gather_triton(x, token_indices, expert_indices, scores, valid_token_count=None):
+    rows, d = token_indices.shape[0], x.shape[1]
+    out = x.new_empty((rows, d))
+    if rows and d:
+        _gather_scale_kernel[(rows,)](
+            x, out, token_indices, expert_indices, scores, valid_token_count, x.shape[0], scores.shape[1], d,
+            x.stride(0), out.stride(0), *scores.stride(), HAS_COUNT=valid_token_count is not None,
+            BLOCK_D=_row_block(d), num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def gather_scale_dense_tokens(
@@ -166,14 +215,53 @@ scatter_add_dense_tokens_op = registry.Op(
 )
 
 
+@triton.jit
+def _scatter_add_kernel(
+    out_ptr, in_ptr, token_ptr, valid_count_ptr, T, D, stride_out, stride_in,
+    HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[token[i]] += in[i] (atomic adds in out's dtype), one program per input row i."""
+    i = tl.program_id(0)
+    token = tl.load(token_ptr + i).to(tl.int64)
+    writable = (token >= 0) & (token < T)
+    if HAS_COUNT:
+        writable &= i < tl.load(valid_count_ptr)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        v = tl.load(in_ptr + i.to(tl.int64) * stride_in + d0 + cols, mask=writable & (d0 + cols < D), other=0.0)
+        tl.atomic_add(out_ptr + token * stride_out + d0 + cols, v, mask=writable & (d0 + cols < D), sem="relaxed")
+
+
+def _scatter_add_supports(out_tokens, in_tokens, *args):
+    reasons = _contiguous_rows(out_tokens, in_tokens)
+    if torch.are_deterministic_algorithms_enabled():
+        reasons.append("torch deterministic mode (the kernel adds with atomics, in no fixed order)")
+    return reasons
+
+
+def _run_scatter_add(out_tokens, in_tokens, token_indices, valid_token_count=None):
+    rows, d = in_tokens.shape
+    if rows and d:
+        _scatter_add_kernel[(rows,)](
+            out_tokens, in_tokens, token_indices, valid_token_count, out_tokens.shape[0], d, out_tokens.stride(0),
+            in_tokens.stride(0), HAS_COUNT=valid_token_count is not None, BLOCK_D=_row_block(d), num_warps=4,
+        )  # fmt: skip
+
+
+scatter_add_dense_tokens_op.backend("triton", available=registry.triton_missing, supports=_scatter_add_supports)(
+    _run_scatter_add
+)
+
+
 def scatter_add_dense_tokens(
     out_tokens: torch.Tensor,
     in_tokens: torch.Tensor,
     token_indices: torch.Tensor,
     valid_token_count: torch.Tensor | None = None,
 ) -> None:
-    """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place;
-    sums in fp32, so a token receiving several experts' rows is rounded once."""
+    """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place.
+    The GPU kernel adds each row atomically in out_tokens' dtype, in no fixed order (as the reference library);
+    the PyTorch path (CPU, or torch deterministic mode) sums in fp32 and rounds once."""
     torch.ops.mslk.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)
 
 
@@ -207,6 +295,11 @@ scatter_add_along_first_dim_op = registry.Op(
     ],
     validate=_validate_scatter_first_dim,
     reference_devices=("cpu", "cuda"),
+)
+
+
+scatter_add_along_first_dim_op.backend("triton", available=registry.triton_missing, supports=_scatter_add_supports)(
+    _run_scatter_add
 )
 
 

@@ -1,16 +1,19 @@
 """Token routing (spec M-01): `index_shuffling` sorts the tokens of a batch by the experts they are routed to.
 
-This release runs the plain-PyTorch implementation on every device (device-side ops only: no host sync, so
-it records into CUDA graphs); a Triton kernel will be a backend of the same op. Unlike the reference
-library's kernel it takes any number of experts, any top_k up to E, and its order inside an expert's segment is
-deterministic (ascending token index).
+Unlike the reference library's kernel it takes any number of experts, any top_k up to E, and its results are
+deterministic: a token's top-k experts are its k highest scores, ties to the lower expert index (NaN counts as
+the highest score, -0 equals +0), and inside an expert's segment the tokens are in ascending order. The PyTorch
+implementation serves every device; on a GPU a Triton kernel (three launches, no host sync) serves E up to
+_MAX_TRITON_EXPERTS and top_k up to 8.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from mslk.core import registry, testing
+from mslk.core import launch, registry, testing
 from mslk.moe.common import check_valid_token_count, valid_rows
 
 
@@ -42,7 +45,8 @@ def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=N
     tokens, experts = routing_scores.shape
     device = routing_scores.device
     start, end = _bounds(routing_scores, expert_index_start, expert_index_end)
-    chosen = torch.topk(routing_scores.float(), top_k, dim=1).indices  # [T, k]; ties: torch.topk's choice
+    # [T, k]: a stable descending sort puts NaN first and keeps equal scores in expert order.
+    chosen = torch.sort(routing_scores.float(), dim=1, descending=True, stable=True).indices[:, :top_k]
     token = torch.arange(tokens, device=device)[:, None].expand(tokens, top_k)
     valid = (chosen >= start) & (chosen < end)
     valid_tokens = valid_rows(tokens, valid_token_count, device)
@@ -84,6 +88,136 @@ index_shuffling_op = registry.Op(
     validate=_validate,
     reference_devices=("cpu", "cuda"),
 )
+
+
+_MAX_TRITON_EXPERTS = 4096  # one program holds a token block's scores of every expert
+_MAX_TRITON_TOP_K = 8
+
+
+@triton.jit
+def _route_kernel(
+    scores_ptr, pair_expert_ptr, histogram_ptr, valid_count_ptr, T, E, start, stride_t, stride_e,
+    E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, BINS_PAD: tl.constexpr,
+):  # fmt: skip
+    """Top-k experts of BLOCK_T tokens: pair_expert[t·k + j] = local index of token t's j-th expert; and the
+    block's histogram over bins 0..E_LOCAL (bin E_LOCAL: pairs not selected, outside the range or the count)."""
+    block = tl.program_id(0)
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    experts = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    in_range = (tokens < T)[:, None] & (experts < E)
+    v = tl.load(scores_ptr + tokens.to(tl.int64)[:, None] * stride_t + experts * stride_e, mask=in_range, other=0.0)
+    v = v.to(tl.float32)
+    v = tl.where(v == v, v + 0.0, float("nan"))  # one NaN, and -0 made +0: equal scores get equal keys
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers ordered as the floats, NaN above +inf
+    key = tl.where(in_range, key, -2147483648)  # [BLOCK_T, E_PAD]
+    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
+    bins = tl.zeros([BINS_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, 1)[:, None]
+        chosen = tl.min(tl.where(key == best, experts, E_PAD), 1)  # [BLOCK_T]: the lowest expert of the best
+        key = tl.where(experts == chosen[:, None], -2147483648, key)
+        local = chosen - start
+        tl.store(pair_expert_ptr + tokens * TOP_K + j, local, mask=tokens < T)
+        selected = (local >= 0) & (local < E_LOCAL) & (tokens < valid_count)
+        # Tokens past T go to the last bin (BINS_PAD > E_LOCAL + 1), which is not stored.
+        bins += tl.histogram(tl.where(tokens < T, tl.where(selected, local, E_LOCAL), BINS_PAD - 1), BINS_PAD)
+    b = tl.arange(0, BINS_PAD)
+    tl.store(histogram_ptr + block * (E_LOCAL + 1) + b, bins, mask=b <= E_LOCAL)
+
+
+@triton.jit
+def _offsets_kernel(
+    histogram_ptr, counts_ptr, n_blocks, E, start, T,
+    E_LOCAL: tl.constexpr, BINS_PAD: tl.constexpr, ROWS: tl.constexpr, COUNTS_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program: the histogram [n_blocks, E_LOCAL + 1] becomes each block's first position in every bin
+    (bins back to back, blocks in order inside a bin), in place; counts [E + 2] gets the per-expert counts."""
+    b = tl.arange(0, BINS_PAD)[None, :]
+    rows = tl.arange(0, ROWS)[:, None]
+    totals = tl.zeros([BINS_PAD], dtype=tl.int32)
+    for r0 in range(0, n_blocks, ROWS):
+        mask = (r0 + rows < n_blocks) & (b <= E_LOCAL)
+        totals += tl.sum(tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, mask=mask, other=0), 0)
+    running = tl.cumsum(totals, 0) - totals  # [BINS_PAD]: where each bin starts
+    for r0 in range(0, n_blocks, ROWS):
+        mask = (r0 + rows < n_blocks) & (b <= E_LOCAL)
+        h = tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, mask=mask, other=0)
+        tl.store(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, running[None, :] + tl.cumsum(h, 0) - h, mask=mask)
+        running += tl.sum(h, 0)
+    bins = tl.arange(0, BINS_PAD)
+    tl.store(counts_ptr + start + bins, totals, mask=bins < E_LOCAL)
+    e = tl.arange(0, COUNTS_PAD)
+    selected = tl.sum(tl.where(bins < E_LOCAL, totals, 0), 0)
+    others = tl.where(e == E, T, tl.where(e == E + 1, selected, 0))  # experts outside the range count 0
+    tl.store(counts_ptr + e, others, mask=((e < start) | (e >= start + E_LOCAL)) & (e < E + 2))
+
+
+@triton.jit
+def _place_kernel(
+    pair_expert_ptr, offsets_ptr, valid_count_ptr, expert_indices_ptr, token_indices_ptr, T,
+    E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
+):  # fmt: skip
+    """Write the pairs of a token block at their positions: their block's first position in their bin plus the
+    number of earlier pairs of the block in the same bin (pairs in token order, then top-k order)."""
+    block = tl.program_id(0)
+    p = tl.arange(0, PAIRS)  # [PAIRS], a power of two >= BLOCK_T · TOP_K
+    pair = block * BLOCK_T * TOP_K + p
+    in_range = (p < BLOCK_T * TOP_K) & (pair < T * TOP_K)
+    local = tl.load(pair_expert_ptr + pair, mask=in_range, other=0)
+    token = pair // TOP_K
+    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
+    bin = tl.where((local >= 0) & (local < E_LOCAL) & (token < valid_count), local, E_LOCAL)
+    bin = tl.where(in_range, bin, E_LOCAL + 1)  # out of range: a bin of their own, never written
+    earlier = (bin[None, :] == bin[:, None]) & (p[None, :] < p[:, None])  # [PAIRS, PAIRS]
+    rank = tl.sum(earlier.to(tl.int32), 1)
+    first = tl.load(offsets_ptr + block * (E_LOCAL + 1) + bin, mask=in_range, other=0)
+    tl.store(expert_indices_ptr + first + rank, local, mask=in_range)
+    tl.store(token_indices_ptr + first + rank, token, mask=in_range)
+
+
+def _index_shuffling_supports(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None,
+                              top_k=1):  # fmt: skip
+    reasons = []
+    if routing_scores.shape[1] > _MAX_TRITON_EXPERTS:
+        reasons.append(f"E = {routing_scores.shape[1]} > {_MAX_TRITON_EXPERTS} experts")
+    if top_k > _MAX_TRITON_TOP_K:
+        reasons.append(f"top_k = {top_k} > {_MAX_TRITON_TOP_K}")
+    return reasons
+
+
+@index_shuffling_op.backend("triton", available=registry.triton_missing, supports=_index_shuffling_supports)
+def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None,
+                            top_k=1):  # fmt: skip
+    tokens, experts = routing_scores.shape
+    start, end = _bounds(routing_scores, expert_index_start, expert_index_end)
+    ints = {"dtype": torch.int32, "device": routing_scores.device}
+    counts = torch.empty(experts + 2, **ints)
+    expert_indices, token_indices = torch.empty(tokens * top_k, **ints), torch.empty(tokens * top_k, **ints)
+    e_pad = launch.next_power_of_2(experts)
+    # Token blocks of at most 128 pairs (the placement compares pairs with pairs) and 8192 scores.
+    block_t = max(1, min(128 // launch.next_power_of_2(top_k), 8192 // e_pad))
+    n_blocks = launch.cdiv(tokens, block_t)
+    local, bins_pad = end - start, launch.next_power_of_2(end - start + 2)
+    pair_expert, histogram = torch.empty(tokens * top_k, **ints), torch.empty(max(n_blocks, 1) * (local + 1), **ints)
+    count = valid_token_count if valid_token_count is not None else counts
+    common = {"E_LOCAL": local, "HAS_COUNT": valid_token_count is not None, "TOP_K": top_k, "BLOCK_T": block_t}
+    if tokens:
+        _route_kernel[(n_blocks,)](
+            routing_scores, pair_expert, histogram, count, tokens, experts, start, *routing_scores.stride(),
+            E_PAD=e_pad, BINS_PAD=bins_pad, **common, num_warps=4,
+        )  # fmt: skip
+    _offsets_kernel[(1,)](
+        histogram, counts, n_blocks, experts, start, tokens, E_LOCAL=local, BINS_PAD=bins_pad,
+        ROWS=max(1, min(64, 8192 // bins_pad)), COUNTS_PAD=launch.next_power_of_2(experts + 2), num_warps=4,
+    )  # fmt: skip
+    if tokens:
+        _place_kernel[(n_blocks,)](
+            pair_expert, histogram, count, expert_indices, token_indices, tokens,
+            PAIRS=launch.next_power_of_2(block_t * top_k), **common, num_warps=4,
+        )  # fmt: skip
+    return counts, expert_indices, token_indices
 
 
 def index_shuffling(

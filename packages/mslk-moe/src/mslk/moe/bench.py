@@ -1,0 +1,99 @@
+"""Bench specs of mslk.moe (`mslk bench --op index_shuffling`, ...).
+
+Routing inputs are random router scores [T, E] routed by index_shuffling, so the index arrays are what the
+MoE layers hand the kernels. Baselines in the same run: the plain-PyTorch implementation of the op on the GPU
+and, for the data movers, a device-to-device copy of as many bytes as the op must move (inputs read once,
+outputs written once). index_shuffling is launch-bound and runs under CUDA graphs, and once eagerly (host
+time included) at the PERF.md shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mslk.core import bench
+from mslk.moe import gather_scatter, shuffling
+
+ROUTING = [{"T": t, "E": e, "top_k": k} for t in (128, 2048, 16384) for e in (16, 128, 256) for k in (1, 8)]
+TOKENS = [
+    {"T": 16384, "D": 5120, "top_k": 1},
+    {"T": 16384, "D": 7168, "top_k": 1},
+    {"T": 2048, "D": 5120, "top_k": 8},
+    {"T": 2048, "D": 7168, "top_k": 8},
+]
+
+
+def _scores(shape: dict, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape["T"], shape["E"], device=device, dtype=torch.bfloat16)
+
+
+def _routing_inputs(shape: dict, device: torch.device):
+    return (_scores(shape, device), shape["top_k"])
+
+
+for _name, _shapes, _graph in (
+    ("index_shuffling", ROUTING, True),
+    ("index_shuffling_eager", [{"T": 16384, "E": 128, "top_k": 1}], False),
+):
+    bench.register(
+        bench.BenchSpec(
+            name=_name,
+            op="mslk::index_shuffling",
+            shapes=_shapes,
+            make_inputs=_routing_inputs,
+            run=lambda i: shuffling.index_shuffling(i[0], top_k=i[1]),
+            baselines={"torch eager reference": lambda i: shuffling._index_shuffling(i[0], top_k=i[1])},
+            bytes=lambda s: 2 * s["T"] * s["E"] + 8 * s["T"] * s["top_k"],
+            cuda_graph=_graph,
+        )
+    )
+
+
+def _token_inputs(shape: dict, device: torch.device, moved_bytes: int):
+    """x [T, D] bf16, router scores [T, 128], index_shuffling's arrays, the expert-ordered rows [T·k, D], and
+    two buffers for the copy baseline."""
+    t, d, k = shape["T"], shape["D"], shape["top_k"]
+    scores = torch.rand(t, 128, device=device)
+    _, experts, tokens = shuffling.index_shuffling(scores, top_k=k)
+    x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
+    rows = torch.randn(t * k, d, device=device, dtype=torch.bfloat16)
+    half = moved_bytes // 2
+    return x, scores, experts, tokens, rows, *(torch.empty(half, dtype=torch.uint8, device=device) for _ in "ab")
+
+
+def _gather_bytes(shape: dict) -> int:
+    return 2 * 2 * shape["T"] * shape["top_k"] * shape["D"]  # rows read once and written once (bf16)
+
+
+def _scatter_bytes(shape: dict) -> int:
+    return 2 * shape["T"] * shape["D"] * (shape["top_k"] + 2)  # expert rows and out read, out written
+
+
+bench.register(
+    bench.BenchSpec(
+        name="gather_scale_dense_tokens",
+        op="mslk::gather_scale_dense_tokens",
+        shapes=TOKENS,
+        make_inputs=lambda s, device: _token_inputs(s, device, _gather_bytes(s)),
+        run=lambda i: gather_scatter.gather_scale_dense_tokens(i[0], i[3], i[2], i[1]),
+        baselines={
+            "copy same bytes": lambda i: i[6].copy_(i[5]),
+            "torch eager reference": lambda i: gather_scatter._gather(i[0], i[3], i[2], i[1]),
+        },
+        bytes=_gather_bytes,
+    )
+)
+bench.register(
+    bench.BenchSpec(
+        name="scatter_add_dense_tokens",
+        op="mslk::scatter_add_dense_tokens",
+        shapes=TOKENS,
+        make_inputs=lambda s, device: _token_inputs(s, device, _scatter_bytes(s)),
+        run=lambda i: gather_scatter.scatter_add_dense_tokens(i[0], i[4], i[3]),
+        baselines={
+            "copy same bytes": lambda i: i[6].copy_(i[5]),
+            "torch index_add_ (bf16)": lambda i: i[0].index_add_(0, i[3], i[4]),
+        },
+        bytes=_scatter_bytes,
+    )
+)
