@@ -180,7 +180,7 @@ def _tied_scores(t, e, dtype):
     """Random scores with ties (a row of one value, bf16 collisions), a NaN and a negative zero."""
     scores = testing.randn(t, e, dtype=dtype, device=KERNEL_DEVICE)
     if t > 3:
-        scores[3] = scores[3, 0]
+        scores[3] = scores[3, 0].item()
     if t > 5 and e > 2:
         scores[5, 1] = float("nan")
         scores[5, 0] = -0.0
@@ -303,3 +303,79 @@ def test_scatter_add_kernel_yields_to_deterministic_mode():
         assert "torch deterministic mode" in backend.reasons("cuda", args, {})[0]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _padded_case(ranks, experts, t, top_k, d, dtype, device):
+    """index_shuffling's arrays for T tokens, and in_tokens [EP, T·k, D] with each rank's rows at their
+    expert-ordered positions and NaN everywhere else (padding must add nothing)."""
+    from mslk.moe import shuffling
+
+    counts, _, tokens = shuffling._index_shuffling(torch.rand(t, experts, device=device), top_k=top_k)
+    counts = counts[:experts]
+    rows = t * top_k
+    in_tokens = torch.full((ranks, rows, d), float("nan"), dtype=dtype, device=device)
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0, *ends[:-1]]
+    per_rank = experts // ranks
+    for e in range(experts):
+        r = e // per_rank
+        in_tokens[r, starts[e] : ends[e]] = testing.randn(ends[e] - starts[e], d, dtype=dtype, device=device)
+    return in_tokens, counts, tokens, starts, ends
+
+
+@pytest.mark.parametrize(
+    ("ranks", "experts", "t", "top_k", "d"), [(2, 4, 9, 1, 40), (4, 8, 30, 2, 33), (1, 3, 5, 3, 8)]
+)
+def test_scatter_add_padded_tokens_against_a_loop(ranks, experts, t, top_k, d):
+    from mslk.moe import gather_scatter as gs
+
+    in_tokens, counts, tokens, starts, ends = _padded_case(ranks, experts, t, top_k, d, torch.float32, DEVICE)
+    out = testing.randn(t, d, device=DEVICE)
+    expected = out.double().clone()
+    for e in range(experts):
+        for i in range(starts[e], ends[e]):
+            expected[tokens[i]] += in_tokens[e // (experts // ranks), i].double()
+    gs.scatter_add_padded_tokens(in_tokens, counts, tokens, out)
+    testing.assert_rel_close(out, expected, 1e-6)
+    kernel_out = testing.randn(t, d, device=KERNEL_DEVICE)
+    reference_out = kernel_out.clone()
+    args = [a.to(KERNEL_DEVICE) for a in (in_tokens, counts, tokens)]
+    _triton(gs, "scatter_add_padded_tokens_op")(*args, kernel_out)
+    gs._scatter_padded(*args, reference_out)
+    testing.assert_rel_close(kernel_out, reference_out, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_scatter_add_padded_tokens_kernel_gpu(dtype):
+    from mslk.moe import gather_scatter as gs
+
+    in_tokens, counts, tokens, _, _ = _padded_case(4, 16, 2000, 1, 5120, dtype, "cuda")
+    out = testing.randn(2000, 5120, dtype=dtype, device="cuda")
+    ref = out.clone()
+    _triton(gs, "scatter_add_padded_tokens_op")(in_tokens, counts, tokens, out)
+    gs._scatter_padded(in_tokens, counts, tokens, ref)
+    assert torch.equal(out, ref)  # top-1: one row per token, rounded once on both paths
+
+
+@pytest.mark.gpu
+def test_routing_records_into_a_cuda_graph():
+    """index_shuffling, gather and scatter-add run without host syncs: they replay from a CUDA graph."""
+    x = testing.randn(300, 256, dtype=torch.bfloat16, device="cuda")
+    scores = torch.rand(300, 16, device="cuda")
+    out, count = torch.zeros_like(x), torch.tensor([250], device="cuda")
+
+    def step():
+        out.zero_()
+        _, experts, tokens = index_shuffling(scores, valid_token_count=count, top_k=2)
+        scatter_add_dense_tokens(out, gather_scale_dense_tokens(x, tokens, experts, scores), tokens)
+
+    torch.cuda.synchronize()
+    step()
+    expected = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    graph.replay()
+    testing.assert_rel_close(out, expected, 1e-2)

@@ -10,6 +10,7 @@ from mslk.moe.gather_scatter import (
     gather_scale_quant_dense_tokens,
     scatter_add_along_first_dim,
     scatter_add_dense_tokens,
+    scatter_add_padded_tokens,
 )
 from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling
 
@@ -20,6 +21,7 @@ __all__ = [
     "index_shuffling",
     "scatter_add_along_first_dim",
     "scatter_add_dense_tokens",
+    "scatter_add_padded_tokens",
     "silu_mul",
     "silu_mul_quant",
     "split_shuffling",

@@ -45,7 +45,7 @@ def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
     if valid is not None:  # rows past the count read row 0 and come out zero
         tokens, experts = tokens.where(valid, 0), experts.where(valid, 0)
     out = x[tokens].float() * scores[tokens, experts].float()[:, None]
-    return (out if valid is None else out * valid[:, None]).to(x.dtype)
+    return (out if valid is None else torch.where(valid[:, None], out, 0.0)).to(x.dtype)
 
 
 def _gather_samples(device):
@@ -188,8 +188,8 @@ def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=No
 def _scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
     values = in_tokens.float()
     valid = valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device)
-    if valid is not None:  # rows past the count add zero
-        values = values * valid[:, None]
+    if valid is not None:  # rows past the count add zero, whatever they hold
+        values = torch.where(valid[:, None], values, 0.0)
     total = out_tokens.float().index_add_(0, token_indices.long(), values)
     out_tokens.copy_(total)
 
@@ -216,36 +216,74 @@ scatter_add_dense_tokens_op = registry.Op(
 
 
 @triton.jit
-def _scatter_add_kernel(
-    out_ptr, in_ptr, token_ptr, valid_count_ptr, T, D, stride_out, stride_in,
-    HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """out[token[i]] += in[i] (atomic adds in out's dtype), one program per input row i."""
-    i = tl.program_id(0)
+def _scatter_row(i, token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr):
+    """(target token, source row, whether row i adds anything) of the scatter-adds."""
     token = tl.load(token_ptr + i).to(tl.int64)
-    writable = (token >= 0) & (token < T)
+    source = tl.load(source_ptr + i).to(tl.int64) if HAS_SOURCE else i.to(tl.int64)
+    adds = (token >= 0) & (token < T) & (source >= 0)
     if HAS_COUNT:
-        writable &= i < tl.load(valid_count_ptr)
-    cols = tl.arange(0, BLOCK_D)
-    for d0 in range(0, D, BLOCK_D):
-        v = tl.load(in_ptr + i.to(tl.int64) * stride_in + d0 + cols, mask=writable & (d0 + cols < D), other=0.0)
-        tl.atomic_add(out_ptr + token * stride_out + d0 + cols, v, mask=writable & (d0 + cols < D), sem="relaxed")
+        adds &= i < tl.load(valid_count_ptr)
+    return token, source, adds
+
+
+@triton.jit
+def _multiplicity_kernel(
+    token_ptr, source_ptr, valid_count_ptr, multiplicity_ptr, rows, T,
+    HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """multiplicity[t] = the number of rows that add into token t."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    token, _, adds = _scatter_row(
+        tl.minimum(i, rows - 1), token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT
+    )
+    tl.atomic_add(multiplicity_ptr + token, 1, mask=adds & (i < rows), sem="relaxed")
+
+
+@triton.jit
+def _scatter_add_kernel(
+    out_ptr, in_ptr, token_ptr, source_ptr, valid_count_ptr, multiplicity_ptr, T, D, stride_out, stride_in,
+    HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[token[i]] += in[source[i]], one program per row i. A token that only this row adds into is read,
+    added in fp32 and written (deterministic, at copy speed); one that several rows add into gets atomic adds
+    in out's dtype, in no fixed order."""
+    i = tl.program_id(0)
+    token, source, adds = _scatter_row(i, token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT)
+    if adds:
+        alone = tl.load(multiplicity_ptr + token) == 1
+        cols = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            mask = d0 + cols < D
+            v = tl.load(in_ptr + source * stride_in + d0 + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            out_cols = out_ptr + token * stride_out + d0 + cols
+            if alone:
+                total = tl.load(out_cols, mask=mask, other=0.0).to(tl.float32) + v.to(tl.float32)
+                tl.store(out_cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.atomic_add(out_cols, v, mask=mask, sem="relaxed")
 
 
 def _scatter_add_supports(out_tokens, in_tokens, *args):
     reasons = _contiguous_rows(out_tokens, in_tokens)
     if torch.are_deterministic_algorithms_enabled():
-        reasons.append("torch deterministic mode (the kernel adds with atomics, in no fixed order)")
+        reasons.append("torch deterministic mode (rows adding into one token use atomics, in no fixed order)")
     return reasons
 
 
-def _run_scatter_add(out_tokens, in_tokens, token_indices, valid_token_count=None):
-    rows, d = in_tokens.shape
-    if rows and d:
-        _scatter_add_kernel[(rows,)](
-            out_tokens, in_tokens, token_indices, valid_token_count, out_tokens.shape[0], d, out_tokens.stride(0),
-            in_tokens.stride(0), HAS_COUNT=valid_token_count is not None, BLOCK_D=_row_block(d), num_warps=4,
-        )  # fmt: skip
+def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None, source_rows=None):
+    """The scatter-add kernels: out_tokens[token_indices[i]] += in_rows[source_rows[i] (default i)]."""
+    rows, d = token_indices.shape[0], in_rows.shape[-1]
+    if not (rows and d):
+        return
+    multiplicity = torch.zeros(out_tokens.shape[0], dtype=torch.int32, device=out_tokens.device)
+    flags = {"HAS_SOURCE": source_rows is not None, "HAS_COUNT": valid_token_count is not None}
+    _multiplicity_kernel[(launch.cdiv(rows, 1024),)](
+        token_indices, source_rows, valid_token_count, multiplicity, rows, out_tokens.shape[0], BLOCK=1024, **flags
+    )
+    _scatter_add_kernel[(rows,)](
+        out_tokens, in_rows, token_indices, source_rows, valid_token_count, multiplicity, out_tokens.shape[0], d,
+        out_tokens.stride(0), in_rows.stride(-2), BLOCK_D=_row_block(d), num_warps=4, **flags,
+    )  # fmt: skip
 
 
 scatter_add_dense_tokens_op.backend("triton", available=registry.triton_missing, supports=_scatter_add_supports)(
@@ -260,9 +298,103 @@ def scatter_add_dense_tokens(
     valid_token_count: torch.Tensor | None = None,
 ) -> None:
     """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place.
-    The GPU kernel adds each row atomically in out_tokens' dtype, in no fixed order (as the reference library);
-    the PyTorch path (CPU, or torch deterministic mode) sums in fp32 and rounds once."""
+    Tokens that one row adds into are rounded once on every device; on a GPU, tokens that several rows add into
+    get atomic adds in out_tokens' dtype, in no fixed order (as in the reference library), while the PyTorch
+    path (CPU, or torch deterministic mode) sums them in fp32 and rounds once."""
     torch.ops.mslk.scatter_add_dense_tokens(out_tokens, in_tokens, token_indices, valid_token_count)
+
+
+# ------------------------------------------------------------------------- padded expert outputs (M-06)
+
+
+def _validate_scatter_padded(in_tokens, token_counts, token_indices, out_tokens):
+    where = "scatter_add_padded_tokens"
+    if in_tokens.dim() != 3 or out_tokens.dim() != 2 or in_tokens.shape[2] != out_tokens.shape[1]:
+        raise ValueError(
+            f"{where}: expected in_tokens [EP, T_K, D] and out_tokens [T, D], got {tuple(in_tokens.shape)} and "
+            f"{tuple(out_tokens.shape)}"
+        )
+    if in_tokens.dtype != out_tokens.dtype:
+        raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
+    ranks = in_tokens.shape[0]
+    if token_counts.dim() != 1 or token_counts.dtype.is_floating_point or token_counts.numel() % max(ranks, 1):
+        raise ValueError(
+            f"{where}: token_counts must be integer [E] with E a multiple of EP={ranks}, got "
+            f"{tuple(token_counts.shape)} {token_counts.dtype}"
+        )
+    _check_indices(where, "token_indices", token_indices, in_tokens.shape[1])
+
+
+def _padded_source_rows(in_tokens: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """For each row i of the expert-ordered list (T_K rows): the row of in_tokens viewed as [EP·T_K, D] that
+    holds its expert's output, rank·T_K + i (rank = expert // (E / EP)), or -1 past sum(token_counts)."""
+    ranks, rows = in_tokens.shape[:2]
+    i = torch.arange(rows, device=in_tokens.device)
+    if token_counts.numel() == 0:
+        return torch.full_like(i, -1)
+    ends = torch.cumsum(token_counts.to(torch.int64), 0)
+    expert = torch.searchsorted(ends, i, right=True)
+    rank = expert.clamp(max=token_counts.numel() - 1) // (token_counts.numel() // ranks)
+    return torch.where(i < ends[-1], rank * rows + i, -1)
+
+
+def _scatter_padded(in_tokens, token_counts, token_indices, out_tokens):
+    source = _padded_source_rows(in_tokens, token_counts)
+    valid = source >= 0
+    values = in_tokens.reshape(-1, in_tokens.shape[-1])[source.clamp(min=0)].float()
+    values = torch.where(valid[:, None], values, 0.0)  # padding rows add zero, whatever they hold
+    total = out_tokens.float().index_add_(0, torch.where(valid, token_indices.long(), 0), values)
+    out_tokens.copy_(total)
+
+
+def _scatter_padded_samples(device):
+    counts = torch.tensor([3, 0, 4, 2], device=device, dtype=torch.int32)  # E = 4 experts on EP = 2 ranks
+    tokens = torch.randperm(12, device=device).to(torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        yield registry.Sample(
+            (
+                testing.randn(2, 12, 40, dtype=dtype, device=device),
+                counts,
+                tokens,
+                testing.randn(12, 40, dtype=dtype, device=device),
+            )
+        )
+
+
+scatter_add_padded_tokens_op = registry.Op(
+    "mslk::scatter_add_padded_tokens(Tensor in_tokens, Tensor token_counts, Tensor token_indices, "
+    "Tensor(a!) out_tokens) -> ()",
+    domain="moe",
+    reference=_scatter_padded,
+    fake=lambda *args: None,
+    samples=_scatter_padded_samples,
+    validate=_validate_scatter_padded,
+    reference_devices=("cpu", "cuda"),
+)
+
+
+@scatter_add_padded_tokens_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda in_tokens, token_counts, token_indices, out_tokens: _scatter_add_supports(out_tokens, in_tokens),
+)
+def _scatter_padded_triton(in_tokens, token_counts, token_indices, out_tokens):
+    source = _padded_source_rows(in_tokens, token_counts)
+    _run_scatter_add(out_tokens, in_tokens.reshape(-1, in_tokens.shape[-1]), token_indices, None, source)
+
+
+def scatter_add_padded_tokens(
+    in_tokens: torch.Tensor,
+    token_counts: torch.Tensor,
+    token_indices: torch.Tensor,
+    out_tokens: torch.Tensor,
+) -> None:
+    """Scatter-add the experts' outputs of EP ranks (spec M-06), in place: in_tokens [EP, T_K, D] holds in
+    in_tokens[r] the rows of rank r's experts at their positions in the expert-ordered list (experts
+    r·E/EP .. (r+1)·E/EP - 1 of token_counts [E], back to back from row 0; the other rows are padding), and
+    `out_tokens[token_indices[i]] += in_tokens[rank of row i's expert, i]` for i < sum(token_counts). Any T_K
+    (the reference library needs T_K % T == 0); rounding as scatter_add_dense_tokens."""
+    torch.ops.mslk.scatter_add_padded_tokens(in_tokens, token_counts, token_indices, out_tokens)
 
 
 def _validate_scatter_first_dim(Dst, Src, Index):

@@ -61,7 +61,7 @@ def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=N
     counts = torch.zeros(experts + 2, dtype=torch.int32, device=device)
     selected = valid.flatten()
     counts[:experts].index_add_(0, chosen.flatten(), selected.to(torch.int32))
-    counts[experts] = tokens
+    counts[experts].fill_(tokens)  # a fill, not a host-to-device copy (CUDA graphs)
     counts[experts + 1] = selected.sum()
     return counts, expert_indices, token_indices
 
