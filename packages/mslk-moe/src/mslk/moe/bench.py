@@ -97,3 +97,44 @@ bench.register(
         bytes=_scatter_bytes,
     )
 )
+
+
+LAYERS = [
+    {"tokens": 4096, "dim": 5120, "hidden_dim": 8192, "experts": 16, "top_k": 1, "precision": "bf16"},
+    {"tokens": 4096, "dim": 5120, "hidden_dim": 8192, "experts": 16, "top_k": 1, "precision": "fp8_rowwise"},
+    {"tokens": 512, "dim": 5120, "hidden_dim": 8192, "experts": 16, "top_k": 1, "precision": "bf16"},
+]
+
+
+def _layer_inputs(shape: dict, device: torch.device):
+    """The same weights in a MetaShufflingMoE and a BaselineMoE (one rank), and tokens x [1, T, D]."""
+    from mslk.moe import layers
+
+    args = layers.MoEArgs(
+        shape["precision"], shape["dim"], shape["hidden_dim"], shape["experts"], shape["top_k"], 1, 1, None
+    )
+    with torch.device(device):
+        torch.manual_seed(0)
+        fast = layers.MetaShufflingMoE(None, None, args).build()
+        torch.manual_seed(0)
+        baseline = layers.BaselineMoE(None, None, args).build()
+    x = torch.randn(1, shape["tokens"], shape["dim"], device=device, dtype=torch.bfloat16)
+    return fast, baseline, x
+
+
+def _layer_flops(shape: dict) -> float:
+    """The routed experts' (top_k per token) and the shared expert's three GEMMs: what the layer must compute."""
+    return 2 * shape["tokens"] * (shape["top_k"] + 1) * 3 * shape["dim"] * shape["hidden_dim"]
+
+
+bench.register(
+    bench.BenchSpec(
+        name="moe_layer",
+        op="mslk::index_shuffling",
+        shapes=LAYERS,
+        make_inputs=_layer_inputs,
+        run=lambda i: i[0](i[2], use_static_shape=False),
+        baselines={"BaselineMoE (dense, masked bmm)": lambda i: i[1](i[2], use_static_shape=False)},
+        flops=_layer_flops,
+    )
+)
