@@ -110,7 +110,19 @@ quantize_fp8_row_op = registry.Op(
 
 
 @triton.jit
-def _to_levels(x, factor, QMAX: tl.constexpr):
+def row_factor_and_scale(amax, eps, scale_ub_ptr, QMAX: tl.constexpr, HAS_UB: tl.constexpr):
+    """Rowwise quantization constants from each row's max |x| (NaN kept): amax floored at eps and bounded by
+    *scale_ub_ptr when HAS_UB, then (factor = QMAX / amax, to_levels' multiplier; scale = amax / QMAX, the
+    dequantization scale). Both divisions are IEEE-rounded (Triton's `/` is approximate on GPUs), so that they
+    equal the reference's."""
+    amax = max_nan(amax, eps)
+    if HAS_UB:
+        amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
+    return tl.div_rn(QMAX, amax), tl.div_rn(amax, QMAX)
+
+
+@triton.jit
+def to_levels(x, factor, QMAX: tl.constexpr):
     """x · factor clamped to ±QMAX, NaN kept, ready for the cast to xq's dtype: for an integer xq (int8) rounded
     half to even (adding 1.5 · 2^23 rounds to an integer below 2^22) and NaN made 0."""
     q = tl.clamp(x * factor, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
@@ -145,20 +157,17 @@ def _quantize_row_kernel(
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
             amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
-    amax = max_nan(amax, eps)
-    if HAS_UB:
-        amax = tl.minimum(amax, tl.load(scale_ub_ptr), propagate_nan=tl.PropagateNan.ALL)
-    # IEEE-rounded divisions (Triton's `/` is approximate on GPUs), so the results equal the reference's.
-    factor = tl.div_rn(QMAX, amax)[:, None]  # [BLOCK_M, 1]
-    tl.store(scale_ptr + rows, tl.div_rn(amax, QMAX), mask=in_range)
+    factor, scale = row_factor_and_scale(amax, eps, scale_ub_ptr, QMAX, HAS_UB)
+    tl.store(scale_ptr + rows, scale, mask=in_range)
+    factor = factor[:, None]  # [BLOCK_M, 1]
 
     if SINGLE_PASS:
-        q = tl.where(cols < K, _to_levels(x, factor, QMAX), 0.0)  # alignment padding is zero even in a NaN row
+        q = tl.where(cols < K, to_levels(x, factor, QMAX), 0.0)  # alignment padding is zero even in a NaN row
         tl.store(xq_rows + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (cols < K_OUT))
     else:
         for k0 in range(0, K_OUT, BLOCK_K):
             x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
-            q = tl.where(k0 + cols < K, _to_levels(x.to(tl.float32), factor, QMAX), 0.0)
+            q = tl.where(k0 + cols < K, to_levels(x.to(tl.float32), factor, QMAX), 0.0)
             tl.store(xq_rows + k0 + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (k0 + cols < K_OUT))
 
 
