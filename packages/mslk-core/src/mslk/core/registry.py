@@ -238,7 +238,10 @@ class Op:
         return chosen
 
     def _pinned_by_env(self) -> str | None:
-        per_op, anywhere = _parse_pins(env.BACKEND.get())
+        value = env.BACKEND.get()
+        if not value:  # the common case, on every call: nothing pinned
+            return None
+        per_op, anywhere = _parse_pins(value)
         pinned = per_op.get(self.qualname) or per_op.get(self.name)
         if pinned is not None:
             return pinned
