@@ -2,7 +2,9 @@
 
 FP8 rowwise GEMMs against `torch._scaled_mm` with rowwise scales on the same inputs (the cuBLAS FP8 GEMM),
 at the shapes of PERF.md and Llama-70B/405B projections; decode shapes (M <= 128) under CUDA graphs, so that
-both sides are timed without their host overhead (DESIGN.md §5).
+both sides are timed without their host overhead (DESIGN.md §5). Blockwise and groupwise GEMMs compare with
+the same rowwise `_scaled_mm` at the same shapes: the same FLOPs with the cheapest scaling, so the ratio says
+what the finer scales cost.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mslk.core import bench, testing
-from mslk.gemm.triton import fp8_gemm
+from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm
 
 LARGE = [
     {"M": 8192, "N": 8192, "K": 8192},
@@ -52,6 +54,41 @@ for name, shapes, graph in (("f8f8bf16_rowwise", LARGE, False), ("f8f8bf16_rowwi
             flops=lambda s: 2 * s["M"] * s["N"] * s["K"],
             bytes=lambda s: s["M"] * s["K"] + s["N"] * s["K"] + 2 * s["M"] * s["N"],
             cuda_graph=graph,
+            domain="gemm",
+        )
+    )
+
+
+def _block_inputs(shape: dict, device: torch.device, groupwise: bool):
+    """Rowwise operands for the baseline, and the block-scaled ones in the layout of the GEMM: blockwise 128 x 128
+    tiles for both, or groupwise (XQ per row and 128 of K, M-major; WQ per 128 x 128 tile, N-major)."""
+    x = testing.randn(shape["M"], shape["K"], device=device)
+    w = testing.randn(shape["N"], shape["K"], device=device)
+    xq, x_scale = fp8_blockwise_gemm.quantize_blocks(x, 1 if groupwise else 128, 128)
+    wq, w_scale = fp8_blockwise_gemm.quantize_blocks(w, 128, 128)
+    if groupwise:
+        x_scale, w_scale = x_scale.T.contiguous(), w_scale.T.contiguous()
+    return (*fp8_gemm.quantize_rows(x), *fp8_gemm.quantize_rows(w)), (xq, wq, x_scale, w_scale)
+
+
+def _rowwise_baseline(i):
+    (xq, x_scale, wq, w_scale), _ = i
+    return _scaled_mm((xq, wq, x_scale, w_scale))
+
+
+for name, groupwise, gemm in (
+    ("f8f8bf16_blockwise", False, fp8_blockwise_gemm.f8f8bf16_blockwise),
+    ("f8f8bf16_groupwise", True, fp8_blockwise_gemm.f8f8bf16_groupwise),
+):
+    bench.register(
+        bench.BenchSpec(
+            name=name,
+            op=f"mslk::{name}",
+            shapes=LARGE,
+            make_inputs=lambda s, device, groupwise=groupwise: _block_inputs(s, device, groupwise),
+            run=lambda i, gemm=gemm: gemm(*i[1]),
+            baselines={"torch._scaled_mm rowwise": _rowwise_baseline},
+            flops=lambda s: 2 * s["M"] * s["N"] * s["K"],
             domain="gemm",
         )
     )
