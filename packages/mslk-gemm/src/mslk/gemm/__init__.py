@@ -6,3 +6,4 @@ Importing this module registers the domain's `torch.ops` (`import mslk` does it 
 from mslk.gemm import bench as _bench  # noqa: F401  (registers the bench specs)
 from mslk.gemm.triton import fp8_blockwise_gemm as _fp8_blockwise_gemm  # noqa: F401  (registers the ops)
 from mslk.gemm.triton import fp8_gemm as _fp8_gemm  # noqa: F401  (registers the ops)
+from mslk.gemm.triton import grouped_gemm as _grouped_gemm  # noqa: F401  (registers the ops)

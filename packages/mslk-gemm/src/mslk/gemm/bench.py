@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mslk.core import bench, testing
-from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm
+from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm, grouped_gemm
 
 LARGE = [
     {"M": 8192, "N": 8192, "K": 8192},
@@ -92,3 +92,33 @@ for name, groupwise, gemm in (
             domain="gemm",
         )
     )
+
+
+GROUPED = [
+    {"G": 8, "rows": 2048, "N": 4096, "K": 7168},
+    {"G": 64, "rows": 128, "N": 2048, "K": 7168},
+    {"G": 16, "rows": 512, "N": 2048, "K": 5120},  # Llama-4 experts
+    {"G": 128, "rows": 64, "N": 2048, "K": 7168},  # DeepSeek-V3 experts
+]
+
+
+def _grouped_inputs(shape: dict, device: torch.device):
+    """bf16 X [G·rows, K] and W [G, N, K], int64 M_sizes, int32 offsets for torch._grouped_mm."""
+    x = testing.randn(shape["G"] * shape["rows"], shape["K"], dtype=torch.bfloat16, device=device)
+    w = testing.randn(shape["G"], shape["N"], shape["K"], dtype=torch.bfloat16, device=device)
+    m_sizes = torch.full((shape["G"],), shape["rows"], dtype=torch.int64, device=device)
+    return x, w, m_sizes, torch.cumsum(m_sizes, 0).to(torch.int32)
+
+
+bench.register(
+    bench.BenchSpec(
+        name="bf16bf16bf16_grouped_stacked",
+        op="mslk::bf16bf16bf16_grouped_stacked",
+        shapes=GROUPED,
+        make_inputs=_grouped_inputs,
+        run=lambda i: grouped_gemm.bf16bf16bf16_grouped_stacked(i[0], i[1], i[2]),
+        baselines={"torch._grouped_mm": lambda i: torch._grouped_mm(i[0], i[1].transpose(-2, -1), offs=i[3])},
+        flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
+        domain="gemm",
+    )
+)
