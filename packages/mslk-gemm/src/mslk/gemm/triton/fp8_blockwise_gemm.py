@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
+from mslk.gemm.triton.fp8_gemm import tile_coordinates
 
 GROUP_K = 128  # the groupwise recipe's K granularity
 
@@ -60,14 +61,8 @@ def _fp8_block_scaled_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C = Σ_k (A_k · B_kᵀ) · a_scale[m // A_SCALE_ROWS, k // SCALE_K] · b_scale[n // B_SCALE_ROWS, k // SCALE_K],
-    A [M, K] and B [N, K] K-contiguous, C [M, N]; SCALE_K is a multiple of BLOCK_K. Tiles go in groups of
-    GROUP_M rows of tiles, so that neighbours share B tiles in L2."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-    group_rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_rows)
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    A [M, K] and B [N, K] K-contiguous, C [M, N]; SCALE_K is a multiple of BLOCK_K."""
+    pid_m, pid_n = tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -120,18 +120,24 @@ def _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, out_dtype):
 
 
 @triton.jit
+def tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) of output tile `tile`: tiles go in groups of GROUP_M rows of tiles, so that neighbouring
+    programs share B tiles in L2."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (tile % group_rows), (tile % (GROUP_M * tiles_n)) // group_rows
+
+
+@triton.jit
 def _rowwise_tile(
     tile, batch, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One output tile. Tiles go in groups of GROUP_M rows of tiles, so that neighbours share B tiles in L2."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
-    group_rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (tile % group_rows)
-    pid_n = (tile % (GROUP_M * tiles_n)) // group_rows
+    """One output tile."""
+    pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
