@@ -174,7 +174,8 @@ def assert_fp8_equal(out: torch.Tensor, ref: torch.Tensor, what: str = "xq") -> 
 
 
 def _flat(result: Any) -> list[Any]:
-    return list(result) if isinstance(result, (tuple, list)) else [result]
+    """The tensors of an op's result, nested lists and tuples flattened (e.g. `(Tensor[], Tensor[])`)."""
+    return [x for item in result for x in _flat(item)] if isinstance(result, (tuple, list)) else [result]
 
 
 def _to(value: Any, device: torch.device | str) -> Any:
