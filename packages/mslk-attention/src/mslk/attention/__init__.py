@@ -4,3 +4,5 @@ memory_efficient_attention, the attn_bias masks, partial attention and merge.
 
 Importing this module registers the domain's `torch.ops` (`import mslk` does it for every installed domain).
 """
+
+from mslk.attention import fmha  # noqa: F401  (registers the domain's ops)

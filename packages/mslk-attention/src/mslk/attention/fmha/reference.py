@@ -21,6 +21,22 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -2).double()
 
 
+def attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_bias: torch.Tensor | AttentionBias | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`scale · Q·Kᵀ + bias` in float64, heads first: [B, (G, H,) Mq, Mk] (−inf where the mask forbids)."""
+    scores = _heads_first(query) @ _heads_first(key).transpose(-1, -2)
+    scores = scores * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if isinstance(attn_bias, AttentionBias):
+        return scores + attn_bias.materialize(scores.shape, dtype=torch.float64, device=scores.device)
+    if attn_bias is not None:
+        return scores + attn_bias.double()
+    return scores
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -35,16 +51,11 @@ def attention_reference(
             f"attention_reference: query, key and value must all be BMK, BMHK or BMGHK, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
-    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
-    scores = q @ k.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    if isinstance(attn_bias, AttentionBias):
-        scores = scores + attn_bias.materialize(scores.shape, dtype=torch.float64, device=scores.device)
-    elif attn_bias is not None:
-        scores = scores + attn_bias.double()
+    scores = attention_scores(query, key, attn_bias, scale)
     lse = torch.logsumexp(scores, dim=-1)
     # exp(−inf − (−inf)) is NaN: a fully masked row gets zero weights instead.
     weights = torch.where(lse[..., None] == -torch.inf, 0.0, torch.exp(scores - lse[..., None]))
-    out = weights @ v
+    out = weights @ _heads_first(value)
     if query.dim() > 3:
         out = out.movedim(-2, 1)
     return out.to(query.dtype), lse.float()

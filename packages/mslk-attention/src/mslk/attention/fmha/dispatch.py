@@ -1,0 +1,150 @@
+"""Which backend serves an attention call (spec §4): the first of a priority list that supports the inputs.
+
+Forward, NVIDIA: [flash3 (while FA3 is on), flash, cutlass, triton_splitk]; ROCm: [ck, flydsl, triton_splitk].
+Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
+and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, flash, cutlass];
+ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's reference, which serves any device (the CPU
+path) and so comes last. When nothing fits, NotImplementedError lists the inputs and every backend's reasons; a
+pinned backend that does not fit raises ValueError with its reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mslk.attention.fmha import attn_bias as ab
+from mslk.attention.fmha import ck, cutlass, flash, flash3, flash_mtia, flydsl, torch_reference, triton_splitk
+from mslk.attention.fmha.common import (
+    AttentionBwOpBase,
+    AttentionFwOpBase,
+    AttentionOpBase,
+    Inputs,
+    bias_type,
+    rocm_build,
+)
+from mslk.core import arch, env
+from mslk.core.registry import format_not_supported
+
+log = logging.getLogger("mslk.dispatch")
+
+FMHA_LOG_DISPATCH = env.declare(
+    "MSLK_FMHA_LOG_DISPATCH",
+    "0",
+    "1: log (logger `mslk.dispatch`, level INFO) which operator each memory_efficient_attention call picks.",
+)
+
+_USE_FLASH_ATTENTION_3 = True
+
+
+def _set_use_fa3(use_flash_attention3: bool) -> None:
+    """Whether the priority lists try flash3 first (on by default)."""
+    global _USE_FLASH_ATTENTION_3
+    _USE_FLASH_ATTENTION_3 = use_flash_attention3
+
+
+def _get_use_fa3() -> bool:
+    return _USE_FLASH_ATTENTION_3
+
+
+def fa3_available() -> bool:
+    """FlashAttention-3 can run here: its package is usable and the GPU is an SM90 NVIDIA one."""
+    return flash3.FwOp.is_available() and arch.is_cuda() and arch.capability() >= (9, 0)
+
+
+def _inputs_description(inp: Inputs) -> dict:
+    return {"query": inp.query, "key": inp.key, "value": inp.value, "attn_bias": bias_type(inp.attn_bias), "p": inp.p}
+
+
+def _not_supported_message(headline: str, inp: Inputs, reasons: dict[str, list[str]], next_step=None) -> str:
+    return format_not_supported(headline, _inputs_description(inp), reasons, next_step=next_step, detailed=False)
+
+
+def _ensure_op_supports_or_raise(exc_type: type[Exception], name: str, op: type[AttentionOpBase], inp: Inputs):
+    """Raise `exc_type` with the op's reasons when the (pinned) op cannot serve the inputs."""
+    reasons = op.not_supported_reasons(inp)
+    if reasons:
+        raise exc_type(_not_supported_message(f"Operator `{name}` does not support inputs:", inp, {op.NAME: reasons}))
+
+
+def _run_priority_list(
+    name: str,
+    priority_list: list[type[AttentionOpBase]],
+    inp: Inputs,
+    extra_reasons: dict[type[AttentionOpBase], list[str]] | None = None,
+) -> type[AttentionOpBase]:
+    """The first operator of the list that supports the inputs; NotImplementedError with every reason if none."""
+    all_reasons = {}
+    for op in priority_list:
+        reasons = op.not_supported_reasons(inp) + (extra_reasons or {}).get(op, [])
+        if not reasons:
+            if FMHA_LOG_DISPATCH.enabled() or env.LOG_DISPATCH.enabled():
+                log.info("%s -> %s", name, op.NAME)
+            return op
+        all_reasons[op.NAME] = reasons
+    raise NotImplementedError(
+        _not_supported_message(
+            f"No operator found for `{name}` with inputs:",
+            inp,
+            all_reasons,
+            next_step="make the inputs fit one operator above as its reasons say (dtype, head dim, mask, layout), "
+            "or pin one with `op=` to see only its reasons.",
+        )
+    )
+
+
+def _is_mqa_decoding(inp: Inputs) -> bool:
+    """Few queries against many keys shared by several heads (K expanded over heads with stride 0), with little
+    parallelism over batch × heads (batch × groups in BMGHK): splitting the keys pays."""
+    key, query = inp.key, inp.query
+    if key.dim() <= 3 or key.stride(-2) != 0 or key.shape[-2] <= 1:
+        return False
+    parallelism = query.shape[0] * query.shape[2]  # B·H, or B·G for BMGHK
+    return query.shape[1] <= 32 and key.shape[1] >= 256 and 0 < parallelism < 64 and query.device.type != "mtia"
+
+
+def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[AttentionFwOpBase]]:
+    if rocm_build():
+        ops = [ck.FwOp, flydsl.FwOp, triton_splitk.FwOp]
+    else:
+        ops = [flash3.FwOp] if _get_use_fa3() else []
+        ops += [flash.FwOp, cutlass.FwOp, triton_splitk.FwOp]
+    if not needs_gradient and _is_mqa_decoding(inp):
+        ops = [triton_splitk.FwOp] + [op for op in ops if op is not triton_splitk.FwOp]
+        if not rocm_build() and not isinstance(inp.attn_bias, ab.BlockDiagonalMask):  # flash is fastest then
+            ops = [flash.FwOp] + [op for op in ops if op not in (flash.FwOp, flash3.FwOp)]
+    if flash_mtia.FwOp.is_available():
+        ops.append(flash_mtia.FwOp)
+    return [*ops, torch_reference.FwOp]
+
+
+def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
+    """The forward operator for these (validated, BMHK or BMGHK) inputs."""
+    return _run_priority_list(
+        "memory_efficient_attention_forward", _dispatch_fw_priority_list(inp, needs_gradient), inp
+    )
+
+
+def _dispatch_bw_priority_list() -> list[type[AttentionBwOpBase]]:
+    if rocm_build():
+        ops = [ck.BwOp]  # flydsl.BwOp is left out on purpose (tests pin it)
+    else:
+        ops = [flash3.BwOp] if _get_use_fa3() else []
+        ops += [flash.BwOp, cutlass.BwOp]
+    if flash_mtia.BwOp.is_available():
+        ops.append(flash_mtia.BwOp)
+    return [*ops, torch_reference.BwOp]
+
+
+def _dispatch_bw(inp: Inputs, varlen_lse_packed: bool | None) -> type[AttentionBwOpBase]:
+    """The backward operator for these inputs, given the layout of the forward's varlen LSE (None: not varlen or
+    one sequence, where the layouts agree)."""
+    ops = _dispatch_bw_priority_list()
+    extra_reasons = {}
+    if varlen_lse_packed is not None:
+        layout = "packed" if varlen_lse_packed else "padded"
+        extra_reasons = {
+            op: [f"LSE is in {layout} format"]
+            for op in ops
+            if op.VARLEN_LSE_PACKED is not None and op.VARLEN_LSE_PACKED != varlen_lse_packed
+        }
+    return _run_priority_list("memory_efficient_attention_backward", ops, inp, extra_reasons)

@@ -1,0 +1,409 @@
+"""The backends' declarations and the dispatcher (spec §2.3, §4): attributes, the exact reason strings, the priority
+lists (NVIDIA, ROCm, MQA decoding, FA3 toggle) and backend choice on a faked CUDA device: FakeTensorMode gives
+"cuda" tensors without a GPU (PyTorch's fake kernels of the ATen attention ops check our calls' arguments), and
+`mslk.core.arch` is patched to answer the capability."""
+
+import contextlib
+import math
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mslk.attention import fmha
+from mslk.attention.fmha import attn_bias as ab
+from mslk.attention.fmha import (
+    ck,
+    ck_decoder,
+    ck_splitk,
+    common,
+    cute_blackwell,
+    cute_hopper,
+    cutlass,
+    cutlass_blackwell,
+    dispatch,
+    flash,
+    flash3,
+    flash_mtia,
+    flydsl,
+    torch_reference,
+    triton_splitk,
+)
+from mslk.core import arch
+
+BACKEND_MODULES = [
+    cutlass,
+    flash,
+    flash3,
+    triton_splitk,
+    ck,
+    ck_decoder,
+    ck_splitk,
+    cutlass_blackwell,
+    cute_hopper,
+    cute_blackwell,
+    flydsl,
+    flash_mtia,
+    torch_reference,
+]
+KERNEL_MODULES = [cutlass, flash, torch_reference]  # the others declare kernels this release does not have
+STUB_MODULES = [module for module in BACKEND_MODULES if module not in KERNEL_MODULES]
+
+
+def operators(module):
+    return [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, common.AttentionOpBase) and value.__module__ == module.__name__
+    ]
+
+
+@contextlib.contextmanager
+def fake_gpu(monkeypatch, capability=(9, 0)):
+    """FakeTensorMode ("cuda" tensors without a GPU) and an NVIDIA GPU of `capability` as far as MSLK asks."""
+    monkeypatch.setattr(arch, "capability", lambda device=None: capability)
+    monkeypatch.setattr(arch, "is_cuda", lambda: True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def cuda_qkv(b=2, mq=16, mk=16, heads=(4,), k=64, kv=None, dtype=torch.float16):
+    """Inside fake_gpu: q [b, mq, *heads, k], k/v [b, mk, *heads, k / kv]."""
+    q = torch.randn(b, mq, *heads, k, device="cuda", dtype=dtype)
+    key = torch.randn(b, mk, *heads, k, device="cuda", dtype=dtype)
+    return q, key, torch.randn(b, mk, *heads, kv or k, device="cuda", dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------- declarations
+
+
+def test_every_backend_module_declares_its_operators():
+    names = set()
+    for module in BACKEND_MODULES:
+        ops = operators(module)
+        assert ops, module.__name__
+        for op in ops:
+            assert op.NAME and op.NAME not in names, op
+            names.add(op.NAME)
+            assert isinstance(op.SUPPORTED_DEVICES, frozenset) and op.SUPPORTED_DEVICES
+            assert op.SUPPORTED_DTYPES and all(isinstance(d, torch.dtype) for d in op.SUPPORTED_DTYPES)
+            assert op.SUPPORTED_MAX_K >= op.SUPPORTED_MIN_K and op.SUPPORTS_CUSTOM_SCALE
+            assert type(None) in op.SUPPORTED_ATTN_BIAS_TYPES
+            assert op.SUPPORTED_ATTN_BIAS_TYPES <= set(common._BIAS_BY_ID.values())
+            assert isinstance(op.is_available(), bool)
+            if module in STUB_MODULES:
+                assert not op.is_available() and op.unavailable_reason()
+                with pytest.raises(NotImplementedError, match=re.escape(op.unavailable_reason())):
+                    op.apply(None, None, None) if issubclass(op, common.AttentionBwOpBase) else op.apply(None, False)
+    assert torch_reference.FwOp.is_available() and torch_reference.BwOp.is_available()
+    if torch.version.cuda is not None:
+        assert cutlass.FwOp.is_available() and cutlass.BwOp.is_available()
+
+
+def test_spec_table_rows():
+    assert cutlass.FwOp.CUDA_MAXIMUM_COMPUTE_CAPABILITY == (9, 0) and cutlass.FwOp.VARLEN_LSE_PACKED is False
+    assert common.bias_types("None T B01 B02 B03 B04 B06 B07 B08 B09 B10 B12") == cutlass.FwOp.SUPPORTED_ATTN_BIAS_TYPES
+    assert cutlass.BwOp.SUPPORTS_ATTN_BIAS_GRAD and not cutlass.BwOp.SUPPORTS_BMGHK
+    assert flash.FwOp.NAME.startswith("fa2F@") and flash.FwOp.NAME.endswith("-pt") and flash.FwOp.SUPPORTS_PARTIAL
+    assert not flash.BwOp.IS_DETERMINISTIC and not flash.FwOp.SUPPORTS_DIFFERENT_VALUE_EMBED
+    assert flash3.FwOp.SUPPORTED_ATTN_BIAS_TYPES == common.bias_types("None B01 B03-B22")
+    assert torch.float8_e4m3fn in flash3.FwOp.SUPPORTED_DTYPES and flash3.FwOp.SUPPORTED_MIN_K == 64
+    assert triton_splitk.FwOp.SUPPORTS_OUTPUT_DTYPE and triton_splitk.FwOp.SUPPORTS_QUANTIZED_INPUTS
+    assert triton_splitk.FwOp_S8.SPLIT_K == 8 and issubclass(triton_splitk.FwOp_S8, triton_splitk.FwOp)
+    assert triton_splitk.FwOp.get_operator(8) is triton_splitk.FwOp_S8
+    assert ck_splitk.FwOp_S128.SPLIT_K == 128 and ck.BwOp.SUPPORTS_ATTN_BIAS_GRAD
+    assert flydsl.BwOp.SUPPORTED_ATTN_BIAS_TYPES == common.bias_types("None B01 B06 B07")
+    assert cutlass_blackwell.FwOpDecode.SUPPORTED_DTYPES == {torch.bfloat16}
+    assert cute_hopper.FwOp.CUDA_MAXIMUM_COMPUTE_CAPABILITY == (9, 9)
+    assert flash_mtia.FwOp.SUPPORTED_DEVICES == {"mtia"}
+    assert torch_reference.FwOp.SUPPORTED_ATTN_BIAS_TYPES == set(common._BIAS_BY_ID.values())
+
+
+def test_package_surface():
+    assert fmha.MemoryEfficientAttentionCutlassFwdFlashBwOp == (cutlass.FwOp, flash.BwOp)
+    assert fmha.MemoryEfficientAttentionCkDecoderOp == (ck_decoder.FwOp, ck.BwOp)
+    assert fmha.MemoryEfficientAttentionSplitKCkOp == (ck_splitk.FwOp, ck.BwOp)
+    assert fmha.MemoryEfficientAttentionCuteFlashAttentionOp == (cute_blackwell.FwOp, cute_blackwell.BwOp)
+    assert fmha.ALL_FW_OPS[0] is cutlass.FwOp and torch_reference.FwOp in fmha.ALL_FW_OPS
+    assert fmha.ALL_BW_OPS[0] is cutlass.BwOp and flydsl.BwOp not in fmha.ALL_BW_OPS
+    for name in fmha.__all__:
+        assert hasattr(fmha, name), name
+    for name in ("memory_efficient_attention_partial", "triton_splitk", "flash3", "Inputs", "dispatch"):
+        assert hasattr(fmha, name)
+    assert dispatch.fa3_available() is False
+
+
+# -------------------------------------------------------------------------------------- reasons
+
+
+def test_generic_reasons_on_cpu():
+    q, k, v = (torch.randn(2, 5, 3, 16) for _ in range(3))
+    inp = fmha.Inputs(q, k, torch.randn(2, 5, 3, 300), p=0.5, output_dtype=torch.float64, is_partial=True)
+    assert flash.FwOp.not_supported_reasons(inp) == [
+        "query.shape[-1] != value.shape[-1]",
+        "max(query.shape[-1], value.shape[-1]) > 256",
+        "device=cpu (supported: {'cuda'})",
+        "dtype=torch.float32 (supported: {torch.bfloat16, torch.float16})",
+        "Custom output dtype not supported",
+        "value.shape[-1] % 8 != 0",
+    ]
+    assert cutlass.FwOp.not_supported_reasons(inp) == [
+        "device=cpu (supported: {'cuda'})",
+        "Custom output dtype not supported",
+        "Partial attention not supported",
+    ]
+    assert torch_reference.FwOp.not_supported_reasons(inp) == ["dropout > 0.0"]
+    assert flash3.FwOp.not_supported_reasons(fmha.Inputs(q, k, v))[:2] == [
+        "min(query.shape[-1], value.shape[-1]) < 64",
+        "device=cpu (supported: {'cuda'})",
+    ]
+
+    class NoCustomScale(torch_reference.FwOp):
+        SUPPORTS_CUSTOM_SCALE = False
+
+    assert NoCustomScale.not_supported_reasons(fmha.Inputs(q, k, v, scale=0.1)) == ["has custom scale"]
+    quantized = fmha.Inputs(q, k.view(torch.int32), v.view(torch.int32))
+    assert torch_reference.FwOp.not_supported_reasons(quantized) == [
+        "quantized inputs (int32 K/V, FP8 scales or quantize_*_to_fp8) not supported"
+    ]
+    q5 = q[:, :, None]
+    assert "operator does not support BMGHK format" in flash.BwOp.not_supported_reasons(fmha.Inputs(q5, q5, q5))
+    not_built = triton_splitk.FwOp.not_supported_reasons(fmha.Inputs(q, k, v))
+    assert not_built[-2:] == ["operator wasn't built", "Triton split-K kernel is not built into this release yet"]
+
+    class MyMask(ab.LowerTriangularMask):
+        pass
+
+    assert torch_reference.FwOp.not_supported_reasons(fmha.Inputs(q, k, v, MyMask())) == [
+        f"attn_bias type is {MyMask}"
+    ], "bias types match exactly: a subclass is another mask"
+    parameter = torch.nn.Parameter(torch.zeros(2, 3, 5, 5))
+    assert torch_reference.BwOp.not_supported_reasons(fmha.Inputs(q, k, v, parameter)) == []
+    assert "Computing the bias gradient is not supported (attn_bias.requires_grad = True)" in (
+        flash.BwOp.not_supported_reasons(fmha.Inputs(q, k, v, parameter))
+    )
+
+
+def test_capability_dtype_and_determinism_reasons(monkeypatch):
+    with fake_gpu(monkeypatch, capability=(7, 5)):
+        inp = fmha.Inputs(*cuda_qkv(dtype=torch.bfloat16))
+        assert flash.FwOp.not_supported_reasons(inp) == [
+            "requires device with capability >= (8, 0) but your GPU has capability (7, 5) (too old)",
+            "bf16 is only supported on A100+ GPUs and MTIA",
+        ]
+    with fake_gpu(monkeypatch, capability=(10, 0)):
+        inp = fmha.Inputs(*cuda_qkv(dtype=torch.float32))
+        assert cutlass.FwOp.not_supported_reasons(inp) == [
+            "requires device with capability <= (9, 0) but your GPU has capability (10, 0) (too new)"
+        ]
+    with fake_gpu(monkeypatch, capability=(8, 6)):
+        inp = fmha.Inputs(*cuda_qkv())
+        assert flash.BwOp.not_supported_reasons(inp) == []
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert flash.BwOp.not_supported_reasons(inp) == [
+                "operator is non-deterministic, but torch.use_deterministic_algorithms is set"
+            ]
+        finally:
+            torch.use_deterministic_algorithms(False)
+        dropout_256 = fmha.Inputs(*cuda_qkv(k=256), p=0.1)
+        assert flash.BwOp.not_supported_reasons(dropout_256) == [
+            "requires a GPU with compute capability 8.0 (A100) or 9.0 (H100) for dropout with query.shape[-1] > 224"
+        ]
+
+
+def test_kernel_layout_reasons(monkeypatch):
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [4, 4], device="cpu")
+    with fake_gpu(monkeypatch):
+        q, k, v = cuda_qkv(mk=7)
+        bias = torch.randn(2, 4, 16, 7, device="cuda", dtype=torch.float16)
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(q, k, v, bias)) == [
+            "attn_bias.stride(-2) % 8 != 0 (attn_bias.stride() = (448, 112, 7, 1))",
+            "HINT: To use an `attn_bias` with a sequence length that is not a multiple of 8, you need to ensure "
+            "memory is aligned by slicing a bigger tensor. Example: use `attn_bias = torch.zeros([1, 1, 5, 8])"
+            "[:,:,:,:5]` instead of `torch.zeros([1, 1, 5, 5])`",
+        ]
+        aligned = torch.randn(2, 4, 16, 8, device="cuda", dtype=torch.float16)[..., :7]
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(q, k, v, aligned)) == []
+        aligned32 = torch.randn(2, 4, 16, 8, device="cuda")[..., :7]
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(q, k, v, aligned32)) == [
+            "attn_bias.dtype (torch.float32) != query.dtype (torch.float16)"
+        ]
+        q20 = torch.randn(2, 16, 4, 40, device="cuda", dtype=torch.float16)[..., :20]
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(q20, q20, q20)) == [
+            f"{name}.shape[-1] % 8 != 0" for name in ("query", "key", "value")
+        ]
+        strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert flash.FwOp.not_supported_reasons(fmha.Inputs(strided, k, v))[-1] == (
+            "query.stride(-1) > 1 (query.stride() = (4096, 256, 1, 4)) - you should call `.contiguous()` on the input"
+        )
+        q9, k_, v_ = cuda_qkv(mq=9)
+        assert flash.FwOp.not_supported_reasons(fmha.Inputs(q9, k_, v_, ab.LowerTriangularMask())) == [
+            "Only support LowerTriangularMask if equal number of keys and queries"
+        ]
+        varlen = fmha.Inputs(*cuda_qkv(b=1, mq=8, mk=8), mask.to("cuda"))
+        assert flash.FwOp.not_supported_reasons(varlen) == [
+            "Only support BlockDiagonalCausalMask if equal numbers of keys and queries"
+        ]
+        g_h = torch.randn(1, 8, 4, 2, 64, device="cuda", dtype=torch.float16).transpose(2, 3)
+        assert flash.FwOp.not_supported_reasons(fmha.Inputs(g_h, g_h, g_h))[0].startswith(
+            "query.stride(2) != query.shape[3] * query.stride(3)"
+        )
+
+
+# ------------------------------------------------------------------------------------ priority lists
+
+
+def _decoding(b=2, heads=8, mq=1, mk=512, grouped=False):
+    """MQA decoding inputs: K/V heads expanded with stride 0."""
+    shape = (b, mq, 2, heads // 2, 64) if grouped else (b, mq, heads, 64)
+    q = torch.randn(*shape)
+    kv_shape = (*shape[:-2], 1, 64)
+    k = torch.randn(b, mk, *kv_shape[2:]).expand(b, mk, *shape[2:])
+    return q, k, k
+
+
+def test_priority_lists(monkeypatch):
+    fw, ref = dispatch._dispatch_fw_priority_list, torch_reference.FwOp
+    inp = fmha.Inputs(*_decoding(mq=40))
+    assert fw(inp, False) == [flash3.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
+    assert dispatch._dispatch_bw_priority_list() == [flash3.BwOp, flash.BwOp, cutlass.BwOp, torch_reference.BwOp]
+    decoding = fmha.Inputs(*_decoding())
+    assert fw(decoding, False) == [flash.FwOp, triton_splitk.FwOp, cutlass.FwOp, ref]
+    assert fw(decoding, True)[0] is flash3.FwOp, "no reordering when the backward follows"
+    assert fw(fmha.Inputs(*_decoding(grouped=True)), False)[:2] == [flash.FwOp, triton_splitk.FwOp]
+    assert fw(fmha.Inputs(*_decoding(b=8)), False)[0] is flash3.FwOp, "B·H = 64: enough parallelism"
+    assert fw(fmha.Inputs(*_decoding(mk=255)), False)[0] is flash3.FwOp
+    q, k, v = _decoding(b=1, mq=2)
+    padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 256, [100, 256], device="cpu")
+    assert fw(fmha.Inputs(q, k, v, padded), False) == [triton_splitk.FwOp, flash3.FwOp, flash.FwOp, cutlass.FwOp, ref]
+    dispatch._set_use_fa3(False)
+    try:
+        assert not dispatch._get_use_fa3()
+        assert fw(inp, False) == [flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
+        assert dispatch._dispatch_bw_priority_list()[0] is flash.BwOp
+    finally:
+        dispatch._set_use_fa3(True)
+    monkeypatch.setattr(arch, "hip_version", lambda: (6, 4))
+    assert fw(inp, False) == [ck.FwOp, flydsl.FwOp, triton_splitk.FwOp, ref]
+    assert fw(decoding, False) == [triton_splitk.FwOp, ck.FwOp, flydsl.FwOp, ref]
+    assert dispatch._dispatch_bw_priority_list() == [ck.BwOp, torch_reference.BwOp]
+    monkeypatch.setattr(flash_mtia.FwOp, "OPERATOR", object())
+    assert fw(inp, False)[-2:] == [flash_mtia.FwOp, ref], "MTIA kernels come before the reference"
+
+
+# ------------------------------------------------------------------------- choices on a faked GPU
+
+
+def test_forward_choice_on_faked_gpu(monkeypatch):
+    with fake_gpu(monkeypatch):
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is cutlass.FwOp
+        bias = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.float16)
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), bias), False) is cutlass.FwOp
+        monkeypatch.setattr(flash3.FwOp, "OPERATOR", object())  # as if flash_attn_3 were wrapped
+        assert dispatch.fa3_available()
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash3.FwOp
+        dispatch._set_use_fa3(False)
+        try:
+            assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp
+        finally:
+            dispatch._set_use_fa3(True)
+    with fake_gpu(monkeypatch, capability=(10, 0)):
+        # Blackwell: fp32 has no GPU kernel (cutlass is too new): the reference serves it.
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is torch_reference.FwOp
+
+
+def test_backward_choice_follows_the_lse_layout(monkeypatch):
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([3, 5, 8], device="cpu")
+    with fake_gpu(monkeypatch, capability=(8, 0)):
+        inp = fmha.Inputs(*cuda_qkv(b=1, mq=16, mk=16), mask.to("cuda"))
+        assert dispatch._dispatch_bw(inp, varlen_lse_packed=True) is flash.BwOp
+        assert dispatch._dispatch_bw(inp, varlen_lse_packed=False) is cutlass.BwOp
+        monkeypatch.setattr(cutlass.BwOp, "OPERATOR", None)
+        assert dispatch._dispatch_bw(inp, varlen_lse_packed=False) is torch_reference.BwOp, "reads either layout"
+        monkeypatch.setattr(torch_reference.BwOp, "SUPPORTED_DEVICES", frozenset({"cpu"}))
+        with pytest.raises(NotImplementedError) as info:
+            dispatch._dispatch_bw(inp, varlen_lse_packed=False)
+        assert f"`{flash.BwOp.NAME}` is not supported because:\n    LSE is in padded format\n" in str(info.value)
+        assert str(info.value).startswith("No operator found for `memory_efficient_attention_backward` with inputs:")
+
+
+def test_kernel_calls_on_faked_gpu(monkeypatch):
+    """The API down to the ATen kernels on fake CUDA tensors: PyTorch's fake implementations of the kernels check
+    our arguments (names, ranks, layouts) and give the output, LSE and gradient shapes."""
+    padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 2], 8, [5, 8], device="cpu")
+    varlen = ab.BlockDiagonalMask.from_seqlens([3, 5], [4, 9], device="cpu").make_causal_from_bottomright()
+    with fake_gpu(monkeypatch):
+        for dtype, op in ((torch.float16, flash), (torch.float32, cutlass)):
+            q, k, v = (t.requires_grad_() for t in cuda_qkv(mk=24, dtype=dtype))
+            bias = torch.randn(2, 4, 16, 24, device="cuda", dtype=dtype, requires_grad=op is cutlass)
+            mask = bias if op is cutlass else ab.LowerTriangularFromBottomRightMask().make_local_attention(4)
+            out = fmha.memory_efficient_attention(q, k, v, mask, op=(op.FwOp, op.BwOp))  # through _fMHA
+            assert out.shape == q.shape and out.dtype == dtype and out.grad_fn is not None
+            inp = fmha.Inputs(q, k, v, mask)
+            out, ctx = op.FwOp.apply(inp, needs_gradient=True)
+            grads = op.BwOp.apply(ctx, inp, out)
+            assert (grads.dq.shape, grads.dk.shape, grads.dv.shape) == (q.shape, k.shape, v.shape)
+            assert grads.db is None if op is flash else grads.db.shape == bias.shape
+            q, k, v = cuda_qkv(b=1, mq=8, mk=13, dtype=dtype)
+            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, varlen.to("cuda"), op=op.FwOp)
+            assert lse.shape == ((1, 4, 8) if op is flash else (2, 4, 5)), "packed or padded varlen LSE"
+            dq, _, _ = fmha.memory_efficient_attention_backward(out, out, lse, q, k, v, varlen.to("cuda"), op=op.BwOp)
+            assert dq.shape == q.shape
+            q, k, v = cuda_qkv(b=1, mq=3, mk=16, dtype=dtype)
+            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, padded.to("cuda"), op=op.FwOp)
+            assert out.shape == q.shape
+        q = torch.randn(2, 3, 2, 4, 64, device="cuda", dtype=torch.float16)
+        kv = torch.randn(2, 40, 2, 1, 64, device="cuda", dtype=torch.float16).expand(2, 40, 2, 4, 64)
+        q_mqa = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)
+        kv_mqa = torch.randn(2, 512, 1, 64, device="cuda", dtype=torch.float16).expand(2, 512, 8, 64)
+        for op in (flash.FwOp, cutlass.FwOp):
+            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, kv, kv, op=op)
+            assert out.shape == q.shape and lse.shape == (2, 2, 4, 3)
+            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q_mqa, kv_mqa, kv_mqa, op=op)
+            assert out.shape == q_mqa.shape and lse.shape == (2, 8, 1)
+
+
+def test_pinned_backward_conflicts():
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    out, lse = torch.zeros(1, 8, 2, 16), torch.zeros(3, 2, 32)
+    mask = ab.BlockDiagonalMask.from_seqlens([2, 3, 3], device="cpu")
+    inp = fmha.Inputs(q, k, v, mask)
+    forced = fmha.Context(lse=lse, out=out, op_bw=cutlass.BwOp)
+    with pytest.raises(ValueError) as info:
+        fmha._backward_op(inp, cutlass.FwOp, flash.BwOp, forced)
+    assert str(info.value) == (
+        f"Specified op_bw={flash.BwOp.NAME}, but forward op can only run with op_bw=cutlassB-pt. Please set op_bw=None."
+    )
+    with pytest.raises(ValueError, match="because they use different format of logsumexp"):
+        fmha._backward_op(inp, cutlass.FwOp, flash.BwOp, fmha.Context(lse=lse, out=out))
+    assert fmha._backward_op(inp, cutlass.FwOp, None, fmha.Context(lse=lse, out=out)) is torch_reference.BwOp
+
+
+# ---------------------------------------------------------------------------------- inputs helpers
+
+
+def test_inputs_helpers():
+    q, k, v = (torch.randn(2, 5, 8) for _ in range(3))
+    inp = fmha.Inputs(q.half(), k.half(), v.half(), torch.zeros(2, 5, 5), is_partial=True)
+    assert inp.get_output_dtype() == torch.float32 and inp.scale_float == 8**-0.5
+    assert fmha.Inputs(q.double(), k.double(), v.double(), is_partial=True).get_output_dtype() == torch.float64
+    assert [t.shape for t in inp.get_qkv_in_bmghk()] == [(2, 5, 1, 1, 8)] * 3
+    assert inp.normalize_bmhk() == (2, 5, 8) and inp.query.shape == (2, 5, 1, 8)
+    assert inp.attn_bias.shape == (2, 1, 5, 5) and [t.shape for t in inp.get_qkv_in_bmghk()] == [(2, 5, 1, 1, 8)] * 3
+    assert common.bmk2bmhk(torch.randn(6, 5, 8), 3).shape == (2, 5, 3, 8)
+    ctx = fmha.Context(lse=torch.zeros(2, 3, 33), out=torch.zeros(1))
+    padded = ctx.get_padded_lse(32)
+    assert padded.shape == (2, 3, 64) and (padded[..., 33:] == math.inf).all()
+    assert common.causal_window(ab.LowerTriangularMask()) == ("top-left", -1, 0)
+    assert common.causal_window(ab.LowerTriangularFromBottomRightLocalAttentionMask(4)) == ("bottom-right", 3, 0)
+    assert common.causal_window(ab.LocalAttentionFromBottomRightMask(2, 5)) == (None, 2, 5)
+    local = ab.BlockDiagonalMask.from_seqlens([3], device="cpu").make_local_attention(2)
+    assert common.causal_window(local) == ("top-left", 1, 0)
+    gappy = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens([1, 1], [0, 5, 9], [3, 4], device="cpu")
+    assert common.causal_window(gappy) == ("bottom-right", -1, 0)
+    args = common.varlen_args(gappy)
+    assert args.seqstart_k.tolist() == [0, 5, 9] and args.seqlen_k.tolist() == [3, 4] and args.max_seqlen_k == 4
+    assert common.varlen_args(ab.LowerTriangularMask()) is None

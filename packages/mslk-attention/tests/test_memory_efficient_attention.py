@@ -1,0 +1,461 @@
+"""memory_efficient_attention and its API (spec A-01..A-05, A-16, A-20, A-21): on the CPU through the reference
+backend, against the float64 oracle (`attention_reference`) and its autograd; the input errors; the torch ops and
+torch.compile. GPU tests (marked `gpu`) run PyTorch's CUTLASS and FlashAttention-2 kernels against the oracle."""
+
+import math
+
+import pytest
+import torch
+
+from mslk.attention import fmha
+from mslk.attention.fmha import attn_bias as ab
+from mslk.attention.fmha import cutlass, torch_reference
+from mslk.attention.fmha.reference import attention_reference
+from mslk.core import testing
+
+GRAD_TOL = 1e-5  # float64 autograd vs the float64 backward, through a float32 LSE
+
+
+def qkv(shape_q, shape_kv, kv_dim=None, dtype=torch.float32, requires_grad=False):
+    """Fresh random q [shape_q], k [shape_kv], v [shape_kv with last dim kv_dim]."""
+    q = testing.randn(*shape_q, dtype=dtype)
+    k = testing.randn(*shape_kv, dtype=dtype)
+    v = testing.randn(*shape_kv[:-1], kv_dim or shape_kv[-1], dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def reference_grads(q, k, v, bias, grad, scale=None):
+    """Gradients of <attention_reference(q, k, v, bias), grad> in float64 autograd."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if isinstance(bias, torch.Tensor):
+        leaves.append(bias.detach().double().requires_grad_())
+        bias = leaves[-1]
+    out, _ = attention_reference(*leaves[:3], bias, scale)
+    return torch.autograd.grad(out, leaves, grad.double())
+
+
+# ------------------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize(
+    ("shape_q", "shape_kv"),
+    [((2, 5, 16), (2, 7, 16)), ((2, 5, 3, 16), (2, 7, 3, 16)), ((2, 5, 2, 3, 16), (2, 7, 2, 3, 16))],
+    ids=["BMK", "BMHK", "BMGHK"],
+)
+def test_layouts_match_reference(shape_q, shape_kv):
+    q, k, v = qkv(shape_q, shape_kv, kv_dim=8)
+    out = fmha.memory_efficient_attention(q, k, v)
+    assert out.shape == (*shape_q[:-1], 8) and out.dtype == q.dtype
+    testing.assert_rel_close(out, attention_reference(q, k, v)[0])
+
+
+def test_gqa_expanded_kv_is_not_copied():
+    q = testing.randn(1, 4, 2, 3, 16)
+    k, v = (testing.randn(1, 9, 2, 1, 16).expand(1, 9, 2, 3, 16) for _ in range(2))
+    inp = fmha.Inputs(q, k, v)
+    inp.validate_inputs()
+    inp.normalize_bmhk()
+    assert inp.key.data_ptr() == k.data_ptr() and inp.key.stride(3) == 0
+    assert inp.nbytes == 4 * (q.numel() + 2 * 9 * 2 * 16), "expanded heads count once"
+    testing.assert_rel_close(fmha.memory_efficient_attention(q, k, v), attention_reference(q, k, v)[0])
+
+
+def _masks():
+    """(mask, Mq, Mk) for BMHK inputs with B = 1 where the mask is varlen."""
+    q_lens, k_lens = [3, 1, 4], [4, 2, 6]
+    paged_tables = torch.tensor([[2, 0], [1, 3], [5, 4]], dtype=torch.int32)
+    return [
+        (ab.LowerTriangularMask(), 6, 6),
+        (ab.LowerTriangularFromBottomRightMask(), 5, 9),
+        (ab.LowerTriangularFromBottomRightMask().make_local_attention(3), 5, 9),
+        (ab.LocalAttentionFromBottomRightMask(2, 1), 5, 9),
+        (ab.BlockDiagonalMask.from_seqlens(q_lens, k_lens, device="cpu").make_causal_from_bottomright(), 8, 12),
+        (ab.BlockDiagonalCausalMask.from_seqlens(q_lens, device="cpu"), 8, 8),
+        (ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], 5, [3, 5, 2], device="cpu"), 3, 15),
+        (
+            ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_lens, [0, 5, 9, 20], k_lens, device="cpu"),
+            8,
+            20,
+        ),
+        (
+            ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                [1, 2, 1], [3, 6, 1], paged_tables, 4, device="cpu"
+            ),
+            4,
+            24,
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mask", "mq", "mk"), _masks(), ids=lambda m: type(m).__name__ if not isinstance(m, int) else ""
+)
+def test_masks_forward_and_backward(mask, mq, mk):
+    b = 1 if isinstance(mask, ab.VARLEN_BIASES) else 2
+    q, k, v = qkv((b, mq, 2, 8), (b, mk, 2, 8), requires_grad=True)
+    out = fmha.memory_efficient_attention(q, k, v, mask, scale=0.4)
+    ref, _ = attention_reference(q, k, v, mask, scale=0.4)
+    testing.assert_rel_close(out, ref)
+    grad = testing.randn(*out.shape)
+    out.backward(grad)
+    for got, want, name in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, mask, grad, 0.4), "qkv", strict=True):
+        testing.assert_rel_close(got, want, GRAD_TOL, what=f"d{name}")
+
+
+def test_tensor_bias_gradient_and_broadcast_bias():
+    q, k, v = qkv((2, 5, 3, 8), (2, 7, 3, 8), kv_dim=4, requires_grad=True)
+    bias = testing.randn(2, 3, 5, 7).requires_grad_()
+    out = fmha.memory_efficient_attention(q, k, v, bias)
+    testing.assert_rel_close(out, attention_reference(q, k, v, bias)[0])
+    grad = testing.randn(*out.shape)
+    out.backward(grad)
+    want = reference_grads(q, k, v, bias, grad)
+    for got, ref in zip((q.grad, k.grad, v.grad, bias.grad), want, strict=True):
+        testing.assert_rel_close(got, ref, GRAD_TOL)
+    # A bias broadcast over batch and heads by expand: its gradient sums over them (autograd of the expand).
+    small = testing.randn(1, 1, 5, 7).requires_grad_()
+    fmha.memory_efficient_attention(q.detach(), k.detach(), v.detach(), small.expand(2, 3, 5, 7)).sum().backward()
+    full = small.detach().expand(2, 3, 5, 7).clone().requires_grad_()
+    fmha.memory_efficient_attention(q.detach(), k.detach(), v.detach(), full).sum().backward()
+    testing.assert_rel_close(small.grad, full.grad.sum((0, 1), keepdim=True), 1e-6)
+
+
+def test_gqa_and_bmk_gradients():
+    q = testing.randn(1, 4, 2, 3, 8).requires_grad_()
+    k_base, v_base = (testing.randn(1, 6, 2, 1, 8).requires_grad_() for _ in range(2))
+    k, v = (t.expand(1, 6, 2, 3, 8) for t in (k_base, v_base))
+    out = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularFromBottomRightMask())
+    grad = testing.randn(*out.shape)
+    out.backward(grad)
+    dq, dk, dv = reference_grads(q, k, v, ab.LowerTriangularFromBottomRightMask(), grad)
+    testing.assert_rel_close(q.grad, dq, GRAD_TOL)
+    testing.assert_rel_close(k_base.grad, dk.sum(3, keepdim=True), GRAD_TOL)
+    testing.assert_rel_close(v_base.grad, dv.sum(3, keepdim=True), GRAD_TOL)
+    q, k, v = qkv((3, 5, 8), (3, 6, 8), requires_grad=True)
+    out = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularMask())
+    out.backward(grad := testing.randn(*out.shape))
+    testing.assert_rel_close(k.grad, reference_grads(q, k, v, ab.LowerTriangularMask(), grad)[1], GRAD_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes_and_output_dtype(dtype):
+    q, k, v = qkv((2, 5, 2, 16), (2, 6, 2, 16), dtype=dtype)
+    ref, _ = attention_reference(q.double(), k, v)
+    out = fmha.memory_efficient_attention(q, k, v)
+    assert out.dtype == dtype
+    testing.assert_rel_close(out, ref)
+    out32 = fmha.memory_efficient_attention(q, k, v, output_dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    testing.assert_rel_close(out32, ref, 1e-6)  # not rounded through the input dtype
+
+
+def test_strided_and_empty_inputs():
+    q, k, v = qkv((2, 5, 3, 16), (2, 7, 3, 16))
+    q_s, k_s, v_s = (testing.padded_rows(t) for t in (q, k, v))
+    testing.assert_rel_close(fmha.memory_efficient_attention(q_s, k_s, v_s), attention_reference(q, k, v)[0])
+    assert fmha.memory_efficient_attention(q[:, :0], k, v).shape == (2, 0, 3, 16)
+    assert fmha.memory_efficient_attention(q[:0], k[:0], v[:0]).shape == (0, 5, 3, 16)
+
+
+# ---------------------------------------------------------------------- lower-level API and partial
+
+
+def test_forward_requires_grad_and_backward_api():
+    q, k, v = qkv((1, 8, 2, 8), (1, 12, 2, 8))
+    mask = ab.BlockDiagonalMask.from_seqlens([3, 1, 4], [4, 2, 6], device="cpu").make_causal_from_bottomright()
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, mask)
+    ref_out, ref_lse = attention_reference(q, k, v, mask)
+    testing.assert_rel_close(out, ref_out)
+    testing.assert_rel_close(lse, ref_lse)
+    assert lse.shape == (1, 2, 8), "varlen LSE packed [1, H, ΣMq]"
+    grad = testing.randn(*out.shape)
+    dq, dk, dv = fmha.memory_efficient_attention_backward(grad, out, lse, q, k, v, mask)
+    for got, want in zip((dq, dk, dv), reference_grads(q, k, v, mask, grad), strict=True):
+        testing.assert_rel_close(got, want, GRAD_TOL)
+    # The padded layout of a varlen LSE [nseq, H, >= max Mq] (cutlass') serves the reference backward too.
+    padded = torch.full((3, 2, 32), math.inf)
+    for b, (start, end) in enumerate(zip([0, 3, 4], [3, 4, 8], strict=True)):
+        padded[b, :, : end - start] = lse[0, :, start:end]
+    dq2, _, _ = fmha.memory_efficient_attention_backward(grad, out, padded, q, k, v, mask)
+    testing.assert_rel_close(dq2, dq, 1e-12)
+    with pytest.raises(ValueError, match="Wrong LSE shape"):
+        fmha.memory_efficient_attention_backward(grad, out, lse[:, :, :5], q, k, v, mask)
+    with pytest.raises(NotImplementedError, match="dropout is not supported on the non-autograd API"):
+        fmha.memory_efficient_attention_forward_requires_grad(q, k, v, p=0.1)
+
+
+def test_partial_attention_merges_to_full_attention_and_gradients():
+    q, k, v = qkv((2, 5, 3, 8), (2, 11, 3, 8), dtype=torch.float16)
+    chunks = [(k[:, :4], v[:, :4]), (k[:, 4:], v[:, 4:]), (k[:, :0], v[:, :0])]
+    parts = [fmha.memory_efficient_attention_partial(q, kc, vc) for kc, vc in chunks]
+    for out, lse in parts:
+        assert out.dtype == torch.float32 and lse.shape == (2, 3, 5)
+    assert (parts[2][0] == 0).all() and (parts[2][1] == -math.inf).all(), "no keys: out 0, lse −inf"
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    out = sum(o * torch.exp(l - lse).movedim(-1, 1)[..., None] for o, l in parts)
+    ref_out, ref_lse = attention_reference(q.double(), k, v)
+    testing.assert_rel_close(out, ref_out, 1e-6)
+    testing.assert_rel_close(lse, ref_lse, 1e-6)
+    # The backward of each chunk from the merged output and LSE: its share of the full gradient.
+    grad = testing.randn(*out.shape, dtype=torch.float16)
+    grads = [fmha.memory_efficient_attention_backward(grad, out, lse, q, kc, vc) for kc, vc in chunks[:2]]
+    dq, dk, dv = reference_grads(q, k, v, None, grad)
+    testing.assert_rel_close(grads[0][0].double() + grads[1][0].double(), dq, 5e-3)
+    testing.assert_rel_close(torch.cat([grads[0][1], grads[1][1]], 1), dk)
+    testing.assert_rel_close(torch.cat([grads[0][2], grads[1][2]], 1), dv)
+
+
+def test_partial_errors_and_autograd():
+    q, k, v = qkv((2, 5, 3, 8), (2, 6, 3, 8), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="dropout is not supported"):
+        fmha.memory_efficient_attention_partial(q, k, v, p=0.5)
+    q5, k5, v5 = qkv((2, 5, 1, 3, 8), (2, 6, 1, 3, 8), requires_grad=True)
+    with pytest.raises(ValueError, match="gradients not supported for 5D tensors"):
+        fmha.memory_efficient_attention_partial(q5, k5, v5, _allow_backward=True)
+    out, lse = fmha.memory_efficient_attention_partial(q, k, v, _allow_backward=True)
+    assert out.grad_fn is not None and lse.shape == (2, 3, 5)
+    out.backward(grad := testing.randn(*out.shape))
+    testing.assert_rel_close(q.grad, reference_grads(q, k, v, None, grad)[0], GRAD_TOL)
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+def _shapes_text(q, k, v):
+    return f"  query.shape: {q.shape}\n  key.shape  : {k.shape}\n  value.shape: {v.shape}"
+
+
+def test_validate_inputs_errors():
+    q, k, v = qkv((2, 5, 3, 8), (2, 6, 3, 8))
+    cases = [
+        ((q, k[0], v), f"Query/Key/Value should all have BMGHK, BMHK or BMK shape.\n{_shapes_text(q, k[0], v)}"),
+        (
+            (q, k.to("meta"), v),
+            "Query/Key/Value should all be on the same device\n  query.device: cpu\n  key.device  : meta\n"
+            "  value.device: cpu",
+        ),
+        (
+            (q, k.half(), v),
+            "Query/Key/Value should either all have the same dtype, or (in the quantized case) Key/Value should "
+            "have dtype torch.int32\n  query.dtype: torch.float32\n  key.dtype  : torch.float16\n"
+            "  value.dtype: torch.float32",
+        ),
+        (
+            (q, k[:, :, :2], v),
+            "Incompatible shapes for attention inputs:\n"
+            + _shapes_text(q, k[:, :, :2], v)
+            + "\nHINT: We don't support broadcasting, please use `expand` yourself before calling "
+            "`memory_efficient_attention` if you need to",
+        ),
+    ]
+    for (qq, kk, vv), message in cases:
+        with pytest.raises(ValueError) as info:
+            fmha.memory_efficient_attention(qq, kk, vv)
+        assert str(info.value) == message
+    bias = torch.zeros(2, 3, 5, 5)
+    with pytest.raises(ValueError) as info:
+        fmha.memory_efficient_attention(q, k, v, bias)
+    assert str(info.value) == (
+        f"Invalid shape for attention bias: {bias.shape} (expected (2, 3, 5, 6))\n{_shapes_text(q, k, v)}"
+    )
+    with pytest.raises(ValueError, match=r"^Please provide inputs in BMHK format rather than BMK when using bias "):
+        fmha.memory_efficient_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], ab.LowerTriangularFromBottomRightMask())
+    mask = ab.BlockDiagonalMask.from_seqlens([2, 3], [3, 3], device="cpu")
+    with pytest.raises(ValueError, match=r"^Expected batch_size=1 when using block-diagonal bias\n"):
+        fmha.memory_efficient_attention(q, k, v, mask)
+    mask = ab.BlockDiagonalMask.from_seqlens([2, 3], [3, 4], device="cpu")
+    q1, k1, v1 = qkv((1, 5, 3, 8), (1, 6, 3, 8))
+    with pytest.raises(ValueError) as info:
+        fmha.memory_efficient_attention(q1, k1, v1, mask)
+    assert str(info.value) == (
+        "BlockDiagonalMask describes 5 queries and keys up to row 7, but query.shape[1] = 5 and key.shape[1] = 6"
+    )
+    with pytest.raises(ValueError, match=r"^Invalid dropout probability: p=1\.5$"):
+        fmha.memory_efficient_attention(q, k, v, p=1.5)
+
+
+def test_no_operator_error_text():
+    q, k, v = qkv((2, 5, 3, 16), (2, 6, 3, 16))
+    with pytest.raises(NotImplementedError) as info:
+        fmha.memory_efficient_attention(q, k, v, p=0.3)
+    text = str(info.value)
+    head = (
+        "No operator found for `memory_efficient_attention_forward` with inputs:\n"
+        "     query       : shape=(2, 5, 3, 16) (torch.float32)\n"
+        "     key         : shape=(2, 6, 3, 16) (torch.float32)\n"
+        "     value       : shape=(2, 6, 3, 16) (torch.float32)\n"
+        "     attn_bias   : <class 'NoneType'>\n"
+        "     p           : 0.3\n"
+    )
+    assert text.startswith(head)
+    assert (
+        f"`{cutlass.FwOp.NAME}` is not supported because:\n    device=cpu (supported: {{'cuda'}})\n"
+        f"`{fmha.triton_splitk.FwOp.NAME}` is not supported because:\n"
+    ) in text
+    assert "\n`mslkF-reference` is not supported because:\n    dropout > 0.0\nNext step: " in text
+    assert "    operator wasn't built\n    Triton split-K kernel is not built into this release yet\n" in text
+
+
+def test_pinned_operator_error_text():
+    q, k, v = qkv((2, 5, 3, 16), (2, 6, 3, 16))
+    with pytest.raises(ValueError) as info:
+        fmha.memory_efficient_attention(q, k, v, op=fmha.MemoryEfficientAttentionCutlassOp)
+    assert str(info.value) == (
+        "Operator `memory_efficient_attention` does not support inputs:\n"
+        "     query       : shape=(2, 5, 3, 16) (torch.float32)\n"
+        "     key         : shape=(2, 6, 3, 16) (torch.float32)\n"
+        "     value       : shape=(2, 6, 3, 16) (torch.float32)\n"
+        "     attn_bias   : <class 'NoneType'>\n"
+        "     p           : 0.0\n"
+        "`cutlassF-pt` is not supported because:\n"
+        "    device=cpu (supported: {'cuda'})"
+    )
+    out = fmha.memory_efficient_attention(q, k, v, op=fmha.MemoryEfficientAttentionReferenceOp)
+    testing.assert_rel_close(out, attention_reference(q, k, v)[0])
+
+
+# ------------------------------------------------------------------------------- fp8 scaled tensors
+
+
+def test_scaled_tensor_per_head():
+    x = testing.randn(2, 5, 3, 8)
+    scale = torch.rand(2, 3) + 0.5
+    data = (x / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    packed = fmha.common.pack_fp8_tensorwise_per_head(data, scale, torch.bfloat16)
+    assert packed.dtype == torch.float8_e4m3fn and packed.unpack()[1] is scale
+    assert type(packed[0]) is torch.Tensor, "ops on it give plain tensors"
+    deq = packed.dequantize()
+    assert deq.dtype == torch.bfloat16
+    testing.assert_rel_close(deq.float(), x, 0.08)
+    with pytest.raises(ValueError, match="scale must be"):
+        fmha.common.pack_fp8_tensorwise_per_head(data, torch.ones(3), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------- torch ops, compile
+
+
+def test_torch_ops_value_and_fake_shape():
+    """(opcheck and the reference comparison of the samples: test_conformance.)"""
+    q, k, v = qkv((2, 5, 3, 32), (2, 7, 3, 32), kv_dim=16)
+    out = torch.ops.mslk.memory_efficient_attention_forward(q, k, v, None, 0.0, 0.5)
+    testing.assert_rel_close(out, attention_reference(q, k, v, scale=0.5)[0])
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.mslk.memory_efficient_attention_forward(*(mode.from_tensor(t) for t in (q, k, v)))
+    assert fake.shape == (2, 5, 3, 16), "the output has value's head dim"
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        causal = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularFromBottomRightMask(), scale=0.3)
+        with_bias = torch.ops.mslk.memory_efficient_attention_forward_with_bias(
+            q.detach(), k.detach(), v.detach(), bias
+        )
+        return causal + with_bias
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = qkv((2, 5, 3, 8), (2, 7, 3, 8), requires_grad=True)
+    bias = testing.randn(2, 3, 5, 7)
+    torch._dynamo.reset()
+    compiled = torch.compile(_Attention(), fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, bias)
+    testing.assert_rel_close(out, _Attention()(q, k, v, bias), 1e-6)
+    out.backward(grad := testing.randn(*out.shape))
+    causal_grads = reference_grads(q, k, v, ab.LowerTriangularFromBottomRightMask(), grad, 0.3)
+    testing.assert_rel_close(q.grad, causal_grads[0], GRAD_TOL)
+
+
+def test_dispatch_log(monkeypatch, caplog):
+    monkeypatch.setenv("MSLK_FMHA_LOG_DISPATCH", "1")
+    q, k, v = qkv((1, 3, 1, 8), (1, 4, 1, 8))
+    with caplog.at_level("INFO", logger="mslk.dispatch"):
+        fmha.memory_efficient_attention(q, k, v)
+    assert "memory_efficient_attention_forward -> mslkF-reference" in caplog.text
+
+
+# -------------------------------------------------------------------------------------- GPU (T2)
+
+_GPU_MASKS = [
+    (None, 1),
+    (ab.LowerTriangularMask(), 1),
+    (ab.LowerTriangularFromBottomRightMask(), 2),
+    (ab.LowerTriangularFromBottomRightMask().make_local_attention(5), 2),
+    (ab.BlockDiagonalMask.from_seqlens([7, 1, 12], [9, 30, 12], device="cpu"), 1),
+    (ab.BlockDiagonalMask.from_seqlens([7, 1, 12], [9, 30, 12], device="cpu").make_causal_from_bottomright(), 1),
+    (ab.BlockDiagonalCausalMask.from_seqlens([7, 1, 12], device="cpu"), 1),
+    ("tensor", 2),
+]
+
+
+def _gpu_case(op_pair, dtype, mask, kv_factor, layout):
+    op_fw, op_bw = op_pair
+    varlen = isinstance(mask, ab.VARLEN_BIASES)
+    b, mq = (1, 20) if varlen else (3, 33)
+    mk = mask.k_seqinfo.seqstart_py[-1] if varlen else mq * kv_factor
+    heads = (2, 3) if layout == "BMGHK" else (3,)
+    q, k, v = (testing.randn(b, m, *heads, 64, dtype=dtype, device="cuda") for m in (mq, mk, mk))
+    if layout == "MQA":  # one K/V head expanded over the query heads with stride 0
+        k, v = (t[:, :, :1].expand(b, mk, 3, 64) for t in (k, v))
+    if isinstance(mask, str):  # a tensor bias
+        # Rows of the bias 128-bit aligned, as CUTLASS wants: slices of a wider buffer.
+        mask = testing.randn(b, *heads, mq, mk + 8 - mk % 8, dtype=dtype, device="cuda")[..., :mk]
+    elif mask is not None:
+        mask = mask.to("cuda")
+    inp = fmha.Inputs(q, k, v, mask)
+    reasons = op_fw.not_supported_reasons(inp)
+    if reasons:
+        pytest.skip(f"{op_fw.NAME}: {reasons}")
+    return op_fw, op_bw, q, k, v, mask
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("layout", ["BMHK", "BMGHK", "MQA"])
+@pytest.mark.parametrize(
+    ("mask", "kv_factor"),
+    _GPU_MASKS,
+    ids=["none", "causal", "bottom-right", "local", "block-diag", "block-diag-bottom-right", "block-diag-causal", "T"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "op_pair",
+    [fmha.MemoryEfficientAttentionCutlassOp, fmha.MemoryEfficientAttentionFlashAttentionOp],
+    ids=["cutlass", "flash"],
+)
+def test_gpu_kernels_match_reference(op_pair, dtype, mask, kv_factor, layout):
+    op_fw, op_bw, q, k, v, mask = _gpu_case(op_pair, dtype, mask, kv_factor, layout)
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, mask, op=op_fw)
+    ref_out, ref_lse = attention_reference(q, k, v, mask)
+    testing.assert_rel_close(out, ref_out)
+    packed = fmha.common.varlen_lse_packed(lse, fmha.Inputs(q, k, v, mask))
+    if packed is not False:
+        testing.assert_rel_close(lse[..., : q.shape[1]], ref_lse, 1e-5)
+    partial = op_fw.SUPPORTS_PARTIAL and fmha.memory_efficient_attention_partial(q, k, v, mask, op=op_fw)
+    if partial:
+        testing.assert_rel_close(partial[0], ref_out)
+    if layout == "BMGHK" or op_bw.not_supported_reasons(fmha.Inputs(q, k, v, mask)):
+        return
+    grad = testing.randn(*out.shape, dtype=dtype, device="cuda")
+    grads = fmha.memory_efficient_attention_backward(grad, out, lse, q, k, v, mask, op=op_bw)
+    for got, want in zip(grads, reference_grads(q, k, v, mask, grad)[:3], strict=True):
+        testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype))
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_gpu_autograd_dispatch_and_dropout(dtype):
+    q, k, v = (testing.randn(2, 40, 4, 64, dtype=dtype, device="cuda").requires_grad_() for _ in range(3))
+    inp = fmha.Inputs(q, k, v, ab.LowerTriangularMask())
+    chosen = fmha.dispatch._dispatch_fw(inp, needs_gradient=True)
+    assert chosen is not torch_reference.FwOp, "a GPU kernel serves it"
+    out = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularMask())
+    testing.assert_rel_close(out, attention_reference(q, k, v, ab.LowerTriangularMask())[0])
+    out.backward(grad := testing.randn(*out.shape, dtype=dtype, device="cuda"))
+    want = reference_grads(q, k, v, ab.LowerTriangularMask(), grad)
+    testing.assert_rel_close(q.grad, want[0], 2 * testing.default_tolerance(dtype))
+    # Dropout: the forward forces its own backward; same seed, same mask.
+    out_p = fmha.memory_efficient_attention(q, k, v, p=0.3)
+    out_p.sum().backward()
+    assert not out_p.isnan().any() and not q.grad.isnan().any()
+    torch.compile(fmha.memory_efficient_attention, fullgraph=True)(q, k, v).sum().backward()
