@@ -149,3 +149,36 @@ def test_compile_and_export():
     out = torch.compile(Linear(), fullgraph=True, backend="aot_eager")(xq, wq, xs, ws)
     assert out.shape == (5, 8) and out.dtype == torch.bfloat16
     assert "mslk.f8f8bf16_rowwise" in str(torch.export.export(Linear(), (xq, wq, xs, ws)).graph)
+
+
+def test_scaled_mm_backend_serves_its_measured_shape_class(monkeypatch):
+    """torch._scaled_mm (cuBLAS) serves M > 1024 on SM90 (where it measured faster); the Triton kernel the rest."""
+    monkeypatch.setattr(arch, "capability", lambda device=None: (9, 0))
+    backend = g.f8f8bf16_rowwise_op.get_backend("torch._scaled_mm")
+    backends = [b.name for b in g.f8f8bf16_rowwise_op.backends]
+    assert backends.index("torch._scaled_mm") < backends.index("triton")
+
+    def reasons(m, n=256, k=128, bias=None, dtype=torch.float8_e4m3fn):
+        xq, wq = torch.empty(m, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
+        return backend.reasons("cuda", (xq, wq, torch.empty(m), torch.empty(n), bias), {})
+
+    assert reasons(2048) == []
+    assert reasons(2048, bias=torch.empty(256, dtype=torch.bfloat16)) == []
+    assert "the Triton kernel is faster there" in reasons(1024)[0]
+    assert "bias torch.float32" in reasons(2048, bias=torch.empty(256))[0]
+    assert "multiples of 16" in reasons(2048, n=250)[0]
+    monkeypatch.setattr(arch, "capability", lambda device=None: (10, 0))
+    assert "SM90 only" in reasons(2048)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(2048, 7168, 2048), (1500, 1024, 4096)], ids=str)
+def test_scaled_mm_backend_gpu(m, n, k):
+    xq, x_scale = g.quantize_rows(testing.randn(m, k, device="cuda"))
+    wq, w_scale = g.quantize_rows(testing.randn(n, k, device="cuda"))
+    bias = testing.randn(n, device="cuda").to(torch.bfloat16)
+    for args in ((xq, wq, x_scale, w_scale), (xq, wq, x_scale, w_scale, bias, False)):
+        out = g.f8f8bf16_rowwise_op(*args, backend="torch._scaled_mm")
+        testing.assert_rel_close(out, oracle(*args[:5]) if len(args) > 4 else oracle(*args), 1e-2)
+    out3 = g.f8f8bf16_rowwise(xq.reshape(2, m // 2, k), wq, x_scale.reshape(2, m // 2), w_scale)
+    testing.assert_rel_close(out3, oracle(xq, wq, x_scale, w_scale).reshape(2, m // 2, n), 1e-2)

@@ -288,12 +288,46 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
         tolerance=1e-2,
     )
 
+    def scaled_mm_supports(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        return _scaled_mm_reasons(XQ, WQ, bias, out_dtype)
+
+    @op.backend("torch._scaled_mm", supports=scaled_mm_supports)
+    def _scaled_mm(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        out = torch._scaled_mm(
+            XQ.reshape(-1, XQ.shape[-1]), WQ.t(), scale_a=x_scale.reshape(-1, 1).contiguous(),
+            scale_b=w_scale.reshape(1, -1).contiguous(), bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+        )  # fmt: skip
+        return out.reshape(*XQ.shape[:-1], WQ.shape[0])
+
     @op.backend("triton", available=registry.triton_missing)
     def _triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
         out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=out_dtype, device=XQ.device)
         return _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out)
 
     return op
+
+
+# Rows of X above which cuBLAS (torch._scaled_mm) serves the rowwise GEMMs on SM90: measured there at 0.97x
+# (8192^3) to 1.00x of it for M >= 2048 and 0.87x at 2048 x 7168 x 2048, while the Triton kernel leads at
+# M <= 1024 (1.02x at 1024 x 8192 x 28672, 1.07-1.20x when decoding; RESULTS.md).
+_SCALED_MM_MIN_M = 1025
+
+
+def _scaled_mm_reasons(XQ, WQ, bias, out_dtype) -> list[str]:
+    """Why torch._scaled_mm does not serve these inputs: outside the measured shape class, or its layouts."""
+    reasons = []
+    m, k, n = XQ.numel() // max(XQ.shape[-1], 1), XQ.shape[-1], WQ.shape[0]
+    if m < _SCALED_MM_MIN_M:
+        reasons.append(f"M={m} < {_SCALED_MM_MIN_M}: the Triton kernel is faster there")
+    if torch.version.hip is not None or arch.capability(XQ.device) != (9, 0):
+        reasons.append("measured on SM90 only (the Triton kernel serves other GPUs)")
+    if XQ.dtype != torch.float8_e4m3fn or k % 16 or n % 16:
+        reasons.append(f"cuBLAS FP8 needs float8_e4m3fn with K and N multiples of 16, got {XQ.dtype}, K={k}, N={n}")
+    if not (XQ.is_contiguous() and WQ.is_contiguous()):
+        reasons.append("XQ and WQ must be contiguous")
+    if bias is not None and bias.dtype != out_dtype:
+        reasons.append(f"bias {bias.dtype}: cuBLAS adds a bias of the output dtype {out_dtype} only")
+    return reasons
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
