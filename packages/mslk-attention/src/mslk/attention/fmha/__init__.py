@@ -1,6 +1,6 @@
 """mslk.attention.fmha (spec §2-§4): memory_efficient_attention, its masks (`attn_bias`), partial attention, and
 the backends that serve them (one module each: `cutlass`, `flash`, `flash3`, `triton_splitk`, `ck`, ... and MSLK's
-float64 `torch_reference`, the CPU path).
+float64 `torch_reference`, the CPU path, and `triton_flash`, MSLK's Triton flash-attention forward).
 
 `merge_attentions` combines partial attentions (`merge`; `merge_training` for their gradients).
 
@@ -34,6 +34,7 @@ from mslk.attention.fmha import (  # noqa: F401  (modules users reach as fmha.<m
     merge,
     merge_training,
     torch_reference,
+    triton_flash,
     triton_splitk,
     unbind,
 )
@@ -96,6 +97,8 @@ MemoryEfficientAttentionSplitKCkOp = (ck_splitk.FwOp, ck.BwOp)
 MemoryEfficientAttentionFlyDSLOp = (flydsl.FwOp, flydsl.BwOp)
 MemoryEfficientAttentionCuteFlashAttentionOp = (cute_blackwell.FwOp, cute_blackwell.BwOp)
 MemoryEfficientAttentionReferenceOp = (torch_reference.FwOp, torch_reference.BwOp)
+# MSLK's Triton forward; the dispatcher picks the backward.
+MemoryEfficientAttentionMslkTritonOp = (triton_flash.FwOp, None)
 
 ALL_FW_OPS: list[type[AttentionFwOpBase]] = [
     ck.FwOp if rocm_build() else cutlass.FwOp,
@@ -105,6 +108,7 @@ ALL_FW_OPS: list[type[AttentionFwOpBase]] = [
     flash3.FwOp,
     flydsl.FwOp,
     triton_splitk.FwOp,
+    triton_flash.FwOp,
     torch_reference.FwOp,
 ]
 ALL_BW_OPS: list[type[AttentionBwOpBase]] = [

@@ -1,0 +1,92 @@
+"""MSLK's Triton flash-attention forward (`triton_flash.FwOp`) against the float64 oracle: every mask it takes,
+BMHK / BMGHK / stride-0 GQA, Kv != K, fp32 / fp16 / bf16, custom scale, output dtype, partial (empty keys),
+the LSE layouts. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
+
+import pytest
+import torch
+
+from mslk.attention import fmha
+from mslk.attention.fmha import attn_bias_utils, common, triton_flash
+from mslk.attention.fmha.common import _BIAS_BY_ID
+from mslk.attention.fmha.reference import attention_reference
+from mslk.core import testing
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SUPPORTED_IDS = ["None", "B01", *[f"B{i:02d}" for i in range(3, 15)], "B18", "B19", "B20"]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _inputs(bias_id, fmt, sizes, dtype, device, kv=None):
+    batch, mq, mk, groups, heads, k = sizes
+    cls = None if bias_id == "None" else _BIAS_BY_ID[bias_id]
+    bias = attn_bias_utils.create_attn_bias(cls, batch, heads, groups, mq, mk, device, dtype, False, fmt)
+    lead_q, lead_k = (batch, mq), (batch, mk)
+    if bias is not None and hasattr(bias, "q_seqinfo"):  # varlen: one batch of all the sequences
+        lead_q, lead_k = (1, bias.q_seqinfo.seqstart_py[-1]), (1, bias.k_seqinfo.seqstart_py[-1])
+    heads_shape = (groups, heads) if fmt == "BMGHK" else (heads,)
+    q = testing.randn(*lead_q, *heads_shape, k, dtype=dtype, device=device)
+    key = testing.randn(*lead_k, *heads_shape, k, dtype=dtype, device=device)
+    value = testing.randn(*lead_k, *heads_shape, kv or k, dtype=dtype, device=device)
+    return q, key, value, bias
+
+
+def _check(q, k, v, bias, dtype, scale=None, output_dtype=None):
+    inp = common.Inputs(q, k, v, bias, scale=scale, output_dtype=output_dtype)
+    assert triton_flash.FwOp.not_supported_reasons(inp) == []
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    ref, lse = attention_reference(q.double(), k, v, bias, scale)
+    assert out.dtype == (output_dtype or dtype) and out.shape == ref.shape
+    testing.assert_rel_close(out, ref, TOLERANCE[dtype])
+    assert ctx.lse.shape == lse.shape
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(ctx.lse))  # queries without keys: -inf in both
+    torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("bias_id", SUPPORTED_IDS)
+@pytest.mark.parametrize(
+    ("fmt", "sizes"),
+    [("BMHK", (2, 37, 45, 1, 3, 32)), ("BMGHK", (2, 20, 20, 2, 2, 16)), ("BMHK", (3, 50, 70, 1, 2, 64))],
+)
+def test_masks_and_layouts(bias_id, fmt, sizes):
+    try:
+        q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.float32, DEVICE)
+    except ValueError:
+        pytest.skip("this mask does not exist for these sizes (e.g. more queries than keys bottom-right)")
+    _check(q, k, v, bias, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_dtypes_gqa_kv_and_output_dtype(dtype):
+    q, k, v, bias = _inputs("B03", "BMHK", (2, 33, 40, 1, 4, 32), dtype, DEVICE, kv=48)
+    _check(q, k, v, bias, dtype, scale=0.3)
+    _check(q, k, v, bias, dtype, output_dtype=torch.float32)
+    # Grouped-query attention: one K/V head expanded over 4 query heads with stride 0 (never copied).
+    k1, v1 = k[:, :, :1].expand_as(k), v[:, :, :1].expand_as(v)
+    assert k1.stride(2) == 0
+    _check(q, k1, v1, None, dtype)
+
+
+def test_empty_keys_give_zero_and_minus_inf():
+    q = testing.randn(1, 5, 2, 16, device=DEVICE)
+    k = torch.empty(1, 0, 2, 16, device=DEVICE)
+    out, ctx = triton_flash.FwOp.apply(common.Inputs(q, k, k, is_partial=True), needs_gradient=True)
+    assert (out == 0).all() and (ctx.lse == -torch.inf).all()
+
+
+def test_pinned_through_memory_efficient_attention():
+    q, k, v, bias = _inputs("B07", "BMHK", (2, 20, 20, 1, 2, 32), torch.float32, DEVICE)
+    out = fmha.memory_efficient_attention(q, k, v, bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+    testing.assert_rel_close(out, attention_reference(q.double(), k, v, bias)[0], 1e-5)
+    assert triton_flash.FwOp in fmha.ALL_FW_OPS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12", "B19"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu(bias_id, dtype, head_dim):
+    if dtype == torch.float32 and head_dim == 256:
+        pytest.skip("slow")
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
+    _check(q, k, v, bias, dtype)
