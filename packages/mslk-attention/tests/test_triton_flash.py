@@ -90,3 +90,57 @@ def test_gpu(bias_id, dtype, head_dim):
         pytest.skip("slow")
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
     _check(q, k, v, bias, dtype)
+
+
+BACKWARD_IDS = ["None", "B01", *[f"B{i:02d}" for i in range(3, 15)]]
+
+
+def _check_backward(q, k, v, bias, tolerance):
+    """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle."""
+    dtype = q.dtype
+    inp = common.Inputs(q, k, v, bias)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    do = testing.randn(*out.shape, dtype=dtype, device=q.device)
+    grads = triton_flash.BwOp.apply(ctx, inp, do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, bias)
+    ref.backward(do.double())
+    for name, got, want in (("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        testing.assert_rel_close(got, want, tolerance, what=name)
+
+
+@pytest.mark.parametrize("bias_id", BACKWARD_IDS)
+@pytest.mark.parametrize(("fmt", "sizes"), [("BMHK", (2, 37, 45, 1, 3, 32)), ("BMGHK", (2, 20, 20, 2, 2, 16))])
+def test_backward(bias_id, fmt, sizes):
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.float32, DEVICE, kv=24 if fmt == "BMHK" else None)
+    _check_backward(q, k, v, bias, 1e-5)
+
+
+def test_backward_through_memory_efficient_attention_and_gqa():
+    q, k, v, bias = _inputs("B07", "BMHK", (2, 20, 20, 1, 4, 32), torch.float32, DEVICE)
+    k1, v1 = (t[:, :, :1].expand_as(t).detach().requires_grad_() for t in (k, v))  # GQA: stride-0 heads
+    q.requires_grad_()
+    out = fmha.memory_efficient_attention(q, k1, v1, bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+    do = testing.randn(*out.shape, device=DEVICE)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k1, v1))
+    ref, _ = attention_reference(q64, k64.expand_as(k), v64.expand_as(v), bias)
+    ref.backward(do.double())
+    for got, want in ((q.grad, q64.grad), (k1.grad, k64.grad), (v1.grad, v64.grad)):
+        testing.assert_rel_close(got, want, 1e-5)
+
+
+def test_backward_declines_gappy_keys():
+    q, k, v, bias = _inputs("B18", "BMHK", (2, 20, 30, 1, 2, 16), torch.float32, DEVICE)
+    reasons = triton_flash.BwOp.not_supported_reasons(common.Inputs(q, k, v, bias))
+    assert any("attn_bias type" in reason for reason in reasons)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_gpu(bias_id, dtype, head_dim):
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
+    _check_backward(q, k, v, bias, {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])

@@ -97,8 +97,7 @@ MemoryEfficientAttentionSplitKCkOp = (ck_splitk.FwOp, ck.BwOp)
 MemoryEfficientAttentionFlyDSLOp = (flydsl.FwOp, flydsl.BwOp)
 MemoryEfficientAttentionCuteFlashAttentionOp = (cute_blackwell.FwOp, cute_blackwell.BwOp)
 MemoryEfficientAttentionReferenceOp = (torch_reference.FwOp, torch_reference.BwOp)
-# MSLK's Triton forward; the dispatcher picks the backward.
-MemoryEfficientAttentionMslkTritonOp = (triton_flash.FwOp, None)
+MemoryEfficientAttentionMslkTritonOp = (triton_flash.FwOp, triton_flash.BwOp)
 
 ALL_FW_OPS: list[type[AttentionFwOpBase]] = [
     ck.FwOp if rocm_build() else cutlass.FwOp,
@@ -118,6 +117,7 @@ ALL_BW_OPS: list[type[AttentionBwOpBase]] = [
     flash_mtia.BwOp,
     flash3.BwOp,
     *([flydsl.BwOp] if rocm_build() else []),
+    triton_flash.BwOp,
     torch_reference.BwOp,
 ]
 

@@ -1,4 +1,4 @@
-"""`triton_flash`: MSLK's own flash-attention forward in Triton (NAME `mslkF-triton`).
+"""`triton_flash`: MSLK's own flash attention in Triton, forward (NAME `mslkF-triton`) and backward (`mslkB-triton`).
 
 One program computes a block of BLOCK_M queries of one (sequence, group, head) with the online softmax in fp32
 (exp2 of scores pre-multiplied by scale · log2 e), walking only the key blocks its mask can reach: causal and
@@ -9,8 +9,9 @@ read through their strides, never copied. fp32 inputs use IEEE fp32 products (no
 inside PyTorch do not offer on every GPU. Output in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq]
 natural log, varlen packed [1, (G,) H, ΣMq].
 
-Not in the automatic priority list yet (pin it with `op=`): its speed on the GPU machine is still to be
-measured. No backward here: after it, the dispatcher picks a backward that reads its LSE layout.
+`BwOp` is the matching backward: deterministic (two passes, no atomics), from any forward's output and LSE.
+Neither is in the automatic priority lists yet (pin them with `op=`): their speed on the GPU machine is still
+to be measured.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import triton
 import triton.language as tl
 
 from mslk.attention.fmha.common import (
+    AttentionBwOpBase,
     AttentionFwOpBase,
     Context,
+    Gradients,
     Inputs,
     bias_types,
     causal_window,
@@ -33,6 +36,58 @@ from mslk.core import launch, registry
 
 _LOG2E = 1.4426950408889634
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+@triton.jit
+def _sequence(b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN: tl.constexpr,
+              HAS_SEQLEN_K: tl.constexpr):  # fmt: skip
+    """(q_start, q_len, k_start, k_len, batch) of sequence b: its query rows [q_start, q_start + q_len) and key
+    rows [k_start, k_start + k_len) of batch `batch` (varlen: batch 0 holds every sequence)."""
+    if VARLEN:
+        q_start = tl.load(seqstart_q_ptr + b)
+        q_len = tl.load(seqstart_q_ptr + b + 1) - q_start
+        k_start = tl.load(seqstart_k_ptr + b)
+        if HAS_SEQLEN_K:
+            k_len = tl.load(seqlen_k_ptr + b)
+        else:
+            k_len = tl.load(seqstart_k_ptr + b + 1) - k_start
+        return q_start, q_len, k_start, k_len, 0
+    return 0, Mq, 0, Mk, b
+
+
+@triton.jit
+def _visible(rows, cols, q_len, k_len, shift, window_left, window_right):
+    """[BLOCK_M, BLOCK_N]: whether query i sees key j, i + shift - window_left <= j <= i + shift + window_right
+    (a window of -1 is unbounded), both in their sequence."""
+    d = cols[None, :] - rows[:, None] - shift
+    visible = (rows < q_len)[:, None] & (cols < k_len)[None, :] & ((d >= -window_left) | (window_left < 0))
+    return visible & ((d <= window_right) | (window_right < 0))
+
+
+@triton.jit
+def _key_range(first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """[lo, hi) of the keys that the queries [first_row, first_row + BLOCK_M) may see, lo on a block."""
+    last_row = tl.minimum(first_row + BLOCK_M, q_len) - 1
+    lo = tl.where(window_left >= 0, tl.maximum(first_row + shift - window_left, 0) // BLOCK_N * BLOCK_N, 0)
+    return lo, tl.where(window_right >= 0, tl.minimum(last_row + shift + window_right + 1, k_len), k_len)
+
+
+@triton.jit
+def _query_range(first_col, q_len, k_len, shift, window_left, window_right, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """[lo, hi) of the queries that may see the keys [first_col, first_col + BLOCK_N), lo on a block."""
+    last_col = tl.minimum(first_col + BLOCK_N, k_len) - 1
+    lo = tl.where(window_right >= 0, tl.maximum(first_col - shift - window_right, 0) // BLOCK_M * BLOCK_M, 0)
+    return lo, tl.where(window_left >= 0, tl.minimum(last_col - shift + window_left + 1, q_len), q_len)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a · b in fp32: IEEE fp32 products for fp32 operands (no TF32), tensor cores for 16-bit ones."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -50,17 +105,9 @@ def _flash_forward_kernel(
 ):  # fmt: skip
     pid_m, pid_bgh = tl.program_id(0), tl.program_id(1)
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
-    if VARLEN:  # sequence b: query rows [q_start, q_start + q_len), key rows [k_start, k_start + k_len)
-        q_start = tl.load(seqstart_q_ptr + b)
-        q_len = tl.load(seqstart_q_ptr + b + 1) - q_start
-        k_start = tl.load(seqstart_k_ptr + b)
-        if HAS_SEQLEN_K:
-            k_len = tl.load(seqlen_k_ptr + b)
-        else:
-            k_len = tl.load(seqstart_k_ptr + b + 1) - k_start
-        batch = 0
-    else:
-        q_start, q_len, k_start, k_len, batch = 0, Mq, 0, Mk, b
+    q_start, q_len, k_start, k_len, batch = _sequence(
+        b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
+    )
     if pid_m * BLOCK_M < q_len:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the sequence
         dk = tl.arange(0, BLOCK_K)
@@ -75,12 +122,8 @@ def _flash_forward_kernel(
         k_base = k_ptr + tl.cast(batch, tl.int64) * stride_kb + g * stride_kg + h * stride_kh
         v_base = v_ptr + tl.cast(batch, tl.int64) * stride_vb + g * stride_vg + h * stride_vh
 
-        # Keys j that query i may see: i + shift - window_left <= j <= i + shift + window_right (-1: unbounded).
         shift = k_len - q_len if BOTTOM_RIGHT else 0
-        first_row = pid_m * BLOCK_M
-        last_row = tl.minimum(first_row + BLOCK_M, q_len) - 1
-        lo = tl.where(window_left >= 0, tl.maximum(first_row + shift - window_left, 0) // BLOCK_N * BLOCK_N, 0)
-        hi = tl.where(window_right >= 0, tl.minimum(last_row + shift + window_right + 1, k_len), k_len)
+        lo, hi = _key_range(pid_m * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -97,25 +140,14 @@ def _flash_forward_kernel(
             )  # fmt: skip
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, k.T, input_precision="ieee")
-            else:
-                s = tl.dot(q, k.T)
-            s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            d = cols[None, :] - rows[:, None] - shift
-            visible = (cols < k_len)[None, :] & ((d >= -window_left) | (window_left < 0))
-            visible &= (d <= window_right) | (window_right < 0)
-            s = tl.where(visible, s, float("-inf"))
+            s = _dot(q, k.T, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
 
         has_keys = l_i > 0.0
@@ -130,18 +162,134 @@ def _flash_forward_kernel(
         tl.store(lse_base + q_start + rows, lse, mask=rows < q_len)
 
 
-def _block_m(q: torch.Tensor, head_block: int) -> int:
-    """Square BLOCK_M x BLOCK_N tiles that fit in registers without spilling when compiled for SM90 (checked
-    offline with the compiler; their speed is still to be measured): 64 for 16-bit inputs up to head dim 128,
-    32 above, 16 for the IEEE fp32 products; 16 under the interpreter, which is slow per program."""
+@triton.jit
+def _flash_backward_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    G, H, Mq, Mk, K, Kv, qk_scale, sm_scale, window_left, window_right,
+    stride_qb, stride_qm, stride_qg, stride_qh,
+    stride_kb, stride_km, stride_kg, stride_kh,
+    stride_vb, stride_vm, stride_vg, stride_vh,
+    stride_ob, stride_om, stride_og, stride_oh,
+    stride_lb, stride_lg, stride_lh,
+    stride_gqb, stride_gqm, stride_gqg, stride_gqh,
+    stride_gkb, stride_gkm, stride_gkg, stride_gkh,
+    stride_gvb, stride_gvm, stride_gvg, stride_gvh,
+    DQ_PASS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+):  # fmt: skip
+    """Attention backward without atomics (deterministic), from the forward's LSE and delta = rowsum(dO ∘ O).
+    DQ_PASS: program (query block, sequence·group·head) loops over its visible key blocks and writes dQ; else
+    program (key block, ...) loops over the query blocks that see it and writes dK and dV. With
+    P = exp(S − LSE): dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − delta), dQ = scale · dS·K, dK = scale · dSᵀ·Q."""
+    pid, pid_bgh = tl.program_id(0), tl.program_id(1)
+    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
+    q_start, q_len, k_start, k_len, batch = _sequence(
+        b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
+    )
+    batch = tl.cast(batch, tl.int64)
+    shift = k_len - q_len if BOTTOM_RIGHT else 0
+    dk_range = tl.arange(0, BLOCK_K)
+    dv_range = tl.arange(0, BLOCK_KV)
+    q_base = q_ptr + batch * stride_qb + g * stride_qg + h * stride_qh
+    do_base = do_ptr + batch * stride_ob + g * stride_og + h * stride_oh
+    k_base = k_ptr + batch * stride_kb + g * stride_kg + h * stride_kh
+    v_base = v_ptr + batch * stride_vb + g * stride_vg + h * stride_vh
+    stat_base = batch * stride_lb + g * stride_lg + h * stride_lh + q_start  # LSE and delta share a layout
+    if DQ_PASS:
+        if pid * BLOCK_M < q_len:
+            rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+            q = tl.load(q_base + (q_start + rows).to(tl.int64)[:, None] * stride_qm + dk_range[None, :],
+                        mask=(rows < q_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
+            do = tl.load(do_base + (q_start + rows).to(tl.int64)[:, None] * stride_om + dv_range[None, :],
+                         mask=(rows < q_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+            lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
+            if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
+                q, do = q.to(tl.float32), do.to(tl.float32)
+            lo, hi = _key_range(pid * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
+            dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                k = tl.load(k_base + (k_start + cols).to(tl.int64)[:, None] * stride_km + dk_range[None, :],
+                            mask=(cols < k_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
+                v = tl.load(v_base + (k_start + cols).to(tl.int64)[:, None] * stride_vm + dv_range[None, :],
+                            mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+                if UPCAST:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
+                visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
+                p = tl.where(visible, tl.exp2(_dot(q, k.T, IEEE) * qk_scale - lse2[:, None]), 0.0)
+                ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
+                dq += _dot(ds.to(k.dtype), k, IEEE)
+            dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
+            tl.store(dq_base + (q_start + rows).to(tl.int64)[:, None] * stride_gqm + dk_range[None, :],
+                     (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+                     mask=(rows < q_len)[:, None] & (dk_range < K)[None, :])  # fmt: skip
+    else:
+        if pid * BLOCK_N < k_len:
+            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + (k_start + cols).to(tl.int64)[:, None] * stride_km + dk_range[None, :],
+                        mask=(cols < k_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
+            v = tl.load(v_base + (k_start + cols).to(tl.int64)[:, None] * stride_vm + dv_range[None, :],
+                        mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            lo, hi = _query_range(pid * BLOCK_N, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
+            dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_KV], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_M):
+                rows = start + tl.arange(0, BLOCK_M)
+                q = tl.load(q_base + (q_start + rows).to(tl.int64)[:, None] * stride_qm + dk_range[None, :],
+                            mask=(rows < q_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
+                do = tl.load(do_base + (q_start + rows).to(tl.int64)[:, None] * stride_om + dv_range[None, :],
+                             mask=(rows < q_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+                lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
+                delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
+                if UPCAST:
+                    q, do = q.to(tl.float32), do.to(tl.float32)
+                visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
+                p = tl.where(visible, tl.exp2(_dot(q, k.T, IEEE) * qk_scale - lse2[:, None]), 0.0)
+                dv += _dot(p.to(do.dtype).T, do, IEEE)
+                ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
+                dk += _dot(ds.to(q.dtype).T, q, IEEE)
+            dk_base = dk_ptr + batch * stride_gkb + g * stride_gkg + h * stride_gkh
+            tl.store(dk_base + (k_start + cols).to(tl.int64)[:, None] * stride_gkm + dk_range[None, :],
+                     (dk * sm_scale).to(dk_ptr.dtype.element_ty),
+                     mask=(cols < k_len)[:, None] & (dk_range < K)[None, :])  # fmt: skip
+            dv_base = dv_ptr + batch * stride_gvb + g * stride_gvg + h * stride_gvh
+            tl.store(dv_base + (k_start + cols).to(tl.int64)[:, None] * stride_gvm + dv_range[None, :],
+                     dv.to(dv_ptr.dtype.element_ty),
+                     mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :])  # fmt: skip
+
+
+def _block_m(q: torch.Tensor, head_block: int, backward: bool = False) -> int:
+    """Square BLOCK_M x BLOCK_N tiles that (nearly) fit in registers when compiled for SM90 (register use checked
+    offline with the compiler; their speed is still to be measured): forward 64 for 16-bit inputs up to head dim
+    128, 32 above; backward (more live tiles) half that; 16 for the IEEE fp32 products and under the
+    interpreter, which is slow per program."""
     if not q.is_cuda or q.dtype == torch.float32:
         return 16
-    return 64 if head_block <= 128 else 32
+    return (64 if head_block <= 128 else 32) // (2 if backward else 1)
 
 
 def _bmghk(t: torch.Tensor) -> torch.Tensor:
     """A [B, M, H, K] tensor as [B, M, 1, H, K] (a view)."""
     return t if t.dim() == 5 else t.unsqueeze(2)
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    """The (batch, row, group, head) strides of [B, M, G, H, K] tensors, one after the other."""
+    return [t.stride(i) for t in tensors for i in range(4)]
+
+
+def _alignment(attn_bias) -> tuple[str | None, int, int]:
+    """causal_window's (alignment, window_left, window_right), a local window without causality aligned
+    bottom-right like FlashAttention's."""
+    alignment, window_left, window_right = causal_window(attn_bias)
+    if alignment is None and (window_left >= 0 or window_right >= 0):
+        alignment = "bottom-right"
+    return alignment, window_left, window_right
 
 
 class FwOp(AttentionFwOpBase):
@@ -172,9 +320,7 @@ class FwOp(AttentionFwOpBase):
         sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
         max_q = mq if varlen is None else varlen.max_seqlen_q
         lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
-        alignment, window_left, window_right = causal_window(inp.attn_bias)
-        if alignment is None and (window_left >= 0 or window_right >= 0):
-            alignment = "bottom-right"  # a local window without causality is aligned like FlashAttention's
+        alignment, window_left, window_right = _alignment(inp.attn_bias)
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             block_m = _block_m(q, max(block_k, block_kv))
@@ -184,8 +330,7 @@ class FwOp(AttentionFwOpBase):
                 q, k, v, out, lse,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right,
-                *(q.stride(i) for i in range(4)), *(k.stride(i) for i in range(4)), *(v.stride(i) for i in range(4)),
-                *(out.stride(i) for i in range(4)), *lse.stride()[:3],
+                *_strides(q, k, v, out), *lse.stride()[:3],
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
@@ -199,3 +344,58 @@ class FwOp(AttentionFwOpBase):
         if inp.query.dim() == 4:
             out, lse = out[:, :, 0], lse[:, 0]
         return out, Context(lse=lse, out=out) if needs_gradient else None
+
+
+class BwOp(AttentionBwOpBase):
+    """MSLK's Triton flash-attention backward: deterministic (no atomics: one pass writes dQ, another dK and
+    dV), from the output and LSE of any forward in the packed varlen layout."""
+
+    OPERATOR = _flash_backward_kernel if registry.triton_missing() is None else None
+    NOT_BUILT_REASON = registry.triton_missing() or ""
+    NAME = "mslkB-triton"
+    SUPPORTED_DEVICES = FwOp.SUPPORTED_DEVICES
+    CUDA_MINIMUM_COMPUTE_CAPABILITY = FwOp.CUDA_MINIMUM_COMPUTE_CAPABILITY
+    SUPPORTED_DTYPES = _DTYPES
+    SUPPORTED_MAX_K = 256
+    # Not the gappy masks (B18-B20): their sequences may share key rows, whose gradients would then need sums
+    # across programs.
+    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None B01 B03-B14")
+    SUPPORTS_CUSTOM_SCALE = True
+    SUPPORTS_DIFFERENT_VALUE_EMBED = True
+    SUPPORTS_BMGHK = True
+    VARLEN_LSE_PACKED = True
+
+    @classmethod
+    def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
+        q, k, v, out, do = (_bmghk(t) for t in (inp.query, inp.key, inp.value, ctx.out, grad))
+        batch, mq, groups, heads, dim = q.shape
+        mk, dim_v = k.shape[1], v.shape[-1]
+        # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        lse = ctx.lse if ctx.lse.dim() == 4 else ctx.lse.unsqueeze(1)
+        lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
+        delta = (do.float() * out.float()).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, H, Mq], like lse
+        varlen = varlen_args(inp.attn_bias)
+        sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
+        max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+        alignment, window_left, window_right = _alignment(inp.attn_bias)
+        for t in (dq, dk, dv):  # rows no program reaches (keys outside every sequence) stay zero
+            t.zero_()
+        if max_q and max_k and dim:
+            block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
+            block = _block_m(q, max(block_k, block_kv), backward=True)
+            seqlen_k = None if varlen is None else varlen.seqlen_k
+            for dq_pass, rows in ((True, max_q), (False, max_k)):
+                _flash_backward_kernel[(launch.cdiv(rows, block), sequences * groups * heads)](
+                    q, k, v, do, lse, delta, dq, dk, dv,
+                    *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
+                    groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
+                    window_right, *_strides(q, k, v, do), *lse.stride()[:3], *_strides(dq, dk, dv),
+                    DQ_PASS=dq_pass, VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+                    BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
+                    UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+                    BLOCK_M=block, BLOCK_N=block, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=4, num_stages=2,
+                )  # fmt: skip
+        if inp.query.dim() == 4:
+            dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
+        return Gradients(dq, dk, dv)
