@@ -12,13 +12,13 @@ from mslk.attention.fmha.reference import attention_reference
 from mslk.core import testing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SUPPORTED_IDS = ["None", "B01", *[f"B{i:02d}" for i in range(3, 15)], "B18", "B19", "B20"]
+SUPPORTED_IDS = ["None", "T", *[f"B{i:02d}" for i in range(1, 15)], "B18", "B19", "B20"]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _inputs(bias_id, fmt, sizes, dtype, device, kv=None):
     batch, mq, mk, groups, heads, k = sizes
-    cls = None if bias_id == "None" else _BIAS_BY_ID[bias_id]
+    cls = {"None": None, "T": torch.Tensor}.get(bias_id) or _BIAS_BY_ID.get(bias_id)
     bias = attn_bias_utils.create_attn_bias(cls, batch, heads, groups, mq, mk, device, dtype, False, fmt)
     lead_q, lead_k = (batch, mq), (batch, mk)
     if bias is not None and hasattr(bias, "q_seqinfo"):  # varlen: one batch of all the sequences
@@ -92,21 +92,32 @@ def test_gpu(bias_id, dtype, head_dim):
     _check(q, k, v, bias, dtype)
 
 
-BACKWARD_IDS = ["None", "B01", *[f"B{i:02d}" for i in range(3, 15)]]
+BACKWARD_IDS = ["None", "T", *[f"B{i:02d}" for i in range(1, 15)]]
 
 
 def _check_backward(q, k, v, bias, tolerance):
-    """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle."""
+    """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle
+    (a tensor bias gets its gradient too)."""
     dtype = q.dtype
+    dense = common.tensor_bias(bias)
+    if dense is not None:
+        dense.requires_grad_()
     inp = common.Inputs(q, k, v, bias)
     out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
     do = testing.randn(*out.shape, dtype=dtype, device=q.device)
     grads = triton_flash.BwOp.apply(ctx, inp, do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_reference(q64, k64, v64, bias)
+    bias64 = bias
+    if dense is not None:
+        dense64 = dense.detach().double().requires_grad_()
+        bias64 = dense64 if isinstance(bias, torch.Tensor) else type(bias)(dense64)
+    ref, _ = attention_reference(q64, k64, v64, bias64)
     ref.backward(do.double())
-    for name, got, want in (("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)):
-        assert got.dtype == dtype and got.shape == want.shape, name
+    pairs = [("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)]
+    if dense is not None:
+        pairs.append(("db", grads.db, dense64.grad))
+    for name, got, want in pairs:
+        assert got.dtype == (dtype if name != "db" else dense.dtype) and got.shape == want.shape, name
         testing.assert_rel_close(got, want, tolerance, what=name)
 
 

@@ -5,7 +5,8 @@ One program computes a block of BLOCK_M queries of one (sequence, group, head) w
 sliding-window masks (top-left or bottom-right aligned) bound the key range of the block, so no tile is spent on
 masked keys. Varlen batches (block-diagonal masks, padded or gappy keys) read their sequences' bounds from the
 mask's seqstart / seqlen tensors on the device. BMGHK and stride-0 expanded K/V (grouped-query attention) are
-read through their strides, never copied. fp32 inputs use IEEE fp32 products (no TF32), which the backends
+read through their strides, never copied; a tensor bias (any strides, broadcast ones too) is added to the
+scores, and the backward gives its gradient. fp32 inputs use IEEE fp32 products (no TF32), which the backends
 inside PyTorch do not offer on every GPU. Output in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq]
 natural log, varlen packed [1, (G,) H, ΣMq].
 
@@ -30,6 +31,7 @@ from mslk.attention.fmha.common import (
     Inputs,
     bias_types,
     causal_window,
+    tensor_bias,
     varlen_args,
 )
 from mslk.core import launch, registry
@@ -83,6 +85,20 @@ def _query_range(first_col, q_len, k_len, shift, window_left, window_right, BLOC
 
 
 @triton.jit
+def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS: tl.constexpr,
+            IEEE: tl.constexpr):  # fmt: skip
+    """scale · q·kᵀ (+ the tensor bias) in log2 units, [BLOCK_M, BLOCK_N]."""
+    s = _dot(q, k.T, IEEE) * qk_scale
+    if HAS_BIAS:
+        bias = tl.load(
+            bias_ptr + rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
+            mask=(rows < q_len)[:, None] & (cols < k_len)[None, :], other=0.0,
+        )  # fmt: skip
+        s += bias.to(tl.float32) * 1.4426950408889634
+    return s
+
+
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """a · b in fp32: IEEE fp32 products for fp32 operands (no TF32), tensor cores for 16-bit ones."""
     if IEEE:
@@ -92,15 +108,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _flash_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
     G, H, Mq, Mk, K, Kv, qk_scale, window_left, window_right,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
     stride_ob, stride_om, stride_og, stride_oh,
     stride_lb, stride_lg, stride_lh,
-    VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_bgh = tl.program_id(0), tl.program_id(1)
@@ -121,6 +138,9 @@ def _flash_forward_kernel(
             q = q.to(tl.float32)
         k_base = k_ptr + tl.cast(batch, tl.int64) * stride_kb + g * stride_kg + h * stride_kh
         v_base = v_ptr + tl.cast(batch, tl.int64) * stride_vb + g * stride_vg + h * stride_vh
+        bias_base = bias_ptr  # None without a bias
+        if HAS_BIAS:
+            bias_base = bias_ptr + tl.cast(batch, tl.int64) * stride_bb + g * stride_bg + h * stride_bh
 
         shift = k_len - q_len if BOTTOM_RIGHT else 0
         lo, hi = _key_range(pid_m * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
@@ -140,7 +160,7 @@ def _flash_forward_kernel(
             )  # fmt: skip
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            s = _dot(q, k.T, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
             s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
@@ -164,7 +184,7 @@ def _flash_forward_kernel(
 
 @triton.jit
 def _flash_backward_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
     seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
     G, H, Mq, Mk, K, Kv, qk_scale, sm_scale, window_left, window_right,
     stride_qb, stride_qm, stride_qg, stride_qh,
@@ -175,7 +195,10 @@ def _flash_backward_kernel(
     stride_gqb, stride_gqm, stride_gqg, stride_gqh,
     stride_gkb, stride_gkm, stride_gkg, stride_gkh,
     stride_gvb, stride_gvm, stride_gvg, stride_gvh,
-    DQ_PASS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
+    stride_dbb, stride_dbg, stride_dbh, stride_dbm, stride_dbn,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
@@ -197,6 +220,9 @@ def _flash_backward_kernel(
     k_base = k_ptr + batch * stride_kb + g * stride_kg + h * stride_kh
     v_base = v_ptr + batch * stride_vb + g * stride_vg + h * stride_vh
     stat_base = batch * stride_lb + g * stride_lg + h * stride_lh + q_start  # LSE and delta share a layout
+    bias_base = bias_ptr  # None without a bias
+    if HAS_BIAS:
+        bias_base = bias_ptr + batch * stride_bb + g * stride_bg + h * stride_bh
     if DQ_PASS:
         if pid * BLOCK_M < q_len:
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -219,9 +245,15 @@ def _flash_backward_kernel(
                 if UPCAST:
                     k, v = k.to(tl.float32), v.to(tl.float32)
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
-                p = tl.where(visible, tl.exp2(_dot(q, k.T, IEEE) * qk_scale - lse2[:, None]), 0.0)
+                s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
+                p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
                 ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
                 dq += _dot(ds.to(k.dtype), k, IEEE)
+                if BIAS_GRAD:  # dbias = dS, written once per (query, key) by this pass
+                    db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
+                    tl.store(db_base + rows.to(tl.int64)[:, None] * stride_dbm + cols[None, :] * stride_dbn,
+                             ds.to(dbias_ptr.dtype.element_ty),
+                             mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
             dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
             tl.store(dq_base + (q_start + rows).to(tl.int64)[:, None] * stride_gqm + dk_range[None, :],
                      (dq * sm_scale).to(dq_ptr.dtype.element_ty),
@@ -249,7 +281,8 @@ def _flash_backward_kernel(
                 if UPCAST:
                     q, do = q.to(tl.float32), do.to(tl.float32)
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
-                p = tl.where(visible, tl.exp2(_dot(q, k.T, IEEE) * qk_scale - lse2[:, None]), 0.0)
+                s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
+                p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
                 dv += _dot(p.to(do.dtype).T, do, IEEE)
                 ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
                 dk += _dot(ds.to(q.dtype).T, q, IEEE)
@@ -283,6 +316,15 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [t.stride(i) for t in tensors for i in range(4)]
 
 
+def _bias_args(bias: torch.Tensor | None) -> list:
+    """The tensor bias [B, (G,) H, Mq, Mk] (any strides, broadcast ones included) and its five strides, as the
+    kernels take it (None and zeros without one)."""
+    if bias is None:
+        return [None, 0, 0, 0, 0, 0]
+    bias = bias if bias.dim() == 5 else bias.unsqueeze(1)
+    return [bias, *bias.stride()]
+
+
 def _alignment(attn_bias) -> tuple[str | None, int, int]:
     """causal_window's (alignment, window_left, window_right), a local window without causality aligned
     bottom-right like FlashAttention's."""
@@ -302,7 +344,7 @@ class FwOp(AttentionFwOpBase):
     CUDA_MINIMUM_COMPUTE_CAPABILITY = (8, 0)
     SUPPORTED_DTYPES = _DTYPES
     SUPPORTED_MAX_K = 256
-    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None B01 B03-B14 B18-B20")
+    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None T B01-B14 B18-B20")
     SUPPORTS_CUSTOM_SCALE = True
     SUPPORTS_DIFFERENT_VALUE_EMBED = True
     SUPPORTS_OUTPUT_DTYPE = True
@@ -326,11 +368,12 @@ class FwOp(AttentionFwOpBase):
             block_m = _block_m(q, max(block_k, block_kv))
             seqlen_k = None if varlen is None else varlen.seqlen_k
             grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
+            bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
             _flash_forward_kernel[grid](
-                q, k, v, out, lse,
+                q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right,
-                *_strides(q, k, v, out), *lse.stride()[:3],
+                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, HAS_BIAS=bias is not None,
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
@@ -359,7 +402,8 @@ class BwOp(AttentionBwOpBase):
     SUPPORTED_MAX_K = 256
     # Not the gappy masks (B18-B20): their sequences may share key rows, whose gradients would then need sums
     # across programs.
-    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None B01 B03-B14")
+    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None T B01-B14")
+    SUPPORTS_ATTN_BIAS_GRAD = True
     SUPPORTS_CUSTOM_SCALE = True
     SUPPORTS_DIFFERENT_VALUE_EMBED = True
     SUPPORTS_BMGHK = True
@@ -379,23 +423,29 @@ class BwOp(AttentionBwOpBase):
         sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
         max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
         alignment, window_left, window_right = _alignment(inp.attn_bias)
+        given_bias = tensor_bias(inp.attn_bias)
+        bias_grad = given_bias is not None and given_bias.requires_grad
+        db = torch.zeros(given_bias.shape, dtype=given_bias.dtype, device=q.device) if bias_grad else None
         for t in (dq, dk, dv):  # rows no program reaches (keys outside every sequence) stay zero
             t.zero_()
         if max_q and max_k and dim:
+            bias, *bias_strides = _bias_args(given_bias)
+            db_args = _bias_args(db)
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             block = _block_m(q, max(block_k, block_kv), backward=True)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             for dq_pass, rows in ((True, max_q), (False, max_k)):
                 _flash_backward_kernel[(launch.cdiv(rows, block), sequences * groups * heads)](
-                    q, k, v, do, lse, delta, dq, dk, dv,
+                    q, k, v, do, lse, delta, dq, dk, dv, bias, db_args[0],
                     *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                     groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
                     window_right, *_strides(q, k, v, do), *lse.stride()[:3], *_strides(dq, dk, dv),
-                    DQ_PASS=dq_pass, VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+                    *bias_strides, *db_args[1:], HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass,
+                    VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                     UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
                     BLOCK_M=block, BLOCK_N=block, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=4, num_stages=2,
                 )  # fmt: skip
         if inp.query.dim() == 4:
             dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
-        return Gradients(dq, dk, dv)
+        return Gradients(dq, dk, dv, db)
