@@ -155,3 +155,43 @@ def test_backward_declines_gappy_keys():
 def test_backward_gpu(bias_id, dtype, head_dim):
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
     _check_backward(q, k, v, bias, {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
+
+
+@pytest.mark.parametrize(
+    ("bias_id", "fmt", "sizes"), [("None", "BMHK", (2, 33, 40, 1, 2, 16)), ("B07", "BMGHK", (2, 20, 20, 2, 2, 16))]
+)
+def test_dropout_replays_its_mask_forward_and_backward(bias_id, fmt, sizes):
+    """The output equals the oracle with the mask the kernels draw (dropout_mask of the forward's seed), the
+    backward equals float64 autograd through that mask, and torch.manual_seed reproduces the draw."""
+    p = 0.3
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.float32, DEVICE)
+    inp = common.Inputs(q, k, v, bias, p=p)
+    torch.manual_seed(7)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    assert ctx.op_bw is triton_flash.BwOp  # only its own backward replays the draw
+    groups = q.shape[2] if q.dim() == 5 else 1
+    mask = triton_flash.dropout_mask(ctx.rng_state, q.shape[0], groups, q.shape[-2], q.shape[1], k.shape[1], p, DEVICE)
+    mask = mask if q.dim() == 5 else mask[:, 0]
+    assert 0.6 < mask.float().mean() < 0.8  # about 1 - p kept
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected = attn_bias_utils.ref_attention(q64, k64, v64, bias, drop_mask=mask, p=p)
+    testing.assert_rel_close(out, expected, 1e-5)
+    do = testing.randn(*out.shape, device=DEVICE)
+    grads = triton_flash.BwOp.apply(ctx, inp, do)
+    expected.backward(do.double())
+    for got, want in ((grads.dq, q64.grad), (grads.dk, k64.grad), (grads.dv, v64.grad)):
+        testing.assert_rel_close(got, want, 1e-5)
+    torch.manual_seed(7)
+    assert torch.equal(triton_flash.FwOp.apply(inp, needs_gradient=False)[0], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_dropout_gpu(dtype):
+    p = 0.2
+    q, k, v, bias = _inputs("B01", "BMHK", (2, 200, 200, 1, 4, 64), dtype, "cuda")
+    inp = common.Inputs(q, k, v, bias, p=p)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    mask = triton_flash.dropout_mask(ctx.rng_state, 2, 1, 4, 200, 200, p, "cuda")[:, 0]
+    expected = attn_bias_utils.ref_attention(q.double(), k.double(), v.double(), bias, drop_mask=mask, p=p)
+    testing.assert_rel_close(out, expected, TOLERANCE[dtype])

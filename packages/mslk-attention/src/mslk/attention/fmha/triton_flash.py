@@ -6,9 +6,10 @@ sliding-window masks (top-left or bottom-right aligned) bound the key range of t
 masked keys. Varlen batches (block-diagonal masks, padded or gappy keys) read their sequences' bounds from the
 mask's seqstart / seqlen tensors on the device. BMGHK and stride-0 expanded K/V (grouped-query attention) are
 read through their strides, never copied; a tensor bias (any strides, broadcast ones too) is added to the
-scores, and the backward gives its gradient. fp32 inputs use IEEE fp32 products (no TF32), which the backends
-inside PyTorch do not offer on every GPU. Output in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq]
-natural log, varlen packed [1, (G,) H, ΣMq].
+scores, and the backward gives its gradient. Dropout draws Philox numbers keyed by a seed from torch's CPU
+generator and each weight's position, so the backward replays them (`dropout_mask` gives the mask). fp32
+inputs use IEEE fp32 products (no TF32), which the backends inside PyTorch do not offer on every GPU. Output
+in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen packed [1, (G,) H, ΣMq].
 
 `BwOp` is the matching backward: deterministic (two passes, no atomics), from any forward's output and LSE.
 Neither is in the automatic priority lists yet (pin them with `op=`): their speed on the GPU machine is still
@@ -99,6 +100,15 @@ def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_s
 
 
 @triton.jit
+def _kept(seed, head, rows, cols, Mk, p_drop):
+    """[BLOCK_M, BLOCK_N] dropout keep mask of attention weights (tensor rows and key columns of one batch
+    element, group and head `head`): Philox keyed by seed + head, counter row · Mk + column, so that the
+    forward, the backward and `dropout_mask` draw the same numbers."""
+    offsets = rows.to(tl.int64)[:, None] * Mk + cols[None, :]
+    return tl.rand(seed + head, offsets) >= p_drop
+
+
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """a · b in fp32: IEEE fp32 products for fp32 operands (no TF32), tensor cores for 16-bit ones."""
     if IEEE:
@@ -109,16 +119,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _flash_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
-    G, H, Mq, Mk, K, Kv, qk_scale, window_left, window_right,
+    G, H, Mq, Mk, K, Kv, qk_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
     stride_ob, stride_om, stride_og, stride_oh,
     stride_lb, stride_lg, stride_lh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
-    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_KV: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_bgh = tl.program_id(0), tl.program_id(1)
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
@@ -167,6 +177,9 @@ def _flash_forward_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:  # the row sums keep every weight; the values see the dropped, rescaled ones
+                kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
+                p = tl.where(kept, p / (1.0 - p_drop), 0.0)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
 
@@ -186,7 +199,7 @@ def _flash_forward_kernel(
 def _flash_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
     seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
-    G, H, Mq, Mk, K, Kv, qk_scale, sm_scale, window_left, window_right,
+    G, H, Mq, Mk, K, Kv, qk_scale, sm_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -197,7 +210,7 @@ def _flash_backward_kernel(
     stride_gvb, stride_gvm, stride_gvg, stride_gvh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
     stride_dbb, stride_dbg, stride_dbh, stride_dbm, stride_dbn,
-    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr, VARLEN: tl.constexpr,
     HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
@@ -247,7 +260,11 @@ def _flash_backward_kernel(
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
+                dp = _dot(do, v.T, IEEE)
+                if DROPOUT:
+                    kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
+                    dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
+                ds = p * (dp - delta[:, None])
                 dq += _dot(ds.to(k.dtype), k, IEEE)
                 if BIAS_GRAD:  # dbias = dS, written once per (query, key) by this pass
                     db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
@@ -283,8 +300,14 @@ def _flash_backward_kernel(
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                dv += _dot(p.to(do.dtype).T, do, IEEE)
-                ds = p * (_dot(do, v.T, IEEE) - delta[:, None])
+                dp = _dot(do, v.T, IEEE)
+                p_dropped = p
+                if DROPOUT:
+                    kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
+                    p_dropped = tl.where(kept, p / (1.0 - p_drop), 0.0)
+                    dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
+                dv += _dot(p_dropped.to(do.dtype).T, do, IEEE)
+                ds = p * (dp - delta[:, None])
                 dk += _dot(ds.to(q.dtype).T, q, IEEE)
             dk_base = dk_ptr + batch * stride_gkb + g * stride_gkg + h * stride_gkh
             tl.store(dk_base + (k_start + cols).to(tl.int64)[:, None] * stride_gkm + dk_range[None, :],
@@ -294,6 +317,26 @@ def _flash_backward_kernel(
             tl.store(dv_base + (k_start + cols).to(tl.int64)[:, None] * stride_gvm + dv_range[None, :],
                      dv.to(dv_ptr.dtype.element_ty),
                      mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _dropout_mask_kernel(mask_ptr, seed, G, H, Mq, Mk, p_drop, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kept = _kept(seed, head, rows, cols, Mk, p_drop)
+    ptrs = mask_ptr + (head.to(tl.int64) * Mq + rows.to(tl.int64)[:, None]) * Mk + cols[None, :]
+    tl.store(ptrs, kept, mask=(rows < Mq)[:, None] & (cols < Mk)[None, :])
+
+
+def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: int, p: float, device) -> torch.Tensor:
+    """The keep mask (bool [B, G, H, Mq, Mk], over the tensors' rows and key rows; varlen: B = 1) that the
+    kernels draw for a dropout seed: what tests reproduce the dropped attention with."""
+    mask = torch.empty((batch, groups, heads, mq, mk), dtype=torch.bool, device=device)
+    if mask.numel():
+        grid = (launch.cdiv(mq, 16), launch.cdiv(mk, 16), batch * groups * heads)
+        _dropout_mask_kernel[grid](mask, seed, groups, heads, mq, mk, p, BLOCK_M=16, BLOCK_N=16)
+    return mask
 
 
 def _block_m(q: torch.Tensor, head_block: int, backward: bool = False) -> int:
@@ -345,6 +388,7 @@ class FwOp(AttentionFwOpBase):
     SUPPORTED_DTYPES = _DTYPES
     SUPPORTED_MAX_K = 256
     SUPPORTED_ATTN_BIAS_TYPES = bias_types("None T B01-B14 B18-B20")
+    SUPPORTS_DROPOUT = True
     SUPPORTS_CUSTOM_SCALE = True
     SUPPORTS_DIFFERENT_VALUE_EMBED = True
     SUPPORTS_OUTPUT_DTYPE = True
@@ -363,6 +407,8 @@ class FwOp(AttentionFwOpBase):
         max_q = mq if varlen is None else varlen.max_seqlen_q
         lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
         alignment, window_left, window_right = _alignment(inp.attn_bias)
+        # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync).
+        seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             block_m = _block_m(q, max(block_k, block_kv))
@@ -372,8 +418,9 @@ class FwOp(AttentionFwOpBase):
             _flash_forward_kernel[grid](
                 q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right,
-                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, HAS_BIAS=bias is not None,
+                groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
+                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, DROPOUT=inp.p > 0.0,
+                HAS_BIAS=bias is not None,
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
@@ -386,7 +433,11 @@ class FwOp(AttentionFwOpBase):
             lse.fill_(-math.inf)
         if inp.query.dim() == 4:
             out, lse = out[:, :, 0], lse[:, 0]
-        return out, Context(lse=lse, out=out) if needs_gradient else None
+        if not needs_gradient:
+            return out, None
+        if inp.p > 0.0:  # only this backward replays the dropout
+            return out, Context(lse=lse, out=out, op_bw=BwOp, rng_state=seed)
+        return out, Context(lse=lse, out=out)
 
 
 class BwOp(AttentionBwOpBase):
@@ -404,6 +455,7 @@ class BwOp(AttentionBwOpBase):
     # across programs.
     SUPPORTED_ATTN_BIAS_TYPES = bias_types("None T B01-B14")
     SUPPORTS_ATTN_BIAS_GRAD = True
+    SUPPORTS_DROPOUT = True
     SUPPORTS_CUSTOM_SCALE = True
     SUPPORTS_DIFFERENT_VALUE_EMBED = True
     SUPPORTS_BMGHK = True
@@ -439,8 +491,10 @@ class BwOp(AttentionBwOpBase):
                     q, k, v, do, lse, delta, dq, dk, dv, bias, db_args[0],
                     *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                     groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
-                    window_right, *_strides(q, k, v, do), *lse.stride()[:3], *_strides(dq, dk, dv),
-                    *bias_strides, *db_args[1:], HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass,
+                    window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
+                    *_strides(dq, dk, dv),
+                    *bias_strides, *db_args[1:], DROPOUT=inp.p > 0.0, HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad,
+                    DQ_PASS=dq_pass,
                     VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                     UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
