@@ -3,8 +3,9 @@
 Unlike the reference library's kernel it takes any number of experts, any top_k up to E, and its results are
 deterministic: a token's top-k experts are its k highest scores, ties to the lower expert index (NaN counts as
 the highest score, -0 equals +0), and inside an expert's segment the tokens are in ascending order. The PyTorch
-implementation serves every device; on a GPU a Triton kernel (three launches, no host sync) serves E up to
-_MAX_TRITON_EXPERTS and top_k up to 8.
+implementation serves every device; on a GPU three Triton kernels (no host sync) serve E up to 4096 and top_k
+up to 8: per token block the top-k and a histogram of the experts, then every block's first position in each
+expert's segment, then the placement.
 """
 
 from __future__ import annotations
