@@ -86,6 +86,17 @@ def _query_range(first_col, q_len, k_len, shift, window_left, window_right, BLOC
 
 
 @triton.jit
+def _load_rows(base, first, rows, n, stride, width_range, width, UPCAST: tl.constexpr):
+    """Rows first + rows (those < n) of a [rows, width] operand, zeros elsewhere; fp32 when UPCAST (the Triton
+    interpreter multiplies bf16 dot operands as raw integers)."""
+    x = tl.load(
+        base + (first + rows).to(tl.int64)[:, None] * stride + width_range[None, :],
+        mask=(rows < n)[:, None] & (width_range < width)[None, :], other=0.0,
+    )  # fmt: skip
+    return x.to(tl.float32) if UPCAST else x
+
+
+@triton.jit
 def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS: tl.constexpr,
             IEEE: tl.constexpr):  # fmt: skip
     """scale · q·kᵀ (+ the tensor bias) in log2 units, [BLOCK_M, BLOCK_N]."""
@@ -140,12 +151,7 @@ def _flash_forward_kernel(
         dk = tl.arange(0, BLOCK_K)
         dv = tl.arange(0, BLOCK_KV)
         q_base = q_ptr + tl.cast(batch, tl.int64) * stride_qb + g * stride_qg + h * stride_qh
-        q = tl.load(
-            q_base + (q_start + rows).to(tl.int64)[:, None] * stride_qm + dk[None, :],
-            mask=(rows < q_len)[:, None] & (dk < K)[None, :], other=0.0,
-        )  # fmt: skip
-        if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
-            q = q.to(tl.float32)
+        q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk, K, UPCAST)
         k_base = k_ptr + tl.cast(batch, tl.int64) * stride_kb + g * stride_kg + h * stride_kh
         v_base = v_ptr + tl.cast(batch, tl.int64) * stride_vb + g * stride_vg + h * stride_vh
         bias_base = bias_ptr  # None without a bias
@@ -160,16 +166,8 @@ def _flash_forward_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_KV], dtype=tl.float32)
         for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            k = tl.load(
-                k_base + (k_start + cols).to(tl.int64)[:, None] * stride_km + dk[None, :],
-                mask=(cols < k_len)[:, None] & (dk < K)[None, :], other=0.0,
-            )  # fmt: skip
-            v = tl.load(
-                v_base + (k_start + cols).to(tl.int64)[:, None] * stride_vm + dv[None, :],
-                mask=(cols < k_len)[:, None] & (dv < Kv)[None, :], other=0.0,
-            )  # fmt: skip
-            if UPCAST:
-                k, v = k.to(tl.float32), v.to(tl.float32)
+            k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
+            v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
             s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
             s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -239,24 +237,16 @@ def _flash_backward_kernel(
     if DQ_PASS:
         if pid * BLOCK_M < q_len:
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-            q = tl.load(q_base + (q_start + rows).to(tl.int64)[:, None] * stride_qm + dk_range[None, :],
-                        mask=(rows < q_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
-            do = tl.load(do_base + (q_start + rows).to(tl.int64)[:, None] * stride_om + dv_range[None, :],
-                         mask=(rows < q_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+            q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
+            do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
             lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
-            if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
-                q, do = q.to(tl.float32), do.to(tl.float32)
             lo, hi = _key_range(pid * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
             dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             for start in range(lo, hi, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                k = tl.load(k_base + (k_start + cols).to(tl.int64)[:, None] * stride_km + dk_range[None, :],
-                            mask=(cols < k_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
-                v = tl.load(v_base + (k_start + cols).to(tl.int64)[:, None] * stride_vm + dv_range[None, :],
-                            mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
-                if UPCAST:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
+                k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk_range, K, UPCAST)
+                v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
@@ -278,25 +268,17 @@ def _flash_backward_kernel(
     else:
         if pid * BLOCK_N < k_len:
             cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + (k_start + cols).to(tl.int64)[:, None] * stride_km + dk_range[None, :],
-                        mask=(cols < k_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
-            v = tl.load(v_base + (k_start + cols).to(tl.int64)[:, None] * stride_vm + dv_range[None, :],
-                        mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
-            if UPCAST:
-                k, v = k.to(tl.float32), v.to(tl.float32)
+            k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk_range, K, UPCAST)
+            v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
             lo, hi = _query_range(pid * BLOCK_N, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
             dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_KV], dtype=tl.float32)
             for start in range(lo, hi, BLOCK_M):
                 rows = start + tl.arange(0, BLOCK_M)
-                q = tl.load(q_base + (q_start + rows).to(tl.int64)[:, None] * stride_qm + dk_range[None, :],
-                            mask=(rows < q_len)[:, None] & (dk_range < K)[None, :], other=0.0)  # fmt: skip
-                do = tl.load(do_base + (q_start + rows).to(tl.int64)[:, None] * stride_om + dv_range[None, :],
-                             mask=(rows < q_len)[:, None] & (dv_range < Kv)[None, :], other=0.0)  # fmt: skip
+                q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
+                do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
                 lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
                 delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
-                if UPCAST:
-                    q, do = q.to(tl.float32), do.to(tl.float32)
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
