@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import tile_coordinates
+from mslk.gemm.triton.fp8_gemm import load_k_step, tile_coordinates
 
 GROUP_K = 128  # the groupwise recipe's K granularity
 
@@ -75,12 +75,7 @@ def _fp8_block_scaled_kernel(
     b_scale_ptrs = b_scale_ptr + (safe_cols // B_SCALE_ROWS) * stride_sb_rows  # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
+        a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
         kb = (k * BLOCK_K) // SCALE_K
         a_scale = tl.load(a_scale_ptrs + kb * stride_sa_k)
         b_scale = tl.load(b_scale_ptrs + kb * stride_sb_k)

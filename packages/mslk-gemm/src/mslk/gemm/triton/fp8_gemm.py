@@ -130,6 +130,15 @@ def tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G
 
 
 @triton.jit
+def load_k_step(a_ptrs, b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
+    """One K step's A and B tiles (K-contiguous rows); past the last of K (k_left columns left) zeros, unless
+    EVEN_K says every step is whole."""
+    if EVEN_K:
+        return tl.load(a_ptrs), tl.load(b_ptrs)
+    return tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0), tl.load(b_ptrs, mask=ks[None, :] < k_left, other=0.0)
+
+
+@triton.jit
 def _rowwise_tile(
     tile, batch, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
@@ -149,12 +158,7 @@ def _rowwise_tile(
     b_ptrs += ks[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
-            b = tl.load(b_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
+        a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
         if FAST_ACCUM:
             acc = tl.dot(a, b.T, acc)
         else:  # each block's product is added in fp32 (the tensor cores' FP8 accumulation is narrower)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import quantize_rows
+from mslk.gemm.triton.fp8_gemm import load_k_step, quantize_rows
 
 
 @triton.jit
@@ -53,12 +53,7 @@ def _grouped_gemm_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             k_steps = tl.cdiv(K, BLOCK_K) * (g < G)
             for k in range(k_steps):
-                if EVEN_K:
-                    a = tl.load(x_ptrs)
-                    b = tl.load(w_ptrs)
-                else:
-                    a = tl.load(x_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
-                    b = tl.load(w_ptrs, mask=ks[None, :] < K - k * BLOCK_K, other=0.0)
+                a, b = load_k_step(x_ptrs, w_ptrs, ks, K - k * BLOCK_K, EVEN_K)
                 if UPCAST:  # the Triton interpreter multiplies bf16 operands as raw integers
                     a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = tl.dot(a, b.T, acc)
