@@ -18,6 +18,7 @@ from mslk.attention.fmha import (
     ck_decoder,
     ck_splitk,
     common,
+    cudnn,
     cute_blackwell,
     cute_hopper,
     cutlass,
@@ -267,22 +268,35 @@ def _decoding(b=2, heads=8, mq=1, mk=512, grouped=False):
 def test_priority_lists(monkeypatch):
     fw, ref = dispatch._dispatch_fw_priority_list, torch_reference.FwOp
     inp = fmha.Inputs(*_decoding(mq=40))
-    assert fw(inp, False) == [flash3.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
-    assert dispatch._dispatch_bw_priority_list() == [flash3.BwOp, flash.BwOp, cutlass.BwOp, torch_reference.BwOp]
+    assert fw(inp, False) == [flash3.FwOp, cudnn.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
+    assert dispatch._dispatch_bw_priority_list() == [
+        flash3.BwOp,
+        cudnn.BwOp,
+        flash.BwOp,
+        cutlass.BwOp,
+        torch_reference.BwOp,
+    ]
     decoding = fmha.Inputs(*_decoding())
-    assert fw(decoding, False) == [flash.FwOp, triton_splitk.FwOp, cutlass.FwOp, ref]
+    assert fw(decoding, False) == [flash.FwOp, triton_splitk.FwOp, cudnn.FwOp, cutlass.FwOp, ref]
     assert fw(decoding, True)[0] is flash3.FwOp, "no reordering when the backward follows"
     assert fw(fmha.Inputs(*_decoding(grouped=True)), False)[:2] == [flash.FwOp, triton_splitk.FwOp]
     assert fw(fmha.Inputs(*_decoding(b=8)), False)[0] is flash3.FwOp, "B·H = 64: enough parallelism"
     assert fw(fmha.Inputs(*_decoding(mk=255)), False)[0] is flash3.FwOp
     q, k, v = _decoding(b=1, mq=2)
     padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 256, [100, 256], device="cpu")
-    assert fw(fmha.Inputs(q, k, v, padded), False) == [triton_splitk.FwOp, flash3.FwOp, flash.FwOp, cutlass.FwOp, ref]
+    assert fw(fmha.Inputs(q, k, v, padded), False) == [
+        triton_splitk.FwOp,
+        flash3.FwOp,
+        cudnn.FwOp,
+        flash.FwOp,
+        cutlass.FwOp,
+        ref,
+    ]
     dispatch._set_use_fa3(False)
     try:
         assert not dispatch._get_use_fa3()
-        assert fw(inp, False) == [flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
-        assert dispatch._dispatch_bw_priority_list()[0] is flash.BwOp
+        assert fw(inp, False) == [cudnn.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp, ref]
+        assert dispatch._dispatch_bw_priority_list()[0] is cudnn.BwOp
     finally:
         dispatch._set_use_fa3(True)
     monkeypatch.setattr(arch, "hip_version", lambda: (6, 4))
@@ -297,8 +311,17 @@ def test_priority_lists(monkeypatch):
 
 
 def test_forward_choice_on_faked_gpu(monkeypatch):
+    with fake_gpu(monkeypatch, capability=(8, 0)):
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp, "cudnn: Hopper and newer"
     with fake_gpu(monkeypatch):
-        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is cudnn.FwOp
+        causal = ab.LowerTriangularMask()
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), causal), False) is cudnn.FwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(mk=24), causal), False) is cutlass.FwOp, "Mq != Mk"
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=256)), False) is flash.FwOp, "head dim > 128"
+        local = ab.LowerTriangularFromBottomRightLocalAttentionMask(4)
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), local), False) is flash.FwOp, "window"
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), p=0.1), False) is flash.FwOp, "dropout"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is cutlass.FwOp
         bias = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.float16)
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), bias), False) is cutlass.FwOp
@@ -307,12 +330,29 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash3.FwOp
         dispatch._set_use_fa3(False)
         try:
-            assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp
+            assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is cudnn.FwOp
         finally:
             dispatch._set_use_fa3(True)
     with fake_gpu(monkeypatch, capability=(10, 0)):
         # Blackwell: fp32 has no GPU kernel (cutlass is too new): the reference serves it.
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is torch_reference.FwOp
+
+
+def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
+    """BMHK and BMGHK through PyTorch's fake cuDNN kernels: [B, H, M, K] views in, output, LSE and gradients
+    back in the inputs' layouts."""
+    with fake_gpu(monkeypatch):
+        for heads in ((4,), (2, 3)):
+            q, k, v = cuda_qkv(mq=16, mk=24, heads=heads)
+            inp = fmha.Inputs(q, k, v)
+            out, ctx = cudnn.FwOp.apply(inp, needs_gradient=True)
+            assert out.shape == q.shape and ctx.lse.shape == (2, *heads, 16)
+            grads = cudnn.BwOp.apply(ctx, inp, torch.randn_like(out))
+            assert (grads.dq.shape, grads.dk.shape, grads.dv.shape) == (q.shape, k.shape, v.shape)
+        q, k, v = cuda_qkv()
+        expanded = k[:, :, :1].expand(k.shape)
+        reasons = cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, expanded, expanded))
+        assert any("stride of 0" in reason for reason in reasons)
 
 
 def test_backward_choice_follows_the_lse_layout(monkeypatch):

@@ -419,8 +419,12 @@ def _gpu_case(op_pair, dtype, mask, kv_factor, layout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize(
     "op_pair",
-    [fmha.MemoryEfficientAttentionCutlassOp, fmha.MemoryEfficientAttentionFlashAttentionOp],
-    ids=["cutlass", "flash"],
+    [
+        fmha.MemoryEfficientAttentionCutlassOp,
+        fmha.MemoryEfficientAttentionFlashAttentionOp,
+        fmha.MemoryEfficientAttentionCudnnOp,
+    ],
+    ids=["cutlass", "flash", "cudnn"],
 )
 def test_gpu_kernels_match_reference(op_pair, dtype, mask, kv_factor, layout):
     op_fw, op_bw, q, k, v, mask = _gpu_case(op_pair, dtype, mask, kv_factor, layout)

@@ -1,6 +1,7 @@
 """mslk.attention.fmha (spec §2-§4): memory_efficient_attention, its masks (`attn_bias`), partial attention, and
 the backends that serve them (one module each: `cutlass`, `flash`, `flash3`, `triton_splitk`, `ck`, ... and MSLK's
-float64 `torch_reference`, the CPU path, and `triton_flash`, MSLK's Triton flash-attention forward).
+float64 `torch_reference`, the CPU path, `triton_flash`, MSLK's Triton flash attention, and `cudnn`, the cuDNN
+kernels inside PyTorch).
 
 `merge_attentions` combines partial attentions (`merge`; `merge_training` for their gradients).
 
@@ -22,6 +23,7 @@ from mslk.attention.fmha import (  # noqa: F401  (modules users reach as fmha.<m
     ck,
     ck_decoder,
     ck_splitk,
+    cudnn,
     cute_blackwell,
     cute_hopper,
     cutlass,
@@ -98,10 +100,12 @@ MemoryEfficientAttentionFlyDSLOp = (flydsl.FwOp, flydsl.BwOp)
 MemoryEfficientAttentionCuteFlashAttentionOp = (cute_blackwell.FwOp, cute_blackwell.BwOp)
 MemoryEfficientAttentionReferenceOp = (torch_reference.FwOp, torch_reference.BwOp)
 MemoryEfficientAttentionMslkTritonOp = (triton_flash.FwOp, triton_flash.BwOp)
+MemoryEfficientAttentionCudnnOp = (cudnn.FwOp, cudnn.BwOp)
 
 ALL_FW_OPS: list[type[AttentionFwOpBase]] = [
     ck.FwOp if rocm_build() else cutlass.FwOp,
     cutlass_blackwell.FwOp,
+    cudnn.FwOp,
     flash.FwOp,
     flash_mtia.FwOp,
     flash3.FwOp,
@@ -113,6 +117,7 @@ ALL_FW_OPS: list[type[AttentionFwOpBase]] = [
 ALL_BW_OPS: list[type[AttentionBwOpBase]] = [
     ck.BwOp if rocm_build() else cutlass.BwOp,
     cutlass_blackwell.BwOp,
+    cudnn.BwOp,
     flash.BwOp,
     flash_mtia.BwOp,
     flash3.BwOp,
@@ -478,6 +483,7 @@ __all__ = [
     "LowerTriangularMaskWithTensorBias",
     "MemoryEfficientAttentionCkDecoderOp",
     "MemoryEfficientAttentionCkOp",
+    "MemoryEfficientAttentionCudnnOp",
     "MemoryEfficientAttentionCutlassFwdFlashBwOp",
     "MemoryEfficientAttentionCutlassOp",
     "MemoryEfficientAttentionFlashAttentionOp",

@@ -1,8 +1,10 @@
 """Which backend serves an attention call (spec §4): the first of a priority list that supports the inputs.
 
-Forward, NVIDIA: [flash3 (while FA3 is on), flash, cutlass, triton_splitk]; ROCm: [ck, flydsl, triton_splitk].
+Forward, NVIDIA: [flash3 (while FA3 is on), cudnn, flash, cutlass, triton_splitk]; ROCm: [ck, flydsl,
+triton_splitk]. `cudnn` (MSLK's addition to the spec's lists) takes only dense attention, where it is measured
+fastest on Hopper.
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
-and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, flash, cutlass];
+and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
 ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's reference, which serves any device (the CPU
 path) and so comes last. When nothing fits, NotImplementedError lists the inputs and every backend's reasons; a
 pinned backend that does not fit raises ValueError with its reasons.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import ck, cutlass, flash, flash3, flash_mtia, flydsl, torch_reference, triton_splitk
+from mslk.attention.fmha import ck, cudnn, cutlass, flash, flash3, flash_mtia, flydsl, torch_reference, triton_splitk
 from mslk.attention.fmha.common import (
     AttentionBwOpBase,
     AttentionFwOpBase,
@@ -107,7 +109,7 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
         ops = [ck.FwOp, flydsl.FwOp, triton_splitk.FwOp]
     else:
         ops = [flash3.FwOp] if _get_use_fa3() else []
-        ops += [flash.FwOp, cutlass.FwOp, triton_splitk.FwOp]
+        ops += [cudnn.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp]
     if not needs_gradient and _is_mqa_decoding(inp):
         ops = [triton_splitk.FwOp] + [op for op in ops if op is not triton_splitk.FwOp]
         if not rocm_build() and not isinstance(inp.attn_bias, ab.BlockDiagonalMask):  # flash is fastest then
@@ -129,7 +131,7 @@ def _dispatch_bw_priority_list() -> list[type[AttentionBwOpBase]]:
         ops = [ck.BwOp]  # flydsl.BwOp is left out on purpose (tests pin it)
     else:
         ops = [flash3.BwOp] if _get_use_fa3() else []
-        ops += [flash.BwOp, cutlass.BwOp]
+        ops += [cudnn.BwOp, flash.BwOp, cutlass.BwOp]
     if flash_mtia.BwOp.is_available():
         ops.append(flash_mtia.BwOp)
     return [*ops, torch_reference.BwOp]

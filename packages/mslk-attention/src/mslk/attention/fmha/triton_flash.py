@@ -128,9 +128,49 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _unmasked_key_range(lo, hi, first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):  # fmt: skip
+    """[full_lo, full_hi) inside [lo, hi), on blocks from lo: the key blocks that every query of the block
+    [first_row, first_row + BLOCK_M) sees whole, so their scores need no mask. The last row bounds the left
+    window edge, the first row the right edge (causal: the diagonal)."""
+    last_row = tl.minimum(first_row + BLOCK_M, q_len) - 1
+    seen_by_all = tl.where(window_left >= 0, last_row + shift - window_left, lo)
+    full_lo = tl.minimum(lo + tl.cdiv(tl.maximum(seen_by_all - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    end = tl.minimum(tl.where(window_right >= 0, first_row + shift + window_right + 1, k_len), k_len)
+    return full_lo, tl.maximum(lo + tl.maximum(end - lo, 0) // BLOCK_N * BLOCK_N, full_lo)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_base, v_base, bias_base, start_col, end_col, rows, q_start, q_len, k_start, k_len,
+            stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale, shift, window_left,
+            window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+            IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The online softmax of the forward over the key blocks [start_col, end_col); only MASKED blocks evaluate
+    the mask (the interior of a causal or windowed range is seen whole)."""
+    for start in range(start_col, end_col, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
+        v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
+        s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
+        if MASKED:
+            s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # the row sums keep every weight; the values see the dropped, rescaled ones
+            kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop)
+            p = tl.where(kept, p / (1.0 - p_drop), 0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _flash_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
-    G, H, Mq, Mk, K, Kv, qk_scale, window_left, window_right, seed, p_drop,
+    G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -141,7 +181,8 @@ def _flash_forward_kernel(
     BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_bgh = tl.program_id(0), tl.program_id(1)
+    # The last query blocks, which see the most keys under a causal mask, start first: less tail at the end.
+    pid_m, pid_bgh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
     q_start, q_len, k_start, k_len, batch = _sequence(
         b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
@@ -159,27 +200,24 @@ def _flash_forward_kernel(
             bias_base = bias_ptr + tl.cast(batch, tl.int64) * stride_bb + g * stride_bg + h * stride_bh
 
         shift = k_len - q_len if BOTTOM_RIGHT else 0
-        lo, hi = _key_range(pid_m * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
+        first_row = pid_m * BLOCK_M
+        lo, hi = _key_range(first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
+        full_lo, full_hi = _unmasked_key_range(
+            lo, hi, first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N
+        )
+        head = (batch * G + g) * H + h
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_KV], dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
-            v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
-            s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
-            s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DROPOUT:  # the row sums keep every weight; the values see the dropped, rescaled ones
-                kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
-                p = tl.where(kept, p / (1.0 - p_drop), 0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+        for part in tl.static_range(3):  # masked left edge, unmasked interior, masked right edge
+            start_col = lo if part == 0 else (full_lo if part == 1 else full_hi)
+            end_col = full_lo if part == 0 else (full_hi if part == 1 else hi)
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, k_base, v_base, bias_base, start_col, end_col, rows, q_start, q_len, k_start,
+                k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale, shift, window_left,
+                window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS, IEEE, UPCAST, BLOCK_N,
+            )  # fmt: skip
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -197,7 +235,7 @@ def _flash_forward_kernel(
 def _flash_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
     seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
-    G, H, Mq, Mk, K, Kv, qk_scale, sm_scale, window_left, window_right, seed, p_drop,
+    G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, sm_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -321,14 +359,17 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
     return mask
 
 
-def _block_m(q: torch.Tensor, head_block: int, backward: bool = False) -> int:
-    """Square BLOCK_M x BLOCK_N tiles that (nearly) fit in registers when compiled for SM90 (register use checked
-    offline with the compiler; their speed is still to be measured): forward 64 for 16-bit inputs up to head dim
-    128, 32 above; backward (more live tiles) half that; 16 for the IEEE fp32 products and under the
-    interpreter, which is slow per program."""
+def _tiles(q: torch.Tensor, head_block: int, kind: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"). Small tiles for the
+    IEEE fp32 products and under the interpreter (slow per program; unequal, so that tests cover BLOCK_M !=
+    BLOCK_N); else the fastest of a sweep on the H200 (bf16, B=4 M=4096 H=16 K=128 and K=64 causal, B=2 K=256):
+    forward 128 x 64 on 8 warps (K=128: 429 TFLOP/s without mask, 375 causal); dQ 128 x 64 on 8 warps; dK/dV
+    64 x 64 on 4 warps (larger key blocks spill registers)."""
     if not q.is_cuda or q.dtype == torch.float32:
-        return 16
-    return (64 if head_block <= 128 else 32) // (2 if backward else 1)
+        return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
+    if head_block > 128:
+        return (128, 64, 8, 2) if kind == "fwd" else (32, 32, 4, 2)
+    return {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}[kind]
 
 
 def _bmghk(t: torch.Tensor) -> torch.Tensor:
@@ -393,7 +434,7 @@ class FwOp(AttentionFwOpBase):
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            block_m = _block_m(q, max(block_k, block_kv))
+            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd")
             seqlen_k = None if varlen is None else varlen.seqlen_k
             grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
             bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
@@ -406,8 +447,8 @@ class FwOp(AttentionFwOpBase):
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-                BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block_k, BLOCK_KV=block_kv,
-                num_warps=4, num_stages=2,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
+                num_warps=warps, num_stages=stages,
             )  # fmt: skip
         elif out.numel():
             out.zero_()
@@ -466,10 +507,11 @@ class BwOp(AttentionBwOpBase):
             bias, *bias_strides = _bias_args(given_bias)
             db_args = _bias_args(db)
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            block = _block_m(q, max(block_k, block_kv), backward=True)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             for dq_pass, rows in ((True, max_q), (False, max_k)):
-                _flash_backward_kernel[(launch.cdiv(rows, block), sequences * groups * heads)](
+                block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
+                program_rows = block_m if dq_pass else block_n
+                _flash_backward_kernel[(launch.cdiv(rows, program_rows), sequences * groups * heads)](
                     q, k, v, do, lse, delta, dq, dk, dv, bias, db_args[0],
                     *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                     groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
@@ -480,7 +522,8 @@ class BwOp(AttentionBwOpBase):
                     VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                     UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-                    BLOCK_M=block, BLOCK_N=block, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=4, num_stages=2,
+                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
+                    num_stages=stages,
                 )  # fmt: skip
         if inp.query.dim() == 4:
             dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
