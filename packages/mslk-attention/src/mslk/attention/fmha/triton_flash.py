@@ -11,9 +11,14 @@ generator and each weight's position, so the backward replays them (`dropout_mas
 inputs use IEEE fp32 products (no TF32), which the backends inside PyTorch do not offer on every GPU. Output
 in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen packed [1, (G,) H, ΣMq].
 
+On Hopper the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
+aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
+takes otherwise; the interior key blocks of a causal or windowed range skip the mask.
+
 `BwOp` is the matching backward: deterministic (two passes, no atomics), from any forward's output and LSE.
-Neither is in the automatic priority lists yet (pin them with `op=`): their speed on the GPU machine is still
-to be measured.
+Neither is in the automatic priority lists (pin them with `op=`): on the H200 the forward runs at 0.82-0.89x
+cuDNN on dense attention and beats FlexAttention on sliding windows, but the backward is slower than cuDNN's
+and about as fast as FlashAttention-2's (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from mslk.attention.fmha.common import (
     tensor_bias,
     varlen_args,
 )
-from mslk.core import launch, registry
+from mslk.core import arch, launch, registry
 
 _LOG2E = 1.4426950408889634
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -141,16 +146,22 @@ def _unmasked_key_range(lo, hi, first_row, q_len, k_len, shift, window_left, win
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, bias_base, start_col, end_col, rows, q_start, q_len, k_start, k_len,
-            stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale, shift, window_left,
-            window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-            IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
+            q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale,
+            shift, window_left, window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
     """The online softmax of the forward over the key blocks [start_col, end_col); only MASKED blocks evaluate
-    the mask (the interior of a causal or windowed range is seen whole)."""
+    the mask (the interior of a causal or windowed range is seen whole). TMA: K and V tiles come through tensor
+    descriptors (zeros past the tensor's rows and head dim), which frees the registers of the address math."""
     for start in range(start_col, end_col, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
-        v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
+        if TMA:
+            k = k_desc.load([batch, k_start + start, g, h, 0]).reshape(BLOCK_N, BLOCK_K)
+            v = v_desc.load([batch, k_start + start, g, h, 0]).reshape(BLOCK_N, BLOCK_KV)
+        else:
+            k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
+            v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
         s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
         if MASKED:
             s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
@@ -169,7 +180,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, bias_base, start_col, end_col, row
 
 @triton.jit
 def _flash_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, k_desc, v_desc,
     G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
@@ -178,7 +189,7 @@ def _flash_forward_kernel(
     stride_lb, stride_lg, stride_lh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
     DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr,
-    BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
     # The last query blocks, which see the most keys under a causal mask, start first: less tail at the end.
@@ -214,9 +225,10 @@ def _flash_forward_kernel(
             start_col = lo if part == 0 else (full_lo if part == 1 else full_hi)
             end_col = full_lo if part == 0 else (full_hi if part == 1 else hi)
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, k_base, v_base, bias_base, start_col, end_col, rows, q_start, q_len, k_start,
-                k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale, shift, window_left,
-                window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS, IEEE, UPCAST, BLOCK_N,
+                acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
+                q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk,
+                qk_scale, shift, window_left, window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS, IEEE,
+                UPCAST, TMA, BLOCK_N, BLOCK_K, BLOCK_KV,
             )  # fmt: skip
 
         has_keys = l_i > 0.0
@@ -359,17 +371,43 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
     return mask
 
 
-def _tiles(q: torch.Tensor, head_block: int, kind: str) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"). Small tiles for the
-    IEEE fp32 products and under the interpreter (slow per program; unequal, so that tests cover BLOCK_M !=
-    BLOCK_N); else the fastest of a sweep on the H200 (bf16, B=4 M=4096 H=16 K=128 and K=64 causal, B=2 K=256):
-    forward 128 x 64 on 8 warps (K=128: 429 TFLOP/s without mask, 375 causal); dQ 128 x 64 on 8 warps; dK/dV
-    64 x 64 on 4 warps (larger key blocks spill registers)."""
+def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"; `tma`: the forward
+    reads K/V through tensor descriptors). Small tiles for the IEEE fp32 products and under the interpreter
+    (slow per program; unequal, so that tests cover BLOCK_M != BLOCK_N); else the fastest of sweeps on the H200
+    (bf16, B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md). Larger key blocks spill registers in
+    the backward."""
     if not q.is_cuda or q.dtype == torch.float32:
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
+    if kind == "fwd" and tma:
+        return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
     if head_block > 128:
         return (128, 64, 8, 2) if kind == "fwd" else (32, 32, 4, 2)
     return {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}[kind]
+
+
+def _tma_readable(k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
+    """Whether the forward reads K and V through TMA descriptors: Hopper or newer, 16-bit, 16-byte aligned rows,
+    no stride 0 (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads
+    rows that may hold anything, NaN included, where the pointer path reads zeros)."""
+    if not (k.is_cuda and arch.capability(k.device) >= (9, 0)) or k.element_size() != 2:
+        return False
+    if varlen is not None and varlen.seqlen_k is not None:
+        return False
+    return not any(
+        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16 for t in (k, v)
+    )
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_k: int, block_kv: int) -> tuple:
+    """TMA descriptors of [B, M, G, H, K] K and V, one [BLOCK_N, head dim] tile per load (zeros past the tensor's
+    rows and head dim)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, 1, width])
+        for t, width in ((k, block_k), (v, block_kv))
+    )
 
 
 def _bmghk(t: torch.Tensor) -> torch.Tensor:
@@ -434,19 +472,22 @@ class FwOp(AttentionFwOpBase):
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd")
+            tma = _tma_readable(k, v, varlen)
+            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
             bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
+            descriptors = _kv_descriptors(k, v, block_n, block_k, block_kv) if tma else None
             _flash_forward_kernel[grid](
                 q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
+                *descriptors or (None, None),
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
                 *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, DROPOUT=inp.p > 0.0,
                 HAS_BIAS=bias is not None,
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
-                UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+                UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
                 num_warps=warps, num_stages=stages,
             )  # fmt: skip
