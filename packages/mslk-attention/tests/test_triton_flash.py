@@ -151,8 +151,10 @@ def test_backward_declines_gappy_keys():
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_gpu(bias_id, dtype, head_dim):
+    if dtype == torch.float32 and head_dim == 256:
+        pytest.skip("slow")
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
     _check_backward(q, k, v, bias, {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
 

@@ -105,7 +105,7 @@ def _load_rows(base, first, rows, n, stride, width_range, width, UPCAST: tl.cons
 def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS: tl.constexpr,
             IEEE: tl.constexpr):  # fmt: skip
     """scale · q·kᵀ (+ the tensor bias) in log2 units, [BLOCK_M, BLOCK_N]."""
-    s = _dot(q, k.T, IEEE) * qk_scale
+    s = _dot(q, k.T, None, IEEE) * qk_scale
     if HAS_BIAS:
         bias = tl.load(
             bias_ptr + rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
@@ -125,11 +125,12 @@ def _kept(seed, head, rows, cols, Mk, p_drop):
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a · b in fp32: IEEE fp32 products for fp32 operands (no TF32), tensor cores for 16-bit ones."""
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a · b in fp32 (acc None: zeros), accumulated by the tensor-core instruction itself: IEEE fp32
+    products for fp32 operands (no TF32), tensor cores for 16-bit ones."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
         if DROPOUT:  # the row sums keep every weight; the values see the dropped, rescaled ones
             kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop)
             p = tl.where(kept, p / (1.0 - p_drop), 0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -300,12 +301,12 @@ def _flash_backward_kernel(
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                dp = _dot(do, v.T, IEEE)
+                dp = _dot(do, v.T, None, IEEE)
                 if DROPOUT:
                     kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
                     dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
                 ds = p * (dp - delta[:, None])
-                dq += _dot(ds.to(k.dtype), k, IEEE)
+                dq = _dot(ds.to(k.dtype), k, dq, IEEE)
                 if BIAS_GRAD:  # dbias = dS, written once per (query, key) by this pass
                     db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
                     tl.store(db_base + rows.to(tl.int64)[:, None] * stride_dbm + cols[None, :] * stride_dbn,
@@ -332,15 +333,15 @@ def _flash_backward_kernel(
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                dp = _dot(do, v.T, IEEE)
+                dp = _dot(do, v.T, None, IEEE)
                 p_dropped = p
                 if DROPOUT:
                     kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
                     p_dropped = tl.where(kept, p / (1.0 - p_drop), 0.0)
                     dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
-                dv += _dot(p_dropped.to(do.dtype).T, do, IEEE)
+                dv = _dot(p_dropped.to(do.dtype).T, do, dv, IEEE)
                 ds = p * (dp - delta[:, None])
-                dk += _dot(ds.to(q.dtype).T, q, IEEE)
+                dk = _dot(ds.to(q.dtype).T, q, dk, IEEE)
             dk_base = dk_ptr + batch * stride_gkb + g * stride_gkg + h * stride_gkh
             tl.store(dk_base + (k_start + cols).to(tl.int64)[:, None] * stride_gkm + dk_range[None, :],
                      (dk * sm_scale).to(dk_ptr.dtype.element_ty),
@@ -381,8 +382,8 @@ def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tu
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
     if kind == "fwd" and tma:
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
-    if head_block > 128:
-        return (128, 64, 8, 2) if kind == "fwd" else (32, 32, 4, 2)
+    if head_block > 128:  # backward: 32 x 32 tiles overflow shared memory at head dim 256 under Triton 3.6
+        return (128, 64, 8, 2) if kind == "fwd" else (16, 16, 4, 2)
     return {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}[kind]
 
 
