@@ -9,6 +9,8 @@ export PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 
+# mslk-gemm's native library, built in place (docs/native.md); if it cannot be, `mslk env` and the tests say why.
+python3 -m mslk.gemm.native.build 2>&1 | tee "$OUT/native-build.txt" || true
 python3 -m mslk.core.cli env 2>&1 | tee "$OUT/env.txt"
 python3 -m mslk.core.cli check 2>&1 | tee "$OUT/check.txt"
 # Every test, the `gpu`-marked T2 ones included; Triton kernels compile for the GPU (no interpreter).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Slim install (DESIGN.md §2): build every wheel, install only mslk-core + mslk-gemm in a fresh venv, check
 # that the other domains are absent and say which package to install, run mslk-gemm's CPU tests against
-# the installed wheels, then install and uninstall another domain and check that mslk survives.
+# the installed wheels, then install and uninstall another domain and check that mslk survives. mslk-gemm's wheel
+# carries its native library (CMakeLists.txt); the same package built without it must import and say why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -10,7 +11,8 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 $UV build --all-packages --wheel --out-dir "$WORK/dist" -q
-ls "$WORK/dist"
+$UV build --package mslk-gemm --wheel --out-dir "$WORK/pure" -q -C cmake.define.MSLK_GEMM_NATIVE=OFF
+ls "$WORK/dist" "$WORK/pure"
 $UV venv -q "$WORK/venv"
 PY="$WORK/venv/bin/python"
 install() { $UV pip install -q --python "$PY" "$@"; }
@@ -21,11 +23,12 @@ cd "$WORK"
 "$PY" - <<'PY'
 import importlib.metadata as md
 import mslk, mslk.gemm
-from mslk.core import domains
+from mslk.core import domains, registry
 
 assert "site-packages" in mslk.gemm.__file__, mslk.gemm.__file__
 assert domains.loaded == {"gemm": "mslk.gemm"}, domains.loaded
 assert domains.failed == {}, domains.failed
+assert registry.native_libraries == {"mslk_gemm_cublas": None}, registry.native_libraries
 names = {d.metadata["Name"] for d in md.distributions()}
 assert not names & {"mslk", "mslk-attention", "mslk-quantize", "mslk-moe", "mslk-conv"}, names
 for domain in ("attention", "quantize", "moe", "conv"):
@@ -57,3 +60,16 @@ else:
     raise AssertionError("mslk.quantize still imports after its uninstall")
 print("slim: install + uninstall of mslk-quantize OK; mslk survives")
 PY
+
+# The pure-Python mslk-gemm: imports, reports why its native library is missing, and its CPU tests pass.
+install --reinstall --no-deps "$WORK/pure"/mslk_gemm-*.whl
+"$PY" - <<'PY'
+import mslk, mslk.gemm
+from mslk.core import registry
+
+reason = registry.native_libraries["mslk_gemm_cublas"]
+assert reason is not None and "MSLK_GEMM_NATIVE=OFF" in reason, reason
+print(f"slim: pure-Python mslk-gemm imports; its native library is missing: {reason}")
+PY
+"$PY" -m pytest "$ROOT/packages/mslk-gemm/tests/test_native.py" "$ROOT/packages/mslk-gemm/tests/test_conformance.py" -q \
+    -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" -m "not gpu"

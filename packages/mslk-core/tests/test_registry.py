@@ -67,6 +67,10 @@ def test_backends_in_priority_order_first_supporting_wins(fresh_ops):
     xt = x.t().contiguous().t()
     assert op.select((xt, s), {}).name == "second"
     assert [b.name for b in op.backends] == ["triton", "second", "reference"]
+    op.backend("first", devices=("cpu",), before="triton")(lambda x, s: x.clone())
+    assert [b.name for b in op.backends] == ["first", "triton", "second", "reference"]
+    with pytest.raises(ValueError, match="has no backend 'nope'"):
+        op.backend("third", before="nope")
 
 
 def test_pin_by_argument_and_by_env(fresh_ops, monkeypatch):

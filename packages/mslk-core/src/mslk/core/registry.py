@@ -158,13 +158,16 @@ class Op:
         devices: Sequence[str] = ("cuda",),
         supports: Callable[..., Iterable[str]] | None = None,
         available: Callable[[], str | None] | None = None,
+        before: str | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator registering `impl` as a backend, after those already registered (before reference)."""
+        """Decorator registering `impl` as a backend, after those already registered (before reference), or
+        just ahead of the backend named `before` (a backend that another module adds to an op defined elsewhere)."""
         if any(b.name == name for b in self.backends):
             raise ValueError(f"{self.qualname} already has a backend named {name!r}")
+        position = -1 if before is None else self.backends.index(self.get_backend(before))
 
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
-            self.backends.insert(-1, Backend(name, impl, frozenset(devices), supports, available))
+            self.backends.insert(position, Backend(name, impl, frozenset(devices), supports, available))
             return impl
 
         return register

@@ -227,7 +227,7 @@ def run_opcheck(op: Op, device: Any = "cpu") -> None:
         raise ValueError(f"{op.qualname} declares no samples")
     for sample in op.samples(torch.device(device)):
         tests = _OPCHECK_TESTS
-        if any(_is_fp8(t) for t in (*sample.args, *sample.kwargs.values())):
+        if any(_is_fp8(t) for t in _flat([*sample.args, *sample.kwargs.values()])):
             # test_schema compares the inputs before and after with allclose, which torch lacks for FP8.
             tests = tuple(t for t in tests if t != "test_schema")
         torch.library.opcheck(op.torch_op.default, sample.args, sample.kwargs, test_utils=tests)

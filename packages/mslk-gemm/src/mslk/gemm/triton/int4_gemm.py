@@ -1,0 +1,954 @@
+"""INT4 weight-only GEMMs (spec G-24..G-31, G-56; weight formats §7.4).
+
+    bf16i4bf16_*:      out[m, n] = Σ_k X[m, k] · Wdq[n, k]
+    f8i4bf16_rowwise:  out[m, n] = (Σ_k XQ[m, k] · Wdq[n, k]) · x_scale[m]
+    f8i4bf16_shuffled: out[m, n] = (Σ_k XQ[m, k] · Wdq[n, k]) · x_scale[m] · w_scale[n]
+
+with fp32 sums and bf16 output. The weights are signed int4 q in [-8, 7] in groups of gs along K, dequantized
+as Wdq[n, k] = q[n, k] · scale[k // gs, n] + zero[k // gs, n], or for the FP8 table format as the group's table
+entry for |q| with q's sign (entry m - 1 is e4m3(m · scale)).
+
+Layouts (mslk.quantize.shuffle makes them; this module only reads them): int8 [..., N, K/2], two two's-complement
+nibbles per byte, either plain (pack_int4: byte j holds k = 2j low, 2j + 1 high; the *_rowwise ops) or
+preshuffled (preshuffle_i4: per run of 128 k, byte j holds k = j low, j + 64 high; the *_shuffled ops, K % 128 ==
+0). Scales and zeros are [..., ⌈K/gs⌉, N] (N-major) fp32/bf16/fp16, the FP8 tables [..., ⌈K/gs⌉, 8, N]
+float8_e4m3fn. The group size is not an argument: it is the power of two gs with ⌈K/gs⌉ = groups (the last group
+shorter when K is not a multiple, as MSLK's quantizers make it), else K / groups. So a group size that is not a
+power of two (96, 192) is read right only where no power of two gives as many groups (K = 480 with gs = 96 is,
+K = 192 with gs = 96 reads as gs = 128).
+
+Kernels: one K loop, 128 k per step, serves every op. Each step dequantizes the [BLOCK_N, 128] weight tile in
+registers (never to global memory) and multiplies the activations' [BLOCK_M, 128] tile by it on the tensor
+cores: in bf16, scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8:
+q · scale is exact in fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes
+its bf16 pair in three PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs); elsewhere (ROCm, the
+interpreter) the same arithmetic runs as Triton ops. Small M (decode) splits K over more programs: each writes
+fp32 partial sums to a workspace and a second kernel adds them in split order (deterministic) into bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mslk.core import arch, formats, launch, registry, testing
+from mslk.gemm.triton.fp8_gemm import quantize_rows, tile_coordinates
+
+K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
+_K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TABLE_ENTRIES = 8  # FP8 table: e4m3(m · scale) for m = 1..8
+
+
+# ------------------------------------------------------------------------------------------------ formats
+
+
+@dataclass(frozen=True)
+class Int4Groupwise(formats.ScaleFormat):
+    """Scales of int4 weights packed two per byte [..., N, K/2]: one per `group_size` k and column,
+    [..., ⌈K/gs⌉, N] fp32/bf16/fp16, or with `table` preshuffle_i4's FP8 tables [..., ⌈K/gs⌉, 8, N]."""
+
+    group_size: int
+    table: bool = False
+
+    @property
+    def scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float8_e4m3fn,) if self.table else _SCALE_DTYPES
+
+    @property
+    def name(self) -> str:
+        return f"int4 groupwise({self.group_size}{', FP8 table' if self.table else ''})"
+
+    @property
+    def producer(self) -> str:
+        if self.table:
+            return f'quantize_int4_preshuffle(w, {self.group_size}, dtype="fp8")'
+        return f'int4_row_quantize_zp(w, {self.group_size}) or quantize_int4_preshuffle(w, {self.group_size}, "bf16")'
+
+    def logical_shape(self, data):
+        return (*data.shape[:-1], 2 * data.shape[-1])
+
+    def expected_shape(self, data_shape):
+        if len(data_shape) < 2:
+            raise formats.ScaleFormatError(f"{self.name} scales need weights [..., N, K/2], got shape {data_shape}")
+        *lead, n, k = data_shape
+        return (*lead, launch.cdiv(k, self.group_size), *((_TABLE_ENTRIES,) if self.table else ()), n)
+
+
+def group_size(k: int, groups: int) -> int | None:
+    """The group size of `groups` scale rows for K = k: the power of two g with ⌈k / g⌉ = groups (unique for two
+    groups or more; the last group may be shorter), else k / groups when that divides; None when neither fits
+    (any size for k = groups = 0)."""
+    if k == 0 or groups < 1:
+        return 1 if k == groups == 0 else None
+    size = launch.next_power_of_2(launch.cdiv(k, groups))
+    if launch.cdiv(k, size) == groups:
+        return size
+    return k // groups if k % groups == 0 else None
+
+
+def _check_weights(where: str, W, k: int, lead: tuple, shuffled: bool) -> None:
+    """W int8 [*lead, N, K/2] holding K = k values per row (and K % 128 == 0 when preshuffled)."""
+    if W.dtype != torch.int8 or W.dim() != len(lead) + 2 or tuple(W.shape[:-2]) != lead:
+        shape = ", ".join([*map(str, lead), "N", "K/2"])
+        raise ValueError(
+            f"{where}: W must be int8 packed int4 [{shape}] (two values per byte), got {tuple(W.shape)} {W.dtype}"
+        )
+    if 2 * W.shape[-1] != k:
+        raise ValueError(f"{where}: W {tuple(W.shape)} holds K = {2 * W.shape[-1]} values per row, X has K = {k}")
+    if shuffled and k % K_STEP:
+        raise ValueError(f"{where}: preshuffled weights (preshuffle_i4) need K % {K_STEP} == 0, got K = {k}")
+
+
+def _check_group_scales(where: str, W, k: int, scale, zero=None, table: bool = False) -> None:
+    """The group size the scales imply (ScaleFormatError when none fits), then their format, zeros alike."""
+    rows_dim = -3 if table else -2
+    groups = scale.shape[rows_dim] if scale.dim() >= -rows_dim else -1
+    size = group_size(k, groups)
+    if size is None:
+        raise formats.ScaleFormatError(
+            f"{where}: scales of shape {tuple(scale.shape)} give {groups} groups for K = {k}, which no group size "
+            f"does (expected [..., ⌈K/group_size⌉, {'8, ' if table else ''}N])"
+        )
+    fmt = Int4Groupwise(size, table)
+    fmt.check(W, scale, role=f"{where}: {'w_scale_group' if table else 'scale'}")
+    if zero is not None:
+        fmt.check(W, zero, role=f"{where}: zero")
+        if zero.dtype != scale.dtype:
+            raise formats.ScaleFormatError(f"{where}: zero {zero.dtype} and scale {scale.dtype} must have one dtype")
+
+
+def _check_devices(where: str, *tensors) -> None:
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{where}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+
+
+def _check_bf16_x(where: str, X, dims: int | None) -> None:
+    if X.dtype != torch.bfloat16 or (X.dim() != dims if dims else X.dim() < 2):
+        shape = "[B, M, K]" if dims == 3 else "[..., M, K]" if dims is None else "[ΣM, K]"
+        raise ValueError(f"{where}: X must be bfloat16 {shape}, got {tuple(X.shape)} {X.dtype}")
+
+
+def _check_m_sizes(where: str, M_sizes, groups: int) -> None:
+    if M_sizes.dim() != 1 or M_sizes.dtype not in (torch.int32, torch.int64) or M_sizes.shape[0] != groups:
+        raise ValueError(
+            f"{where}: M_sizes must be int32/int64 [G] = [{groups}], got {tuple(M_sizes.shape)} {M_sizes.dtype}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+
+def unpack_int4(W: torch.Tensor, shuffled: bool) -> torch.Tensor:
+    """The int4 values int8 [..., N, K] in [-8, 7] of weights packed [..., N, K/2], plain or preshuffled."""
+    low, high = (W << 4) >> 4, W >> 4  # arithmetic shifts sign-extend each nibble
+    if shuffled:
+        half = K_STEP // 2
+        return torch.stack((low.unflatten(-1, (-1, half)), high.unflatten(-1, (-1, half))), -2).flatten(-3)
+    return torch.stack((low, high), -1).flatten(-2)
+
+
+def _per_k(rows: torch.Tensor, k: int, size: int) -> torch.Tensor:
+    """Group rows [..., G, N] as one row per k, transposed: [..., N, K] fp32."""
+    return rows.float().repeat_interleave(size, -2)[..., :k, :].transpose(-1, -2)
+
+
+def dequantize_int4(W, scale, zero=None, *, shuffled: bool) -> torch.Tensor:
+    """fp32 [..., N, K]: q · scale + zero per group (zero=None: q · scale)."""
+    q = unpack_int4(W, shuffled).float()
+    k = q.shape[-1]
+    size = group_size(k, scale.shape[-2])
+    w = q * _per_k(scale, k, size)
+    return w if zero is None else w + _per_k(zero, k, size)
+
+
+def dequantize_int4_table(W, table) -> torch.Tensor:
+    """fp32 [..., N, K] of preshuffled weights with FP8 tables [..., G, 8, N]: the entry for |q|, with q's sign."""
+    q = unpack_int4(W, shuffled=True)
+    k = q.shape[-1]
+    size = group_size(k, table.shape[-3])
+    w = torch.zeros(q.shape, dtype=torch.float32, device=W.device)
+    for m in range(1, _TABLE_ENTRIES + 1):
+        w = torch.where(q.abs() == m, q.sign() * _per_k(table[..., m - 1, :], k, size), w)
+    return w
+
+
+def _matmul_reference(X, w, x_scale=None, w_scale=None) -> torch.Tensor:
+    """bf16 of fp32 X · wᵀ (w [..., N, K] dequantized), times the rowwise scales when given."""
+    out = torch.matmul(X.float(), w.transpose(-1, -2))
+    if x_scale is not None:
+        out = out * x_scale.float().reshape(*X.shape[:-1], 1)
+    if w_scale is not None:
+        out = out * w_scale.float()
+    return out.to(torch.bfloat16)
+
+
+def _grouped_reference(X, w, M_sizes, x_scale=None, w_scale=None) -> torch.Tensor:
+    """Per-group _matmul_reference (reads M_sizes on the host); rows past ΣM_sizes are zero."""
+    out = torch.zeros(X.shape[0], w.shape[-2], dtype=torch.bfloat16, device=X.device)
+    start = 0
+    for g, m in enumerate(M_sizes.tolist()):
+        rows = slice(start, start + m)
+        out[rows] = _matmul_reference(
+            X[rows], w[g], None if x_scale is None else x_scale[rows], None if w_scale is None else w_scale[g]
+        )
+        start += m
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+# A bf16 pair (int32) of q · s + z for the nibbles at bits 0-3 and 16-19 of $1 (other bits ignored): the magic
+# 0x4300 | (nibble ^ 8) is the bf16 136 + q, an exact FMA takes 136 off, then one FMA by ($2, $3) = bf16x2 (s, z).
+_DEQUANT_PTX = tl.constexpr("""{
+.reg .b32 v, one, bias;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+lop3.b32 v, $1, 0x000F000F, 0x43084308, 0x6a;
+fma.rn.bf16x2 v, v, one, bias;
+fma.rn.bf16x2 $0, v, $2, $3;
+}""")
+
+
+@triton.jit
+def _bf16x2(v):
+    """bf16 values as int32 bf16x2 registers holding the value in both halves."""
+    bits = v.to(tl.int16, bitcast=True).to(tl.uint16, bitcast=True).to(tl.int32)
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr):
+    """q · s + z rounded to bf16 for the signed nibbles at bits 0-3 (k = 2j) and 16-19 (k = 2j + 1) of each int32
+    of t [BN, S, W] (other bits ignored), s and z bf16 [BN, S, 1] -> [BN, 2·S·W] in k order; fp32 when UPCAST
+    (the interpreter multiplies bf16 dot operands as raw integers)."""
+    rows: tl.constexpr = t.shape[0]
+    width: tl.constexpr = 2 * t.shape[1] * t.shape[2]
+    if ASM:
+        pairs = tl.inline_asm_elementwise(
+            _DEQUANT_PTX, "=r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32, is_pure=True, pack=1
+        )
+        halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))
+        w = halves.reshape(rows, width).to(tl.bfloat16, bitcast=True)
+    else:
+        biased = (t & 0x000F000F) ^ 0x43084308  # the same magic numbers: the bf16 136 + q in each half
+        halves = tl.join(biased.to(tl.int16), (biased >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+        q = halves.to(tl.float32) - 136.0
+        w = (q * s.to(tl.float32)[:, :, :, None] + z.to(tl.float32)[:, :, :, None]).to(tl.bfloat16)
+        w = w.reshape(rows, width)
+        if UPCAST:
+            w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _dequant_fp8(t, scale):
+    """e4m3(q · scale) [BN, S·W] for the signed nibble at bits 0-3 of t [BN, S, W], scale fp32 [BN, S, 1]: the
+    table entry for |q| with q's sign, since q · scale is exact in fp32 and both round to nearest even."""
+    q = ((t & 0xF) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + q + 8) - (2^23 + 8)
+    return (q * scale).to(tl.float8e4nv).reshape(t.shape[0], t.shape[1] * t.shape[2])
+
+
+@triton.jit
+def _group_rows(ptr, k, stride_g, cols, N, groups, SPAN: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr):
+    """Group rows of the KSUB-wide sub-blocks of the SPAN k from k, for the tile's columns: [BN, SPAN / KSUB, 1],
+    zero past N and past the last group. The columns stay unclamped (masked) so that the loads vectorize along N."""
+    g = (k + tl.arange(0, SPAN // KSUB) * KSUB) // GROUP_SIZE
+    mask = (cols < N)[:, None] & (g < groups)[None, :]
+    return tl.load(ptr + g[None, :] * stride_g + cols[:, None], mask=mask, other=0.0)[:, :, None]
+
+
+@triton.jit
+def _load_masked(ptrs, row_mask, col_mask):
+    """ptrs [R, C] loaded where row_mask [R, 1] and col_mask [1, C] allow (None: everywhere), zeros elsewhere."""
+    if row_mask is None:
+        if col_mask is None:
+            v = tl.load(ptrs)
+        else:
+            v = tl.load(ptrs, mask=col_mask, other=0.0)
+    elif col_mask is None:
+        v = tl.load(ptrs, mask=row_mask, other=0.0)
+    else:
+        v = tl.load(ptrs, mask=row_mask & col_mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _activations(x, TABLE: tl.constexpr, UPCAST: tl.constexpr):
+    """The dot operand of an activation tile: FP8 as it is for the table format's FP8 dot, else bf16 (FP8 widened
+    exactly), fp32 under the interpreter."""
+    if TABLE:
+        operand = x
+    elif UPCAST:
+        operand = x.to(tl.float32)
+    else:
+        operand = x.to(tl.bfloat16)
+    return operand
+
+
+@triton.jit
+def _int4_k_loop(
+    acc, x_ptr, w_ptr, s_ptr, z_ptr, stride_xm, stride_wn, stride_sg, x_rows, x_mask, cols, N, K, groups, first_step,
+    steps, SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
+):  # fmt: skip
+    """acc [BM, BN] += X[x_rows, k] · Wdq[cols, k]ᵀ over the K steps [first_step, first_step + steps). Rows where
+    x_mask [BM, 1] is false are not read (None: all are); columns past N read row 0 and are never stored.
+
+    Plain weights: one dot per step, a byte per pair (k, k + 1). Preshuffled: one dot per half step of 64 k, both
+    halves from the low and high nibbles of the same 64 bytes (w_ptr addresses int16 words for bf16, whose two
+    bytes give the bf16 pairs (k, k + 1) and (k + 64, k + 65); bytes for the FP8 table). A dot's k are cut into
+    sub-blocks of KSUB that lie in one group each (KSUB divides the group size)."""
+    HALF: tl.constexpr = _K_STEP // 2
+    SPAN: tl.constexpr = HALF if SHUFFLED else _K_STEP  # k per dot
+    sub = tl.arange(0, SPAN // KSUB)[None, :, None]
+    x_row_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    w_row_ptrs = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1]
+    # Group rows go one step ahead in registers: too narrow for the shared-memory pipeline, they would stall it.
+    k = first_step * _K_STEP
+    s_lo = _group_rows(s_ptr, k, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    if not TABLE:
+        z_lo = _group_rows(z_ptr, k, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    if SHUFFLED:
+        s_hi = _group_rows(s_ptr, k + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+        if not TABLE:
+            z_hi = _group_rows(z_ptr, k + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    for step in range(first_step, first_step + steps):  # software-pipelined with the launch's num_stages
+        k0 = step * _K_STEP
+        if SHUFFLED:  # K % 128 == 0: no masks
+            ks = k0 + tl.arange(0, HALF)[None, :]
+            x_lo = _activations(_load_masked(x_row_ptrs + ks, x_mask, None), TABLE, UPCAST)
+            x_hi = _activations(_load_masked(x_row_ptrs + HALF + ks, x_mask, None), TABLE, UPCAST)
+            if TABLE:  # bytes [BN, sub-blocks, KSUB]
+                t = tl.load(w_row_ptrs + k0 // 2 + sub * KSUB + tl.arange(0, KSUB)[None, None, :])
+                t = t.to(tl.uint8, bitcast=True).to(tl.int32)
+                w_lo, w_hi = _dequant_fp8(t, s_lo.to(tl.float32)), _dequant_fp8(t >> 4, s_hi.to(tl.float32))
+            else:  # words [BN, sub-blocks, KSUB/2]; bytes 0 and 1 to bits 0 and 16 align both nibble pairs
+                t = tl.load(w_row_ptrs + k0 // 4 + sub * (KSUB // 2) + tl.arange(0, KSUB // 2)[None, None, :])
+                t = t.to(tl.uint16, bitcast=True).to(tl.int32)
+                t = (t | (t << 8)) & 0x00FF00FF
+                w_lo = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
+                w_hi = _dequant_pairs(t >> 4, s_hi.to(tl.bfloat16), z_hi.to(tl.bfloat16), ASM, UPCAST)
+            acc = tl.dot(x_lo, w_lo.T, acc)
+            acc = tl.dot(x_hi, w_hi.T, acc)
+            s_hi = _group_rows(s_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+            if not TABLE:
+                z_hi = _group_rows(z_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+        else:  # plain bytes [BN, sub-blocks, KSUB/2]
+            byte = k0 // 2 + sub * (KSUB // 2) + tl.arange(0, KSUB // 2)[None, None, :]
+            ks = k0 + tl.arange(0, _K_STEP)[None, :]
+            if EVEN_K:
+                b = tl.load(w_row_ptrs + byte)
+                x = _load_masked(x_row_ptrs + ks, x_mask, None)
+            else:  # past K: zero activations (and finite weights)
+                b = tl.load(w_row_ptrs + byte, mask=byte < K // 2, other=0)
+                x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
+            t = b.to(tl.uint8, bitcast=True).to(tl.int32) * 0x1001  # low nibble to bits 0-3, high to 16-19
+            w = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
+            acc = tl.dot(_activations(x, False, UPCAST), w.T, acc)
+        s_lo = _group_rows(s_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+        if not TABLE:
+            z_lo = _group_rows(z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    return acc
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, x_scale_ptr, w_scale_ptr,
+    M, N, K, groups, steps_per_split,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_cs, stride_cb, stride_cm,
+    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    KSUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
+    SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
+    past M are not read (decode tiles are mostly such rows), else they read row 0 (no masks in the loop)."""
+    tile, split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASK_ROWS:
+        x_rows, x_mask = rows, (rows < M)[:, None]
+    else:
+        x_rows, x_mask = tl.where(rows < M, rows, 0), None
+    first = split * steps_per_split
+    steps = tl.minimum(steps_per_split, tl.cdiv(K, _K_STEP) - first)
+    b64 = batch.to(tl.int64)
+    acc = _int4_k_loop(
+        tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb,
+        s_ptr + b64 * stride_sb, z_ptr + b64 * stride_sb, stride_xm, stride_wn, stride_sg, x_rows, x_mask, cols, N, K,
+        groups, first, steps, SHUFFLED, TABLE, ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB,
+    )  # fmt: skip
+    if not SPLIT:
+        if X_SCALE:
+            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        if W_SCALE:
+            acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + b64 * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+    tl.store(c_ptrs + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    ws_ptr, out_ptr, row_scale_ptr, col_scale_ptr, scalar_ptr, scalar, R, N, SPLITS,
+    ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, SCALAR_PTR: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """out[r, n] = (Σ_s ws[s, r, n]) · row_scale[r] · col_scale[n] · scalar (· scalar_ptr[0]), for the
+    workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs), added in split
+    order in its own dtype: deterministic. out [R, N] contiguous."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ws_ptr.dtype.element_ty)
+    for s in range(SPLITS):
+        acc += tl.load(ws_ptr + tl.cast(s, tl.int64) * R * N + offsets, mask=mask, other=0)
+    out = acc.to(tl.float32) * scalar
+    if ROW_SCALE:
+        out *= tl.load(row_scale_ptr + rows, mask=rows < R, other=0.0)[:, None]
+    if COL_SCALE:
+        out *= tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    if SCALAR_PTR:
+        out *= tl.load(scalar_ptr)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_tensor=None) -> torch.Tensor:
+    """out [R, N] (contiguous) from the split-K workspace ws [splits, R, N]; see splitk_reduce_kernel."""
+    splits, r, n = ws.shape
+    grid = (launch.cdiv(r, 8), launch.cdiv(n, 256))
+    splitk_reduce_kernel[grid](
+        ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, splits, ROW_SCALE=row_scale is not None,
+        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, BLOCK_R=8, BLOCK_N=256, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _int4_grouped_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K, groups,
+    stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
+    TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
+    persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
+    rows past ΣM_sizes come out zero."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_row = 0  # of the current group in X and out
+    first_tile = 0  # of the current group in the concatenated tile list
+    for g in range(G + 1):  # the groups, then the rows past their sum (zeros)
+        if g < G:  # clamped, so that sizes summing past X's rows never read outside it
+            m = tl.minimum(tl.maximum(tl.load(m_sizes_ptr + g).to(tl.int32), 0), TOTAL_M - first_row)
+        else:
+            m = TOTAL_M - first_row
+        tiles = tl.cdiv(m, BLOCK_M) * tiles_n
+        tile = (pid - first_tile % programs + programs) % programs
+        g64 = tl.cast(g, tl.int64)
+        while tile < tiles:
+            pid_m, pid_n = tile // tiles_n, tile % tiles_n
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _int4_k_loop(
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg,
+                s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
+                (rows < m)[:, None], cols, N, K, groups, 0, tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST,
+                True, GROUP_SIZE, KSUB,
+            )  # fmt: skip
+            if TABLE:
+                if g < G:
+                    acc *= tl.load(x_scale_ptr + first_row + rows, mask=rows < m, other=0.0)[:, None]
+                    acc *= tl.load(w_scale_ptr + g64 * stride_wsg + cols, mask=cols < N, other=0.0)[None, :]
+            out_ptrs = out_ptr + (first_row + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & (cols < N)[None, :])
+            tile += programs
+        first_row += m
+        first_tile += tiles
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+
+def _sub_block(size: int, shuffled: bool) -> int | None:
+    """k per scale sub-block of a dot: the largest power of two dividing the group size, at most the k of a dot
+    (64 preshuffled, 128 plain); None below 16."""
+    ksub = min(size & -size, K_STEP // 2 if shuffled else K_STEP)
+    return ksub if ksub >= 16 else None
+
+
+@functools.cache
+def _config(m: int, n: int, k: int, batches: int, sms: int, x_bytes: int, upcast_x: bool) -> dict:
+    """Tiles by shape class for Hopper (offline sm_90 compiles: registers, shared memory; not yet timed).
+
+    Decode (M <= 64) streams the weights: 64 x 64 tiles (wgmma's smallest M; the rows past M are not loaded), two
+    programs per SM by shared memory, and K split until they fill the SMs in one wave. Larger M: the dequantization
+    per flop falls as 1 / BLOCK_M, so 256 x 128 tiles with 2 stages of (256 · 128 · 2 + 128 · 64) B (3 with FP8
+    activations); 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill)."""
+    steps = launch.cdiv(k, K_STEP)
+    if m <= 64:
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    elif m <= 256 or upcast_x:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    else:
+        cfg = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2 if x_bytes == 2 else 3}
+    tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
+    splits = max(1, min((2 * sms) // tiles, steps // 8))  # one wave of two programs per SM, >= 1024 k each
+    per_split = launch.cdiv(steps, splits)
+    return {**cfg, "splits": launch.cdiv(steps, per_split), "steps_per_split": per_split}
+
+
+def _device_flags(t: torch.Tensor) -> dict:
+    """ASM: NVIDIA PTX for the dequantization; UPCAST: fp32 dot operands under the interpreter."""
+    return {"ASM": t.is_cuda and torch.version.hip is None, "UPCAST": not t.is_cuda}
+
+
+def _programs(device: torch.device) -> int:
+    return arch.sm_count(device) if device.type == "cuda" else 4  # 4: a few programs under the interpreter
+
+
+def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _weights_view(W: torch.Tensor, shuffled: bool, table: bool) -> torch.Tensor:
+    """Packed weights as the kernel addresses them: bytes, or int16 words for the preshuffled bf16 format."""
+    W = W.contiguous()
+    return W.view(torch.int16) if shuffled and not table else W
+
+
+def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_scale=None):
+    """out [B, M, N] bf16 of X [B, M, K] (bf16 or FP8, K-contiguous rows) and packed weights W [B, N, K/2] with
+    group scales [B, G, N] (tables [B, G, 8, N]) and zeros; x_scale [M] and w_scale [N] for the FP8 forms (B = 1)."""
+    batches, m, k = X.shape
+    n = W.shape[-2]
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    groups = scale.shape[-3] if table else scale.shape[-2]
+    size = group_size(k, groups)
+    cfg = dict(_config(m, n, k, batches, _programs(X.device), X.element_size(), X.element_size() == 1 and not table))
+    splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
+    w = _weights_view(W, shuffled, table)
+    zero = scale if zero is None else zero  # the table format has none: any pointer, never read
+    split = splits > 1
+    c = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device) if split else out
+    c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
+    grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
+    _int4_gemm_kernel[grid](
+        X, w, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
+        X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
+        *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
+        SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
+        KSUB=_sub_block(size, shuffled), **_device_flags(X), **cfg,
+    )  # fmt: skip
+    if split:
+        splitk_reduce(c.view(splits, batches * m, n), out.view(batches * m, n), x_scale, w_scale)
+    return out
+
+
+def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, w_scale=None):
+    """out [ΣM, N] bf16 of X [ΣM, K] and preshuffled W [G, N, K/2] with scales [G, Gk, N] (tables
+    [G, Gk, 8, N]) and zeros; x_scale [ΣM] and w_scale [G, N] for the FP8 table format."""
+    total, k = X.shape
+    n = W.shape[1]
+    if out.numel() == 0:
+        return out
+    groups = scale.shape[-3] if table else scale.shape[-2]
+    size = group_size(k, groups)
+    # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
+    block_m = block_n = 64 if total <= 64 * W.shape[0] else 128
+    tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)
+    programs = max(1, min(_programs(X.device), tiles_upper_bound))
+    w = _weights_view(W, True, table)
+    zero = scale if zero is None else zero  # the table format has none: any pointer, never read
+    _int4_grouped_kernel[(programs,)](
+        X, w, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
+        w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
+        0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8, num_stages=4, **_device_flags(X),
+    )  # fmt: skip
+    return out
+
+
+def _supports(k: int, groups: int) -> list[str]:
+    size = group_size(k, groups)
+    if size is not None and _sub_block(size, True) is None:
+        return [f"group size {size}: the Triton kernel needs group sizes that are multiples of 16"]
+    return []
+
+
+# ------------------------------------------------------------------------------------------- test inputs
+
+
+def random_int4(*shape: int, device="cpu") -> torch.Tensor:
+    """Random packed int4 weights int8 [..., N, K/2] for shape [..., N, K]: every byte is two valid int4 values, in
+    either layout (samples, tests and benches; mslk-gemm works without mslk.quantize)."""
+    *lead, k = shape
+    return torch.randint(-128, 128, (*lead, k // 2), dtype=torch.int8, device=device)
+
+
+def random_group_scales(*shape: int, group_size: int, dtype=torch.bfloat16, device="cpu"):
+    """Positive scales and random zeros [..., ⌈K/gs⌉, N] for weights of shape [..., N, K], such that the
+    dequantized weights are about unit-sized."""
+    *lead, n, k = shape
+    rows = (*lead, launch.cdiv(k, group_size), n)
+    scale = (torch.rand(rows, device=device) * 0.2 + 0.1).to(dtype)
+    return scale, testing.randn(*rows, device=device, std=0.5).to(dtype)
+
+
+def fp8_table(group_scale: torch.Tensor) -> torch.Tensor:
+    """preshuffle_i4's table [..., G, 8, N] for float8_e4m3fn group scales [..., G, N]: e4m3(m · scale), m = 1..8."""
+    magnitudes = torch.arange(1, _TABLE_ENTRIES + 1, dtype=torch.float32, device=group_scale.device)
+    return (group_scale.float().unsqueeze(-2) * magnitudes[:, None]).to(torch.float8_e4m3fn)
+
+
+def random_fp8_table(*shape: int, group_size: int, device="cpu") -> torch.Tensor:
+    """A table [..., ⌈K/gs⌉, 8, N] of random e4m3 group scales for weights [..., N, K] (8 · scale <= 448)."""
+    *lead, n, k = shape
+    scale = (torch.rand(*lead, launch.cdiv(k, group_size), n, device=device) * 0.04 + 0.01).to(torch.float8_e4m3fn)
+    return fp8_table(scale)
+
+
+# -------------------------------------------------------------------------- bf16 activations (plain, preshuffled)
+
+
+def _bf16_op(name: str, *, shuffled: bool, batched: bool, samples) -> registry.Op:
+    """bf16i4bf16_{rowwise,shuffled}{,_batched}: one schema, validation and Triton backend per layout and form."""
+    where = name
+    dims = 3 if batched else None
+
+    def validate(X, W, w_scale_group, w_zero_group):
+        _check_bf16_x(where, X, dims)
+        _check_weights(where, W, X.shape[-1], (X.shape[0],) if batched else (), shuffled)
+        _check_group_scales(where, W, X.shape[-1], w_scale_group, w_zero_group)
+        _check_devices(where, X, W, w_scale_group, w_zero_group)
+
+    def reference(X, W, w_scale_group, w_zero_group):
+        return _matmul_reference(X, dequantize_int4(W, w_scale_group, w_zero_group, shuffled=shuffled))
+
+    def fake(X, W, w_scale_group, w_zero_group):
+        return X.new_empty((*X.shape[:-1], W.shape[-2]))
+
+    args = "Tensor X, Tensor WQ, Tensor w_scale, Tensor w_zp" if batched else (
+        "Tensor X, Tensor W, Tensor w_scale_group, Tensor w_zero_group"
+    )  # fmt: skip
+    op = registry.Op(
+        f"mslk::{name}({args}) -> Tensor",
+        domain="gemm",
+        reference=reference,
+        fake=fake,
+        samples=samples,
+        validate=validate,
+        tolerance=1e-2,
+    )
+
+    @op.backend(
+        "triton",
+        available=registry.triton_missing,
+        supports=lambda X, W, scale, zero: _supports(X.shape[-1], scale.shape[-2]),
+    )
+    def _triton(X, W, w_scale_group, w_zero_group):
+        out = torch.empty((*X.shape[:-1], W.shape[-2]), dtype=torch.bfloat16, device=X.device)
+        x = _k_contiguous(X if batched else X.reshape(1, -1, X.shape[-1]))
+        w, scale, zero = (t if batched else t[None] for t in (W, w_scale_group, w_zero_group))
+        _run_int4(x, w, scale.contiguous(), zero.contiguous(), out.view(x.shape[0], x.shape[1], -1), shuffled=shuffled)
+        return out
+
+    return op
+
+
+def _bf16_samples(shuffled: bool, batched: bool):
+    def samples(device):
+        cases = ((37, 40, 256, 64), (5, 24, 384, 128)) if shuffled else ((37, 40, 200, 64), (5, 24, 96, 32))
+        for m, n, k, gs in cases:
+            lead = (2,) if batched else ()
+            x = testing.randn(*lead, m, k, dtype=torch.bfloat16, device=device)
+            scale, zero = random_group_scales(*lead, n, k, group_size=gs, device=device)
+            yield registry.Sample((x, random_int4(*lead, n, k, device=device), scale, zero))
+
+    return samples
+
+
+bf16i4bf16_rowwise_op = _bf16_op(
+    "bf16i4bf16_rowwise", shuffled=False, batched=False, samples=_bf16_samples(False, False)
+)
+bf16i4bf16_rowwise_batched_op = _bf16_op(
+    "bf16i4bf16_rowwise_batched", shuffled=False, batched=True, samples=_bf16_samples(False, True)
+)
+bf16i4bf16_shuffled_op = _bf16_op(
+    "bf16i4bf16_shuffled", shuffled=True, batched=False, samples=_bf16_samples(True, False)
+)
+bf16i4bf16_shuffled_batched_op = _bf16_op(
+    "bf16i4bf16_shuffled_batched", shuffled=True, batched=True, samples=_bf16_samples(True, True)
+)
+
+
+def bf16i4bf16_rowwise(X, W, w_scale_group, w_zero_group) -> torch.Tensor:
+    """bf16 [..., M, N] = X · Wdqᵀ (spec G-24): X bf16 [..., M, K]; W int4 packed plain int8 [N, K/2]
+    (pack_int4); scale and zero [⌈K/gs⌉, N] fp32/bf16/fp16 (int4_row_quantize_zp): Wdq = q · scale + zero."""
+    return torch.ops.mslk.bf16i4bf16_rowwise(X, W, w_scale_group, w_zero_group)
+
+
+def bf16i4bf16_rowwise_batched(X, WQ, w_scale, w_zp) -> torch.Tensor:
+    """Batched bf16i4bf16_rowwise (spec G-25): X [B, M, K], WQ [B, N, K/2], scales and zeros [B, ⌈K/gs⌉, N]."""
+    return torch.ops.mslk.bf16i4bf16_rowwise_batched(X, WQ, w_scale, w_zp)
+
+
+def bf16i4bf16_shuffled(X, W, w_scale_group, w_zero_group) -> torch.Tensor:
+    """bf16i4bf16_rowwise with preshuffled weights (spec G-26): quantize_int4_preshuffle(w, gs, "bf16") gives
+    (W, (scale, zero)); K % 128 == 0."""
+    return torch.ops.mslk.bf16i4bf16_shuffled(X, W, w_scale_group, w_zero_group)
+
+
+def bf16i4bf16_shuffled_batched(X, WQ, w_scale, w_zp) -> torch.Tensor:
+    """Batched bf16i4bf16_shuffled (spec G-27): X [B, M, K], WQ [B, N, K/2], scales and zeros [B, K/gs, N]."""
+    return torch.ops.mslk.bf16i4bf16_shuffled_batched(X, WQ, w_scale, w_zp)
+
+
+def matmul_bf16i4_rowwise(X, W, w_scale_group, w_zero_group) -> torch.Tensor:
+    """The reference library's Triton entry (spec G-56): bf16i4bf16_rowwise."""
+    return bf16i4bf16_rowwise(X, W, w_scale_group, w_zero_group)
+
+
+def matmul_bf16i4_rowwise_batched(X, W, w_scale, w_zp) -> torch.Tensor:
+    """The reference library's Triton entry (spec G-56): bf16i4bf16_rowwise_batched."""
+    return bf16i4bf16_rowwise_batched(X, W, w_scale, w_zp)
+
+
+# ------------------------------------------------------------------------------------------------ grouped bf16
+
+
+def _validate_bf16_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes):
+    where = "bf16i4bf16_shuffled_grouped"
+    _check_bf16_x(where, X, 2)
+    if WQ.dim() != 3:
+        raise ValueError(f"{where}: WQ must be int8 packed int4 [G, N, K/2], got {tuple(WQ.shape)} {WQ.dtype}")
+    _check_weights(where, WQ, X.shape[-1], (WQ.shape[0],), True)
+    _check_group_scales(where, WQ, X.shape[-1], w_scale_group, w_zero_group)
+    _check_m_sizes(where, M_sizes, WQ.shape[0])
+    _check_devices(where, X, WQ, w_scale_group, w_zero_group, M_sizes)
+
+
+def _bf16_grouped_samples(device):
+    for total, sizes, n, k, gs in ((37, [10, 0, 27], 40, 256, 128), (5, [1, 1, 3, 0], 24, 128, 32)):
+        x = testing.randn(total, k, dtype=torch.bfloat16, device=device)
+        scale, zero = random_group_scales(len(sizes), n, k, group_size=gs, device=device)
+        m_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        yield registry.Sample((x, random_int4(len(sizes), n, k, device=device), scale, zero, m_sizes))
+
+
+bf16i4bf16_shuffled_grouped_op = registry.Op(
+    "mslk::bf16i4bf16_shuffled_grouped(Tensor X, Tensor WQ, Tensor w_scale_group, Tensor w_zero_group, "
+    "Tensor M_sizes) -> Tensor",
+    domain="gemm",
+    reference=lambda X, WQ, scale, zero, M_sizes: _grouped_reference(
+        X, dequantize_int4(WQ, scale, zero, shuffled=True), M_sizes
+    ),
+    fake=lambda X, WQ, *args: X.new_empty((X.shape[0], WQ.shape[1])),
+    samples=_bf16_grouped_samples,
+    validate=_validate_bf16_grouped,
+    tolerance=1e-2,
+)
+
+
+@bf16i4bf16_shuffled_grouped_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda X, WQ, scale, zero, M_sizes: _supports(X.shape[-1], scale.shape[-2]),
+)
+def _bf16_grouped_triton(X, WQ, w_scale_group, w_zero_group, M_sizes):
+    out = torch.empty((X.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=X.device)
+    return _run_grouped(
+        _k_contiguous(X), WQ, w_scale_group.contiguous(), w_zero_group.contiguous(), M_sizes.contiguous(), out
+    )
+
+
+def bf16i4bf16_shuffled_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes) -> torch.Tensor:
+    """Grouped bf16i4bf16_shuffled (spec G-28): X [ΣM, K] bf16 stacked by group (M_sizes [G] int32/int64 rows
+    each), WQ [G, N, K/2] preshuffled, scales and zeros [G, K/gs, N] -> bf16 [ΣM, N]; rows past ΣM_sizes are
+    zero. The zeros are applied (the reference library's CUDA kernel ignores them; they are 0 with use_zp=False)."""
+    return torch.ops.mslk.bf16i4bf16_shuffled_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes)
+
+
+# ------------------------------------------------------------------------------------------- FP8 activations
+
+
+def _check_fp8_x(where: str, XQ, x_scale) -> None:
+    formats.check_fp8_data(XQ, role=f"{where}: XQ", producer="quantize_fp8_row")
+    if XQ.dim() < 2:
+        raise ValueError(f"{where}: XQ must be [..., M, K], got {tuple(XQ.shape)}")
+    if x_scale.dtype != torch.float32:
+        raise formats.ScaleFormatError(f"{where}: x_scale must be float32 (quantize_fp8_row's), got {x_scale.dtype}")
+    formats.Rowwise().check(XQ, x_scale, role=f"{where}: x_scale")
+
+
+def _validate_f8_rowwise(XQ, WQ, x_scale, w_scale, w_zp):
+    where = "f8i4bf16_rowwise"
+    _check_fp8_x(where, XQ, x_scale)
+    _check_weights(where, WQ, XQ.shape[-1], (), False)
+    _check_group_scales(where, WQ, XQ.shape[-1], w_scale, w_zp)
+    _check_devices(where, XQ, WQ, x_scale, w_scale, w_zp)
+
+
+def _f8_rowwise_samples(device):
+    for m, n, k, gs in ((37, 40, 200, 64), (5, 24, 256, 128)):
+        xq, x_scale = quantize_rows(testing.randn(m, k, device=device))
+        scale, zero = random_group_scales(n, k, group_size=gs, dtype=torch.float32, device=device)
+        yield registry.Sample((xq, random_int4(n, k, device=device), x_scale, scale, zero))
+
+
+f8i4bf16_rowwise_op = registry.Op(
+    "mslk::f8i4bf16_rowwise(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor w_zp) -> Tensor",
+    domain="gemm",
+    reference=lambda XQ, WQ, x_scale, w_scale, w_zp: _matmul_reference(
+        XQ, dequantize_int4(WQ, w_scale, w_zp, shuffled=False), x_scale
+    ),
+    fake=lambda XQ, WQ, *args: XQ.new_empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16),
+    samples=_f8_rowwise_samples,
+    validate=_validate_f8_rowwise,
+    tolerance=1e-2,
+)
+
+
+@f8i4bf16_rowwise_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda XQ, WQ, x_scale, w_scale, w_zp: _supports(XQ.shape[-1], w_scale.shape[-2]),
+)
+def _f8_rowwise_triton(XQ, WQ, x_scale, w_scale, w_zp):
+    out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
+    x = _k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
+    _run_int4(
+        x, WQ[None], w_scale.contiguous()[None], w_zp.contiguous()[None], out.view(1, x.shape[1], -1),
+        shuffled=False, x_scale=x_scale.reshape(-1).contiguous(),
+    )  # fmt: skip
+    return out
+
+
+def f8i4bf16_rowwise(XQ, WQ, x_scale, w_scale, w_zp) -> torch.Tensor:
+    """bf16 (XQ · Wdqᵀ) · x_scale[m] (spec G-29): XQ FP8 [..., M, K] with rowwise fp32 x_scale (quantize_fp8_row),
+    WQ plain packed int4 [N, K/2], w_scale and w_zp [⌈K/gs⌉, N] (one dtype of fp32/bf16/fp16)."""
+    return torch.ops.mslk.f8i4bf16_rowwise(XQ, WQ, x_scale, w_scale, w_zp)
+
+
+def _validate_f8_shuffled(XQ, WQ, x_scale, w_scale, w_scale_group):
+    where = "f8i4bf16_shuffled"
+    _check_fp8_x(where, XQ, x_scale)
+    _check_weights(where, WQ, XQ.shape[-1], (), True)
+    _check_group_scales(where, WQ, XQ.shape[-1], w_scale_group, table=True)
+    if w_scale.dtype != torch.float32:
+        raise formats.ScaleFormatError(
+            f"{where}: w_scale (the weights' row scales) must be float32, got {w_scale.dtype}"
+        )
+    formats.Rowwise().check(WQ, w_scale, role=f"{where}: w_scale")
+    _check_devices(where, XQ, WQ, x_scale, w_scale, w_scale_group)
+
+
+def _f8_shuffled_samples(device):
+    for m, n, k, gs in ((37, 40, 256, 64), (5, 24, 384, 128)):
+        xq, x_scale = quantize_rows(testing.randn(m, k, device=device))
+        w_scale = torch.rand(n, device=device) + 0.5
+        table = random_fp8_table(n, k, group_size=gs, device=device)
+        yield registry.Sample((xq, random_int4(n, k, device=device), x_scale, w_scale, table))
+
+
+f8i4bf16_shuffled_op = registry.Op(
+    "mslk::f8i4bf16_shuffled(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor w_scale_group) -> Tensor",
+    domain="gemm",
+    reference=lambda XQ, WQ, x_scale, w_scale, table: _matmul_reference(
+        XQ, dequantize_int4_table(WQ, table), x_scale, w_scale
+    ),
+    fake=lambda XQ, WQ, *args: XQ.new_empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16),
+    samples=_f8_shuffled_samples,
+    validate=_validate_f8_shuffled,
+    tolerance=1e-2,
+)
+
+
+@f8i4bf16_shuffled_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda XQ, WQ, x_scale, w_scale, table: _supports(XQ.shape[-1], table.shape[-3]),
+)
+def _f8_shuffled_triton(XQ, WQ, x_scale, w_scale, w_scale_group):
+    out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
+    x = _k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
+    _run_int4(
+        x, WQ[None], w_scale_group.contiguous()[None], None, out.view(1, x.shape[1], -1), shuffled=True, table=True,
+        x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(-1).contiguous(),
+    )  # fmt: skip
+    return out
+
+
+def f8i4bf16_shuffled(XQ, WQ, x_scale, w_scale, w_scale_group) -> torch.Tensor:
+    """bf16 (XQ · (q · group_scale)ᵀ) · x_scale[m] · w_scale[n] (spec G-30): XQ FP8 [..., M, K] with rowwise fp32
+    x_scale; quantize_int4_preshuffle(w, gs, "fp8") gives WQ [N, K/2] preshuffled and (w_scale_group, the FP8
+    tables [K/gs, 8, N], w_scale, the fp32 row scales [N]); q · group_scale is the table's entry for |q|."""
+    return torch.ops.mslk.f8i4bf16_shuffled(XQ, WQ, x_scale, w_scale, w_scale_group)
+
+
+def _validate_f8_grouped(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
+    where = "f8i4bf16_shuffled_grouped"
+    _check_fp8_x(where, XQ, x_scale)
+    if XQ.dim() != 2 or WQ.dim() != 3:
+        raise ValueError(f"{where}: expected XQ [ΣM, K] and WQ [G, N, K/2], got {tuple(XQ.shape)}, {tuple(WQ.shape)}")
+    _check_weights(where, WQ, XQ.shape[-1], (WQ.shape[0],), True)
+    _check_group_scales(where, WQ, XQ.shape[-1], w_scale_group, table=True)
+    if w_scale.dtype != torch.float32:
+        raise formats.ScaleFormatError(
+            f"{where}: w_scale (the weights' row scales) must be float32, got {w_scale.dtype}"
+        )
+    formats.Rowwise().check(WQ, w_scale, role=f"{where}: w_scale")
+    _check_m_sizes(where, M_sizes, WQ.shape[0])
+    _check_devices(where, XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes)
+
+
+def _f8_grouped_samples(device):
+    for total, sizes, n, k, gs in ((37, [10, 0, 27], 40, 256, 128), (5, [1, 1, 3, 0], 24, 128, 32)):
+        xq, x_scale = quantize_rows(testing.randn(total, k, device=device))
+        w_scale = torch.rand(len(sizes), n, device=device) + 0.5
+        table = random_fp8_table(len(sizes), n, k, group_size=gs, device=device)
+        m_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        yield registry.Sample((xq, random_int4(len(sizes), n, k, device=device), x_scale, w_scale, table, m_sizes))
+
+
+f8i4bf16_shuffled_grouped_op = registry.Op(
+    "mslk::f8i4bf16_shuffled_grouped(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor w_scale_group, "
+    "Tensor M_sizes) -> Tensor",
+    domain="gemm",
+    reference=lambda XQ, WQ, x_scale, w_scale, table, M_sizes: _grouped_reference(
+        XQ, dequantize_int4_table(WQ, table), M_sizes, x_scale, w_scale
+    ),
+    fake=lambda XQ, WQ, *args: XQ.new_empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16),
+    samples=_f8_grouped_samples,
+    validate=_validate_f8_grouped,
+    tolerance=1e-2,
+)
+
+
+@f8i4bf16_shuffled_grouped_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda XQ, WQ, x_scale, w_scale, table, M_sizes: _supports(XQ.shape[-1], table.shape[-3]),
+)
+def _f8_grouped_triton(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
+    out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
+    return _run_grouped(
+        _k_contiguous(XQ), WQ, w_scale_group.contiguous(), None, M_sizes.contiguous(), out, table=True,
+        x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(),
+    )  # fmt: skip
+
+
+def f8i4bf16_shuffled_grouped(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes) -> torch.Tensor:
+    """Grouped f8i4bf16_shuffled (spec G-31): XQ [ΣM, K] FP8 stacked by group (M_sizes [G] rows each), x_scale
+    [ΣM], WQ [G, N, K/2] preshuffled, w_scale [G, N] fp32, w_scale_group [G, K/gs, 8, N] -> bf16 [ΣM, N]; rows past
+    ΣM_sizes are zero."""
+    return torch.ops.mslk.f8i4bf16_shuffled_grouped(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes)

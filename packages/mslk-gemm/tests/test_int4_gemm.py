@@ -1,0 +1,390 @@
+"""INT4 weight-only GEMMs (spec G-24..G-31): bf16i4bf16_{rowwise,shuffled}{,_batched}, bf16i4bf16_shuffled_grouped,
+f8i4bf16_rowwise, f8i4bf16_shuffled{,_grouped}.
+
+T0: the reference dequantization against mslk.quantize's layouts, group-size inference, errors, compile/export.
+T1 (CPU, interpreter) and T2 (GPU): the Triton kernels against X · Wdqᵀ in float64, with odd M and N, K tails,
+every group size, split K, batches, ragged groups, poisoned allocations and strided activations.
+"""
+
+import pytest
+import torch
+
+from mslk.core import formats, testing
+from mslk.gemm.triton import int4_gemm as g
+from mslk.gemm.triton.fp8_gemm import quantize_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter truncates fp32 -> bf16 (a biased error about twice the GPU's) and rounds fp32 -> fp8 wrongly
+# just below powers of two (DESIGN.md §4): looser there, and FP8 tables of power-of-two scales where exactness
+# is the point.
+TOL = 1.5e-2 if testing.interpreting() else 1e-2
+
+
+def kernel(op):
+    """The op's Triton backend itself (on a CPU it runs under the interpreter)."""
+    return op.get_backend("triton").impl
+
+
+def oracle(x, w, x_scale=None, w_scale=None):
+    """float64 x · wᵀ (w [..., N, K] dequantized), times the rowwise scales."""
+    out = torch.matmul(x.double(), w.double().transpose(-1, -2))
+    if x_scale is not None:
+        out = out * x_scale.double().reshape(*x.shape[:-1], 1)
+    return out if w_scale is None else out * w_scale.double()
+
+
+def bf16_inputs(*lead, m, n, k, gs, scale_dtype=torch.bfloat16, device=DEVICE):
+    x = testing.randn(*lead, m, k, dtype=torch.bfloat16, device=device)
+    scale, zero = g.random_group_scales(*lead, n, k, group_size=gs, dtype=scale_dtype, device=device)
+    return x, g.random_int4(*lead, n, k, device=device), scale, zero
+
+
+def pow2_table(*shape, group_size, device=DEVICE):
+    """FP8 tables of power-of-two scales: every entry is exact, so no fp8 rounding happens anywhere."""
+    *lead, n, k = shape
+    exponents = torch.randint(-7, -3, (*lead, -(-k // group_size), n), device=device)
+    return g.fp8_table(torch.exp2(exponents.float()).to(torch.float8_e4m3fn))
+
+
+# ------------------------------------------------------------------------------------------ T0: reference
+
+
+def test_group_size_inference():
+    assert g.group_size(256, 2) == 128 and g.group_size(8192, 64) == 128
+    assert g.group_size(200, 4) == 64 and g.group_size(200, 7) == 32  # last group shorter
+    assert g.group_size(480, 5) == 96  # no power of two gives 5 groups: K / groups
+    assert g.group_size(100, 1) == 128 and g.group_size(0, 0) == 1
+    assert g.group_size(200, 3) is None and g.group_size(64, 0) is None
+
+
+def test_layouts_match_mslk_quantize():
+    """The reference dequantization reads mslk.quantize.shuffle's formats: plain packing with asymmetric group
+    scales, the preshuffled layout (bf16 and FP8-table forms), K not a multiple of the group."""
+    shuffle = pytest.importorskip("mslk.quantize.shuffle")
+    w = testing.randn(24, 200)
+    q, scale, zero = shuffle.int4_row_quantize_zp(w, 64)
+    expected = q.float() * scale.T.repeat_interleave(64, 1)[:, :200] + zero.T.repeat_interleave(64, 1)[:, :200]
+    torch.testing.assert_close(g.dequantize_int4(shuffle.pack_int4(q), scale, zero, shuffled=False), expected)
+    assert testing.rel_error(expected, w) < 0.1
+
+    w = testing.randn(2, 24, 256)
+    wq, (scale, zero) = shuffle.quantize_int4_preshuffle(w, 64, "bf16")
+    assert torch.equal(g.unpack_int4(wq, shuffled=True), shuffle.unshuffle_i4(wq))
+    assert testing.rel_error(g.dequantize_int4(wq, scale, zero, shuffled=True), w) < 0.1
+
+    wq, (table, row_scale) = shuffle.quantize_int4_preshuffle(w[0], 128, "fp8")
+    assert torch.equal(g.fp8_table(table[:, 0]), table)
+    assert testing.rel_error(g.dequantize_int4_table(wq, table) * row_scale[:, None], w[0]) < 0.15
+
+
+def test_table_reference_is_a_lookup():
+    q = torch.tensor([[-8, -7, -1, 0, 1, 5, 7, 3] * 16], dtype=torch.int8)
+    packed = ((q[:, :64] & 0xF) | (q[:, 64:] << 4)).to(torch.int8)  # preshuffled: k and k + 64 in one byte
+    table = g.fp8_table(torch.tensor([[0.375]]).to(torch.float8_e4m3fn))
+    expected = (q.float() * 0.375).to(torch.float8_e4m3fn).float()  # 7 · 0.375 = 2.625 rounds to 2.5
+    assert torch.equal(g.dequantize_int4_table(packed, table), expected)
+
+
+@pytest.mark.parametrize("op", [g.bf16i4bf16_rowwise, g.bf16i4bf16_shuffled], ids=["rowwise", "shuffled"])
+def test_compile_and_export(op):
+    class Linear(torch.nn.Module):
+        def forward(self, x, w, scale, zero):
+            return op(x, w, scale, zero)
+
+    _, w, scale, zero = bf16_inputs(m=1, n=8, k=256, gs=128, device="cpu")
+    args = (testing.randn(2, 5, 256, dtype=torch.bfloat16), w, scale, zero)
+    out = torch.compile(Linear(), fullgraph=True, backend="aot_eager")(*args)
+    assert out.shape == (2, 5, 8) and out.dtype == torch.bfloat16
+    assert f"mslk.{op.__name__}" in str(torch.export.export(Linear(), args).graph)
+
+
+# ----------------------------------------------------------------------------------------- T1/T2: kernels
+
+# (M, N, K, group size): decode and prefill tiles, odd M and N, K tails (plain layout) and short last groups.
+SHAPES = [
+    (1, 40, 256, 128),
+    (16, 72, 512, 32),
+    (37, 130, 200, 64),
+    (65, 24, 384, 256),
+    (300, 96, 128, 16),
+    (5, 40, 480, 96),  # a group size that is not a power of two
+]
+SHUFFLED_SHAPES = [(1, 40, 256, 128), (16, 72, 512, 32), (37, 130, 384, 64), (65, 24, 256, 256)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "gs"), SHAPES, ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_bf16i4bf16_rowwise(m, n, k, gs, scale_dtype):
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, scale_dtype=scale_dtype)
+    out = kernel(g.bf16i4bf16_rowwise_op)(x, w, scale, zero)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), TOL)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "gs"), SHUFFLED_SHAPES, ids=str)
+def test_bf16i4bf16_shuffled(m, n, k, gs):
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs)
+    out = kernel(g.bf16i4bf16_shuffled_op)(x, w, scale, zero)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=True)), TOL)
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["rowwise", "shuffled"])
+def test_batched(shuffled):
+    op = g.bf16i4bf16_shuffled_batched_op if shuffled else g.bf16i4bf16_rowwise_batched_op
+    x, w, scale, zero = bf16_inputs(3, m=17, n=40, k=256, gs=64)
+    out = kernel(op)(x, w, scale, zero)
+    assert out.shape == (3, 17, 40)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled)), TOL)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "gs"), [(1, 40, 200, 64), (37, 130, 256, 128)], ids=str)
+def test_f8i4bf16_rowwise(m, n, k, gs):
+    xq, x_scale = quantize_rows(testing.randn(2, m, k, device=DEVICE))
+    w = g.random_int4(n, k, device=DEVICE)
+    scale, zero = g.random_group_scales(n, k, group_size=gs, dtype=torch.float32, device=DEVICE)
+    out = kernel(g.f8i4bf16_rowwise_op)(xq, w, x_scale, scale, zero)
+    assert out.shape == (2, m, n)
+    testing.assert_rel_close(out, oracle(xq, g.dequantize_int4(w, scale, zero, shuffled=False), x_scale), TOL)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "gs"), SHUFFLED_SHAPES, ids=str)
+def test_f8i4bf16_shuffled(m, n, k, gs):
+    xq, x_scale = quantize_rows(testing.randn(m, k, device=DEVICE))
+    w, w_scale = g.random_int4(n, k, device=DEVICE), torch.rand(n, device=DEVICE) + 0.5
+    table = pow2_table(n, k, group_size=gs)
+    out = kernel(g.f8i4bf16_shuffled_op)(xq, w, x_scale, w_scale, table)
+    testing.assert_rel_close(out, oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale), TOL)
+
+
+def test_f8i4bf16_shuffled_rounds_to_the_table():
+    """General e4m3 scales: q · scale rounds to the table's entries (exact on a GPU; the interpreter's fp8
+    conversion halves values that round up to a power of two)."""
+    xq, x_scale = quantize_rows(testing.randn(33, 256, device=DEVICE))
+    w, w_scale = g.random_int4(48, 256, device=DEVICE), torch.rand(48, device=DEVICE) + 0.5
+    table = g.random_fp8_table(48, 256, group_size=64, device=DEVICE)
+    out = kernel(g.f8i4bf16_shuffled_op)(xq, w, x_scale, w_scale, table)
+    tol = 0.08 if testing.interpreting() else 1e-2
+    testing.assert_rel_close(out, oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale), tol)
+
+
+GROUPED = [
+    # (rows of X, group sizes, N, K, group size)
+    (37, [10, 0, 27], 40, 256, 128),
+    (5, [1, 1, 3, 0], 130, 128, 32),
+    (300, [129, 0, 1, 70], 24, 384, 64),  # sizes sum to 200 of 300 rows: the rest is zero
+    (0, [0, 0], 16, 128, 128),
+]
+
+
+@pytest.mark.parametrize(("rows", "sizes", "n", "k", "gs"), GROUPED, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_bf16i4bf16_shuffled_grouped(rows, sizes, n, k, gs, index_dtype):
+    x = testing.randn(rows, k, dtype=torch.bfloat16, device=DEVICE)
+    _, w, scale, zero = bf16_inputs(len(sizes), m=1, n=n, k=k, gs=gs)
+    m_sizes = torch.tensor(sizes, dtype=index_dtype, device=DEVICE)
+    out = kernel(g.bf16i4bf16_shuffled_grouped_op)(x, w, scale, zero, m_sizes)
+    assert out.shape == (rows, n)
+    expected = torch.zeros(rows, n, dtype=torch.float64, device=DEVICE)
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=True)
+    start = 0
+    for group, size in enumerate(sizes):
+        expected[start : start + size] = oracle(x[start : start + size], wdq[group])
+        start += size
+    testing.assert_rel_close(out, expected, TOL)
+    assert (out[sum(sizes) :] == 0).all()
+
+
+@pytest.mark.parametrize(("rows", "sizes", "n", "k", "gs"), GROUPED[:3], ids=str)
+def test_f8i4bf16_shuffled_grouped(rows, sizes, n, k, gs):
+    xq, x_scale = quantize_rows(testing.randn(rows, k, device=DEVICE))
+    w = g.random_int4(len(sizes), n, k, device=DEVICE)
+    w_scale = torch.rand(len(sizes), n, device=DEVICE) + 0.5
+    table = pow2_table(len(sizes), n, k, group_size=gs)
+    out = kernel(g.f8i4bf16_shuffled_grouped_op)(xq, w, x_scale, w_scale, table, torch.tensor(sizes, device=DEVICE))
+    expected = torch.zeros(rows, n, dtype=torch.float64, device=DEVICE)
+    wdq = g.dequantize_int4_table(w, table)
+    start = 0
+    for group, size in enumerate(sizes):
+        part = slice(start, start + size)
+        expected[part] = oracle(xq[part], wdq[group], x_scale[part], w_scale[group])
+        start += size
+    testing.assert_rel_close(out, expected, TOL)
+
+
+@pytest.mark.parametrize(
+    ("shuffled", "k", "splits", "per_split"),
+    [(False, 1024, 3, 3), (False, 1000, 2, 4), (True, 1024, 3, 3), (True, 896, 7, 1)],
+    ids=str,
+)
+def test_split_k(shuffled, k, splits, per_split, monkeypatch):
+    """K split over programs (fp32 partials, then the ordered reduction), with the K tail in the last split."""
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "splits": splits,
+           "steps_per_split": per_split}  # fmt: skip
+    monkeypatch.setattr(g, "_config", lambda *shape: cfg)
+    x, w, scale, zero = bf16_inputs(m=5, n=70, k=k, gs=128)
+    op = g.bf16i4bf16_shuffled_op if shuffled else g.bf16i4bf16_rowwise_op
+    out = kernel(op)(x, w, scale, zero)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled)), TOL)
+    # FP8 table: the row scales wait for the reduction.
+    if shuffled:
+        xq, x_scale = quantize_rows(x.float())
+        table, w_scale = pow2_table(70, k, group_size=128), torch.rand(70, device=DEVICE) + 0.5
+        out = kernel(g.f8i4bf16_shuffled_op)(xq, w, x_scale, w_scale, table)
+        testing.assert_rel_close(out, oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale), TOL)
+
+
+def test_every_output_and_partial_is_written(monkeypatch):
+    """Allocations come NaN-filled (outputs and the split-K workspace): a single unwritten element shows."""
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        return testing.poison_(empty(*args, **kwargs))
+
+    x, w, scale, zero = bf16_inputs(m=3, n=130, k=1024, gs=64)
+    w3 = g.random_int4(2, 130, 1024, device=DEVICE)
+    scale3, zero3 = g.random_group_scales(2, 130, 1024, group_size=64, device=DEVICE)
+    m_sizes = torch.tensor([1, 1], device=DEVICE)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out = kernel(g.bf16i4bf16_rowwise_op)(x, w, scale, zero)
+    grouped = kernel(g.bf16i4bf16_shuffled_grouped_op)(x, w3, scale3, zero3, m_sizes)
+    monkeypatch.undo()
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), TOL)
+    assert not grouped.isnan().any() and (grouped[2] == 0).all()
+
+
+def test_strided_3d_and_empty_activations():
+    x, w, scale, zero = bf16_inputs(2, m=7, n=40, k=256, gs=128)
+    expected = oracle(x, g.dequantize_int4(w[0], scale[0], zero[0], shuffled=False))
+    out = kernel(g.bf16i4bf16_rowwise_op)(x, w[0], scale[0], zero[0])
+    assert out.shape == (2, 7, 40)
+    testing.assert_rel_close(out, expected, TOL)
+    padded = testing.padded_rows(x.reshape(14, 256), 16)  # rows 272 elements apart
+    out = kernel(g.bf16i4bf16_rowwise_op)(padded, w[0], scale[0], zero[0])
+    testing.assert_rel_close(out, expected.reshape(14, 40), TOL)
+    transposed = x.reshape(14, 256).t().contiguous().t()  # column-major: copied to K-contiguous rows
+    testing.assert_rel_close(kernel(g.bf16i4bf16_shuffled_op)(transposed, w[0], scale[0], zero[0]),
+                             oracle(x.reshape(14, 256), g.dequantize_int4(w[0], scale[0], zero[0], shuffled=True)),
+                             TOL)  # fmt: skip
+    empty = g.bf16i4bf16_rowwise(x[:, :0], w[0], scale[0], zero[0])
+    assert empty.shape == (2, 0, 40)
+
+
+# ------------------------------------------------------------------------------------------------ T0: errors
+
+
+def _bf16_args(**changes):
+    names = ("X", "W", "w_scale_group", "w_zero_group")
+    return {**dict(zip(names, bf16_inputs(m=4, n=8, k=256, gs=128, device="cpu"), strict=True)), **changes}
+
+
+def _f8_args(**changes):
+    xq, x_scale = quantize_rows(testing.randn(4, 256))
+    table = g.random_fp8_table(8, 256, group_size=128)
+    args = {"XQ": xq, "WQ": g.random_int4(8, 256), "x_scale": x_scale, "w_scale": torch.ones(8), "w_scale_group": table}
+    return {**args, **changes}
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "error", "message"),
+    [
+        (g.bf16i4bf16_rowwise, _bf16_args(X=torch.zeros(4, 256)), ValueError, "X must be bfloat16"),
+        (g.bf16i4bf16_rowwise, _bf16_args(W=torch.zeros(8, 128, dtype=torch.uint8)), ValueError, "W must be int8"),
+        (g.bf16i4bf16_rowwise, _bf16_args(W=torch.zeros(8, 64, dtype=torch.int8)), ValueError, "holds K = 128"),
+        (g.bf16i4bf16_rowwise, _bf16_args(w_scale_group=torch.ones(3, 8)), formats.ScaleFormatError, "3 groups"),
+        (g.bf16i4bf16_rowwise, _bf16_args(w_scale_group=torch.ones(2, 9)), formats.ScaleFormatError, r"\(2, 8\)"),
+        (g.bf16i4bf16_rowwise, _bf16_args(w_zero_group=torch.ones(2, 8)), formats.ScaleFormatError, "one dtype"),
+        (g.bf16i4bf16_rowwise, _bf16_args(w_scale_group=torch.ones(8, 2).t()), formats.ScaleFormatError, "contiguous"),
+        (
+            g.bf16i4bf16_shuffled,
+            _bf16_args(X=torch.zeros(4, 192, dtype=torch.bfloat16), W=torch.zeros(8, 96, dtype=torch.int8)),
+            ValueError,
+            "K % 128 == 0",
+        ),
+        (g.bf16i4bf16_rowwise_batched, _bf16_args(), ValueError, r"X must be bfloat16 \[B, M, K\]"),
+        (g.f8i4bf16_shuffled, _f8_args(XQ=torch.zeros(4, 256, dtype=torch.bfloat16)), ValueError, "XQ: expected"),
+        (g.f8i4bf16_shuffled, _f8_args(x_scale=torch.ones(5)), formats.ScaleFormatError, "x_scale.*rowwise"),
+        (g.f8i4bf16_shuffled, _f8_args(w_scale=torch.ones(8).half()), formats.ScaleFormatError, "must be float32"),
+        (
+            g.f8i4bf16_shuffled,
+            _f8_args(w_scale_group=torch.ones(2, 8, 8, dtype=torch.bfloat16)),
+            formats.ScaleFormatError,
+            "FP8 table",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_input(op, args, error, message):
+    with pytest.raises(error, match=message):
+        op(*args.values())
+
+
+def test_bad_grouped_input():
+    x, w, scale, zero = bf16_inputs(2, m=1, n=8, k=128, gs=64, device="cpu")
+    with pytest.raises(ValueError, match=r"M_sizes must be int32/int64 \[G\] = \[2\]"):
+        g.bf16i4bf16_shuffled_grouped(x[0], w, scale, zero, torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"WQ must be int8 packed int4 \[G, N, K/2\]"):
+        g.bf16i4bf16_shuffled_grouped(x[0], w[0], scale, zero, torch.tensor([1, 0]))
+
+
+def test_unsupported_group_size_names_the_reason():
+    x, w, scale, zero = bf16_inputs(m=4, n=8, k=240, gs=24, device="cpu")  # 10 groups of 24 (no power of two)
+    reasons = g.bf16i4bf16_rowwise_op.get_backend("triton").reasons("cuda", (x, w, scale, zero), {})
+    assert "group size 24" in reasons[0]
+
+
+# ---------------------------------------------------------------------------------------------------- T2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192), (8192, 8192, 8192)])
+def test_bf16i4bf16_rowwise_gpu(m, n, k):
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=128, device="cuda")
+    out = g.bf16i4bf16_rowwise(x, w, scale, zero)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k", "gs"), [(16, 8192, 8192, 128), (2048, 4096, 7168, 64), (100, 1024, 4096, 32)])
+def test_int4_forms_gpu(m, n, k, gs):
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, device="cuda")
+    out = g.bf16i4bf16_shuffled(x, w, scale, zero)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=True)), 1e-2)
+    xq, x_scale = quantize_rows(x.float())
+    out = g.f8i4bf16_rowwise(xq, w, x_scale, scale.float(), zero.float())
+    testing.assert_rel_close(out, oracle(xq, g.dequantize_int4(w, scale, zero, shuffled=False), x_scale), 1e-2)
+    table, w_scale = g.random_fp8_table(n, k, group_size=gs, device="cuda"), torch.rand(n, device="cuda") + 0.5
+    out = g.f8i4bf16_shuffled(xq, w, x_scale, w_scale, table)
+    testing.assert_rel_close(out, oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("groups", "rows", "n", "k"), [(8, 512, 4096, 7168), (64, 3, 2048, 1024)])
+def test_grouped_gpu(groups, rows, n, k):
+    sizes = [rows + (i % 3 - 1) * (rows // 4) for i in range(groups)]
+    x, w, scale, zero = bf16_inputs(groups, m=1, n=n, k=k, gs=128, device="cuda")
+    x = testing.randn(sum(sizes), k, dtype=torch.bfloat16, device="cuda")
+    m_sizes = torch.tensor(sizes, device="cuda")
+    out = g.bf16i4bf16_shuffled_grouped(x, w, scale, zero, m_sizes)
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=True)
+    expected = torch.cat([oracle(part, wdq[i]) for i, part in enumerate(x.split(sizes))])
+    testing.assert_rel_close(out, expected, 1e-2)
+    xq, x_scale = quantize_rows(x.float())
+    table, w_scale = g.random_fp8_table(groups, n, k, group_size=128, device="cuda"), torch.rand(groups, n).cuda()
+    out = g.f8i4bf16_shuffled_grouped(xq, w, x_scale, w_scale + 0.5, table, m_sizes)
+    wdq = g.dequantize_int4_table(w, table)
+    parts = zip(xq.split(sizes), x_scale.split(sizes), strict=True)
+    expected = torch.cat([oracle(p, wdq[i], s, w_scale[i] + 0.5) for i, (p, s) in enumerate(parts)])
+    testing.assert_rel_close(out, expected, 1e-2)
+
+
+@pytest.mark.gpu
+def test_decode_records_into_a_cuda_graph():
+    """Split K included: the workspace is allocated while capturing and the reduction is recorded too."""
+    x, w, scale, zero = bf16_inputs(m=16, n=8192, k=8192, gs=128, device="cuda")
+    g.bf16i4bf16_rowwise(x, w, scale, zero)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = g.bf16i4bf16_rowwise(x, w, scale, zero)
+    x.copy_(testing.randn(16, 8192, dtype=torch.bfloat16, device="cuda"))
+    graph.replay()
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
