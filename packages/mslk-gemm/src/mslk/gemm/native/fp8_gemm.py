@@ -51,11 +51,12 @@ def _validate(A, B, Ainvs=None, Binvs=None, use_fast_accum=True, output=None):
         raise ValueError(
             f"{_WHERE}: expected A [..., M, K] and B [N, K] with the same K, got {tuple(A.shape)} and {tuple(B.shape)}"
         )
-    _check_scale("Ainvs", A, Ainvs)
-    _check_scale("Binvs", B, Binvs)
+    # Devices first: a tensor on the wrong device is the cause to name, not the scale check it would also fail.
     tensors = [t for t in (A, B, Ainvs, Binvs, output) if t is not None]
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"{_WHERE}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+    _check_scale("Ainvs", A, Ainvs)
+    _check_scale("Binvs", B, Binvs)
     expected = (*A.shape[:-1], B.shape[0])
     if output is not None and (tuple(output.shape) != expected or output.dtype != torch.bfloat16):
         raise ValueError(f"{_WHERE}: output must be bfloat16 {expected}, got {tuple(output.shape)} {output.dtype}")
