@@ -14,7 +14,8 @@ from mslk.core.version import package_version as _package_version
 
 open_source: bool = True
 __version__: str = _package_version("mslk") or _package_version("mslk-core") or "0+unknown"
-# The reference library's build variant; ours is one pure Python/Triton build whatever the platform.
+# The reference library's build variant: ours is one build whatever the platform, Triton kernels plus native
+# libraries that load where their vendor libraries do (mslk-gemm's cuBLAS GEMMs; `mslk env` says which loaded).
 __variant__: str = "triton"
 __target__: str = "default"
 
