@@ -128,6 +128,27 @@ def test_backward(bias_id, fmt, sizes):
     _check_backward(q, k, v, bias, 1e-5)
 
 
+@pytest.mark.parametrize("bias_id", ["None", "B03"])
+@pytest.mark.parametrize(("mq", "mk", "head_dim"), [(1, 7, 80), (129, 130, 96), (129, 129, 80), (7, 129, 96)])
+def test_odd_head_dims_and_lengths(bias_id, mq, mk, head_dim):
+    """Head dims that are not powers of two (the tiles are padded, the padding masked) and lengths of 1, 7 and
+    129 (a partial block), forward and backward (every query sees a key: the oracle's gradient of a query
+    without keys is NaN)."""
+    q, k, v, bias = _inputs(bias_id, "BMHK", (1, mq, mk, 1, 2, head_dim), torch.float32, DEVICE)
+    _check(q, k, v, bias, torch.float32)
+    _check_backward(q, k, v, bias, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B03"])
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+@pytest.mark.parametrize(("mq", "mk"), [(1, 1000), (7, 129), (129, 1000), (1000, 1000)])
+def test_odd_head_dims_and_lengths_gpu(bias_id, head_dim, mq, mk):
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, mq, mk, 1, 4, head_dim), torch.bfloat16, "cuda")
+    _check(q, k, v, bias, torch.bfloat16)
+    _check_backward(q, k, v, bias, 3e-2)
+
+
 def test_backward_through_memory_efficient_attention_and_gqa():
     q, k, v, bias = _inputs("B07", "BMHK", (2, 20, 20, 1, 4, 32), torch.float32, DEVICE)
     k1, v1 = (t[:, :, :1].expand_as(t).detach().requires_grad_() for t in (k, v))  # GQA: stride-0 heads

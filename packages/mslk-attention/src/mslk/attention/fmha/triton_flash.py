@@ -44,6 +44,7 @@ from mslk.core import arch, launch, registry
 
 _LOG2E = 1.4426950408889634
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_TMA_HEAD_DIMS = (64, 128, 256)
 
 
 @triton.jit
@@ -388,10 +389,13 @@ def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tu
 
 
 def _tma_readable(k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
-    """Whether the forward reads K and V through TMA descriptors: Hopper or newer, 16-bit, 16-byte aligned rows,
-    no stride 0 (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads
-    rows that may hold anything, NaN included, where the pointer path reads zeros)."""
+    """Whether the forward reads K and V through TMA descriptors: Hopper or newer, 16-bit, head dims 64, 128 or
+    256 (those tested and measured on the GPU; others take the pointer path), 16-byte aligned rows, no stride 0
+    (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads rows that may
+    hold anything, NaN included, where the pointer path reads zeros)."""
     if not (k.is_cuda and arch.capability(k.device) >= (9, 0)) or k.element_size() != 2:
+        return False
+    if any(t.shape[-1] not in _TMA_HEAD_DIMS for t in (k, v)):
         return False
     if varlen is not None and varlen.seqlen_k is not None:
         return False
