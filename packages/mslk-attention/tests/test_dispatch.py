@@ -29,6 +29,7 @@ from mslk.attention.fmha import (
     flash_mtia,
     flydsl,
     torch_reference,
+    triton_flash,
     triton_splitk,
 )
 from mslk.core import arch
@@ -274,8 +275,11 @@ def test_priority_lists(monkeypatch):
         cudnn.BwOp,
         flash.BwOp,
         cutlass.BwOp,
+        triton_flash.BwOp,
         torch_reference.BwOp,
     ]
+    assert triton_flash.BwOp not in dispatch._dispatch_bw_priority_list("cpu"), "the interpreter is for tests"
+    assert triton_flash.FwOp not in fw(inp, False), "CPU inputs: the reference, never the interpreter"
     decoding = fmha.Inputs(*_decoding())
     assert fw(decoding, False) == [flash.FwOp, triton_splitk.FwOp, cudnn.FwOp, cutlass.FwOp, ref]
     assert fw(decoding, True)[0] is flash3.FwOp, "no reordering when the backward follows"
@@ -302,7 +306,7 @@ def test_priority_lists(monkeypatch):
     monkeypatch.setattr(arch, "hip_version", lambda: (6, 4))
     assert fw(inp, False) == [ck.FwOp, flydsl.FwOp, triton_splitk.FwOp, ref]
     assert fw(decoding, False) == [triton_splitk.FwOp, ck.FwOp, flydsl.FwOp, ref]
-    assert dispatch._dispatch_bw_priority_list() == [ck.BwOp, torch_reference.BwOp]
+    assert dispatch._dispatch_bw_priority_list() == [ck.BwOp, triton_flash.BwOp, torch_reference.BwOp]
     monkeypatch.setattr(flash_mtia.FwOp, "OPERATOR", object())
     assert fw(inp, False)[-2:] == [flash_mtia.FwOp, ref], "MTIA kernels come before the reference"
 
@@ -334,8 +338,12 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         finally:
             dispatch._set_use_fa3(True)
     with fake_gpu(monkeypatch, capability=(10, 0)):
-        # Blackwell: fp32 has no GPU kernel (cutlass is too new): the reference serves it.
-        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is torch_reference.FwOp
+        # Blackwell: cutlass is capped at SM90, so fp32 falls to MSLK's Triton kernel (spec §14.3's gap), as do
+        # deterministic backward passes, which no kernel before it offers there.
+        fp32 = fmha.Inputs(*cuda_qkv(dtype=torch.float32))
+        assert dispatch._dispatch_fw(fp32, False) is triton_flash.FwOp
+        assert dispatch._dispatch_bw(fp32, None) is triton_flash.BwOp
+        assert dispatch._dispatch_fw_priority_list(fp32, False)[-2:] == [triton_flash.FwOp, torch_reference.FwOp]
 
 
 def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):

@@ -5,7 +5,9 @@ triton_splitk]. `cudnn` (MSLK's addition to the spec's lists) takes only dense a
 fastest on Hopper.
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
 and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
-ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's reference, which serves any device (the CPU
+ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash attention (`triton_flash`: any
+GPU Triton runs on, fp32 included, so that GPUs the kernels above do not cover, Blackwell's fp32 among them,
+and deterministic backward passes get a GPU kernel), then MSLK's reference, which serves any device (the CPU
 path) and so comes last. When nothing fits, NotImplementedError lists the inputs and every backend's reasons; a
 pinned backend that does not fit raises ValueError with its reasons.
 """
@@ -15,7 +17,18 @@ from __future__ import annotations
 import logging
 
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import ck, cudnn, cutlass, flash, flash3, flash_mtia, flydsl, torch_reference, triton_splitk
+from mslk.attention.fmha import (
+    ck,
+    cudnn,
+    cutlass,
+    flash,
+    flash3,
+    flash_mtia,
+    flydsl,
+    torch_reference,
+    triton_flash,
+    triton_splitk,
+)
 from mslk.attention.fmha.common import (
     AttentionBwOpBase,
     AttentionFwOpBase,
@@ -116,7 +129,7 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
             ops = [flash.FwOp] + [op for op in ops if op not in (flash.FwOp, flash3.FwOp)]
     if flash_mtia.FwOp.is_available():
         ops.append(flash_mtia.FwOp)
-    return [*ops, torch_reference.FwOp]
+    return [*ops, *_gpu_fallback(inp.device.type, triton_flash.FwOp), torch_reference.FwOp]
 
 
 def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
@@ -126,7 +139,12 @@ def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
     )
 
 
-def _dispatch_bw_priority_list() -> list[type[AttentionBwOpBase]]:
+def _gpu_fallback(device_type: str, op: type[AttentionOpBase]) -> list[type[AttentionOpBase]]:
+    """[op] for GPU inputs: triton_flash's CPU device is the interpreter (tests), never a choice for users."""
+    return [op] if device_type == "cuda" else []
+
+
+def _dispatch_bw_priority_list(device_type: str = "cuda") -> list[type[AttentionBwOpBase]]:
     if rocm_build():
         ops = [ck.BwOp]  # flydsl.BwOp is left out on purpose (tests pin it)
     else:
@@ -134,13 +152,13 @@ def _dispatch_bw_priority_list() -> list[type[AttentionBwOpBase]]:
         ops += [cudnn.BwOp, flash.BwOp, cutlass.BwOp]
     if flash_mtia.BwOp.is_available():
         ops.append(flash_mtia.BwOp)
-    return [*ops, torch_reference.BwOp]
+    return [*ops, *_gpu_fallback(device_type, triton_flash.BwOp), torch_reference.BwOp]
 
 
 def _dispatch_bw(inp: Inputs, varlen_lse_packed: bool | None) -> type[AttentionBwOpBase]:
     """The backward operator for these inputs, given the layout of the forward's varlen LSE (None: not varlen or
     one sequence, where the layouts agree)."""
-    ops = _dispatch_bw_priority_list()
+    ops = _dispatch_bw_priority_list(inp.device.type)
     extra_reasons = {}
     if varlen_lse_packed is not None:
         layout = "packed" if varlen_lse_packed else "padded"

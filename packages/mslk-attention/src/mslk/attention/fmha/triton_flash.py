@@ -11,14 +11,14 @@ generator and each weight's position, so the backward replays them (`dropout_mas
 inputs use IEEE fp32 products (no TF32), which the backends inside PyTorch do not offer on every GPU. Output
 in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen packed [1, (G,) H, ΣMq].
 
-On Hopper the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
+On Hopper (SM90) the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
 aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
 takes otherwise; the interior key blocks of a causal or windowed range skip the mask.
 
 `BwOp` is the matching backward: deterministic (two passes, no atomics), from any forward's output and LSE.
-Neither is in the automatic priority lists (pin them with `op=`): on the H200 the forward runs at 0.82-0.89x
-cuDNN on dense attention and beats FlexAttention on sliding windows, but the backward is slower than cuDNN's
-and about as fast as FlashAttention-2's (RESULTS.md).
+The dispatcher tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=`
+elsewhere): on the H200 the forward runs at 0.82-0.96x cuDNN on dense attention and beats FlexAttention on
+sliding windows, but the backward is slower than cuDNN's and about as fast as FlashAttention-2's (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -375,12 +375,18 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
 
 def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"; `tma`: the forward
-    reads K/V through tensor descriptors). Small tiles for the IEEE fp32 products and under the interpreter
-    (slow per program; unequal, so that tests cover BLOCK_M != BLOCK_N); else the fastest of sweeps on the H200
-    (bf16, B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md). Larger key blocks spill registers in
-    the backward."""
-    if not q.is_cuda or q.dtype == torch.float32:
+    reads K/V through tensor descriptors). Under the interpreter, small unequal tiles (slow per program; tests
+    cover BLOCK_M != BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16,
+    B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md; larger key blocks spill registers in the
+    backward). Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a block)
+    square tiles that fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
+    if not q.is_cuda:
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
+    if q.dtype == torch.float32:
+        return 16, 16, 4, 2
+    if not (arch.is_cuda() and arch.capability(q.device) == (9, 0)):
+        block = (64 if head_block <= 128 else 32) // (1 if kind == "fwd" else 2)
+        return block, block, 4, 2
     if kind == "fwd" and tma:
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
     if head_block > 128:  # backward: 32 x 32 tiles overflow shared memory at head dim 256 under Triton 3.6
@@ -389,11 +395,11 @@ def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tu
 
 
 def _tma_readable(k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
-    """Whether the forward reads K and V through TMA descriptors: Hopper or newer, 16-bit, head dims 64, 128 or
-    256 (those tested and measured on the GPU; others take the pointer path), 16-byte aligned rows, no stride 0
-    (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads rows that may
-    hold anything, NaN included, where the pointer path reads zeros)."""
-    if not (k.is_cuda and arch.capability(k.device) >= (9, 0)) or k.element_size() != 2:
+    """Whether the forward reads K and V through TMA descriptors: NVIDIA Hopper (SM90, where it is tested and
+    measured), 16-bit, head dims 64, 128 or 256 (the same; others take the pointer path), 16-byte aligned rows,
+    no stride 0 (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads
+    rows that may hold anything, NaN included, where the pointer path reads zeros)."""
+    if not (k.is_cuda and arch.is_cuda() and arch.capability(k.device) == (9, 0)) or k.element_size() != 2:
         return False
     if any(t.shape[-1] not in _TMA_HEAD_DIMS for t in (k, v)):
         return False
