@@ -184,6 +184,42 @@ class Groupwise(ScaleFormat):
         return (m, k // self.group_size) if self.k_major else (k // self.group_size, m)
 
 
+INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT4_TABLE_ENTRIES = 8  # preshuffle_i4's FP8 tables: e4m3(m · scale) for m = 1..8
+
+
+@dataclass(frozen=True)
+class Int4Groupwise(ScaleFormat):
+    """Scales of int4 weights packed two per byte [..., N, K/2]: one per `group_size` k and column,
+    [..., ⌈K/gs⌉, N] fp32/bf16/fp16, or with `table` preshuffle_i4's FP8 tables [..., ⌈K/gs⌉, 8, N]."""
+
+    group_size: int
+    table: bool = False
+
+    @property
+    def scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float8_e4m3fn,) if self.table else INT4_SCALE_DTYPES
+
+    @property
+    def name(self) -> str:
+        return f"int4 groupwise({self.group_size}{', FP8 table' if self.table else ''})"
+
+    @property
+    def producer(self) -> str:
+        if self.table:
+            return f'quantize_int4_preshuffle(w, {self.group_size}, dtype="fp8")'
+        return f'int4_row_quantize_zp(w, {self.group_size}) or quantize_int4_preshuffle(w, {self.group_size}, "bf16")'
+
+    def logical_shape(self, data):
+        return (*data.shape[:-1], 2 * data.shape[-1])
+
+    def expected_shape(self, data_shape):
+        if len(data_shape) < 2:
+            raise ScaleFormatError(f"{self.name} scales need weights [..., N, K/2], got shape {data_shape}")
+        *lead, n, k = data_shape
+        return (*lead, _ceil_div(k, self.group_size), *((INT4_TABLE_ENTRIES,) if self.table else ()), n)
+
+
 MXLayout = Literal["swizzled", "plain"]
 E8M0_DTYPES = (torch.uint8, torch.int8, torch.float8_e8m0fnu)
 # Elements per stored unit of the packed data of each element type: fp4 packs two per byte,

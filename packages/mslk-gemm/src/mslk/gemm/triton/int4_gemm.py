@@ -29,7 +29,6 @@ fp32 partial sums to a workspace and a second kernel adds them in split order (d
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,43 +39,9 @@ from mslk.gemm.triton.fp8_gemm import quantize_rows, tile_coordinates
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TABLE_ENTRIES = 8  # FP8 table: e4m3(m · scale) for m = 1..8
 
 
-# ------------------------------------------------------------------------------------------------ formats
-
-
-@dataclass(frozen=True)
-class Int4Groupwise(formats.ScaleFormat):
-    """Scales of int4 weights packed two per byte [..., N, K/2]: one per `group_size` k and column,
-    [..., ⌈K/gs⌉, N] fp32/bf16/fp16, or with `table` preshuffle_i4's FP8 tables [..., ⌈K/gs⌉, 8, N]."""
-
-    group_size: int
-    table: bool = False
-
-    @property
-    def scale_dtypes(self) -> tuple[torch.dtype, ...]:
-        return (torch.float8_e4m3fn,) if self.table else _SCALE_DTYPES
-
-    @property
-    def name(self) -> str:
-        return f"int4 groupwise({self.group_size}{', FP8 table' if self.table else ''})"
-
-    @property
-    def producer(self) -> str:
-        if self.table:
-            return f'quantize_int4_preshuffle(w, {self.group_size}, dtype="fp8")'
-        return f'int4_row_quantize_zp(w, {self.group_size}) or quantize_int4_preshuffle(w, {self.group_size}, "bf16")'
-
-    def logical_shape(self, data):
-        return (*data.shape[:-1], 2 * data.shape[-1])
-
-    def expected_shape(self, data_shape):
-        if len(data_shape) < 2:
-            raise formats.ScaleFormatError(f"{self.name} scales need weights [..., N, K/2], got shape {data_shape}")
-        *lead, n, k = data_shape
-        return (*lead, launch.cdiv(k, self.group_size), *((_TABLE_ENTRIES,) if self.table else ()), n)
+# ------------------------------------------------------------------------------------------ group scales
 
 
 def group_size(k: int, groups: int) -> int | None:
@@ -114,7 +79,7 @@ def _check_group_scales(where: str, W, k: int, scale, zero=None, table: bool = F
             f"{where}: scales of shape {tuple(scale.shape)} give {groups} groups for K = {k}, which no group size "
             f"does (expected [..., ⌈K/group_size⌉, {'8, ' if table else ''}N])"
         )
-    fmt = Int4Groupwise(size, table)
+    fmt = formats.Int4Groupwise(size, table)
     fmt.check(W, scale, role=f"{where}: {'w_scale_group' if table else 'scale'}")
     if zero is not None:
         fmt.check(W, zero, role=f"{where}: zero")
@@ -172,7 +137,7 @@ def dequantize_int4_table(W, table) -> torch.Tensor:
     k = q.shape[-1]
     size = group_size(k, table.shape[-3])
     w = torch.zeros(q.shape, dtype=torch.float32, device=W.device)
-    for m in range(1, _TABLE_ENTRIES + 1):
+    for m in range(1, formats.INT4_TABLE_ENTRIES + 1):
         w = torch.where(q.abs() == m, q.sign() * _per_k(table[..., m - 1, :], k, size), w)
     return w
 
@@ -606,7 +571,7 @@ def random_group_scales(*shape: int, group_size: int, dtype=torch.bfloat16, devi
 
 def fp8_table(group_scale: torch.Tensor) -> torch.Tensor:
     """preshuffle_i4's table [..., G, 8, N] for float8_e4m3fn group scales [..., G, N]: e4m3(m · scale), m = 1..8."""
-    magnitudes = torch.arange(1, _TABLE_ENTRIES + 1, dtype=torch.float32, device=group_scale.device)
+    magnitudes = torch.arange(1, formats.INT4_TABLE_ENTRIES + 1, dtype=torch.float32, device=group_scale.device)
     return (group_scale.float().unsqueeze(-2) * magnitudes[:, None]).to(torch.float8_e4m3fn)
 
 
