@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import load_k_step, tile_coordinates
+from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
 
 GROUP_K = 128  # the groupwise recipe's K granularity
 
@@ -118,7 +118,7 @@ def _run_block_scaled(XQ, WQ, x_scale, x_scale_strides, w_scale, w_scale_strides
         return out
     if k == 0:
         return out.zero_()
-    a, b = XQ if XQ.stride(-1) == 1 else XQ.contiguous(), WQ if WQ.stride(-1) == 1 else WQ.contiguous()
+    a, b = k_contiguous(XQ), k_contiguous(WQ)
     cfg = _block_scaled_config(m, n, _k_step(block_k))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_scaled_kernel[grid](

@@ -255,15 +255,16 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     return out
 
 
-def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
+def k_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim (K), as the GEMM kernels load it: t itself when it has it, else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     """2-D WQ, XQ [..., M, K]: all rows of XQ as one [M', K] problem."""
-    x = _k_contiguous(XQ.reshape(math.prod(XQ.shape[:-1]), XQ.shape[-1]))
+    x = k_contiguous(XQ.reshape(math.prod(XQ.shape[:-1]), XQ.shape[-1]))
     _run_rowwise(
-        x[None], _k_contiguous(WQ)[None], x_scale.reshape(1, -1).contiguous(), w_scale.reshape(1, -1).contiguous(),
+        x[None], k_contiguous(WQ)[None], x_scale.reshape(1, -1).contiguous(), w_scale.reshape(1, -1).contiguous(),
         None if bias is None else bias.contiguous(), use_fast_accum, out.view(1, x.shape[0], WQ.shape[0]),
     )  # fmt: skip
     return out
@@ -442,7 +443,7 @@ def _batched_triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, ou
     x_scale = x_scale.reshape(XQ.shape[:-1]).contiguous()
     w_scale = w_scale.reshape(WQ.shape[:-1]).contiguous()
     bias = None if bias is None else bias.contiguous()
-    _run_rowwise(_k_contiguous(XQ), _k_contiguous(WQ), x_scale, w_scale, bias, use_fast_accum, out)
+    _run_rowwise(k_contiguous(XQ), k_contiguous(WQ), x_scale, w_scale, bias, use_fast_accum, out)
     return out if output is None else output.copy_(out)
 
 

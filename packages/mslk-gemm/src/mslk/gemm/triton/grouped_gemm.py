@@ -35,7 +35,7 @@ import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_blockwise_gemm import GROUP_K, _block_scaled_reference, quantize_blocks
-from mslk.gemm.triton.fp8_gemm import load_k_step, quantize_rows
+from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, quantize_rows
 
 # Modes of the kernel (constexpr objects: Triton kernels read no other globals).
 # How the groups lie (GROUPING):
@@ -221,10 +221,6 @@ def _run_grouped(
     return out
 
 
-def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _weights(w: torch.Tensor) -> torch.Tensor:
     """w [.., N, K] as the kernel takes it: 16-bit weights contiguous along K or along N (dgrad's permuted
     weights; the kernel loads both in vectors), FP8 ones along K (FP8 MMAs take K-major operands only); else a
@@ -386,7 +382,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
     @op.backend("triton", available=registry.triton_missing)
     def _triton(X, W, M_sizes, out=None, num_sms=None):
         result = torch.empty((X.shape[0], W.shape[1]), dtype=X.dtype, device=X.device) if out is None else out
-        return _run_grouped(_k_contiguous(X), _weights(W), result, M_sizes.contiguous(), num_sms=num_sms)
+        return _run_grouped(k_contiguous(X), _weights(W), result, M_sizes.contiguous(), num_sms=num_sms)
 
     return op
 
@@ -475,7 +471,7 @@ def _wgrad_triton(X, W, M_sizes, output=None, output_accum=False, num_sms=None):
     out = torch.empty((M_sizes.shape[0], X.shape[1], W.shape[1]), dtype=X.dtype, device=X.device)
     out = out if output is None else output
     _run_grouped(
-        _k_contiguous(X).T, _k_contiguous(W).T, out, M_sizes.contiguous(), grouping=K_GROUPED, zero_fill=False,
+        k_contiguous(X).T, k_contiguous(W).T, out, M_sizes.contiguous(), grouping=K_GROUPED, zero_fill=False,
         accumulate=output_accum, num_sms=num_sms,
     )  # fmt: skip
     return out
@@ -529,7 +525,7 @@ f8f8bf16_rowwise_grouped_stacked_op = registry.Op(
 def _fp8_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
-        _k_contiguous(XQ), _weights(WQ), out, M_sizes.contiguous(), a_scale=x_scale.reshape(-1).contiguous(),
+        k_contiguous(XQ), _weights(WQ), out, M_sizes.contiguous(), a_scale=x_scale.reshape(-1).contiguous(),
         b_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(), scales=ROWWISE,
     )  # fmt: skip
 
@@ -616,7 +612,7 @@ f8f8bf16_groupwise_grouped_op = registry.Op(
 def _groupwise_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
-        _k_contiguous(XQ), _k_contiguous(WQ), out, M_sizes.contiguous(), a_scale=x_scale, b_scale=w_scale,
+        k_contiguous(XQ), k_contiguous(WQ), out, M_sizes.contiguous(), a_scale=x_scale, b_scale=w_scale,
         scales=GROUPWISE,
     )  # fmt: skip
 
@@ -687,7 +683,7 @@ def _entry_reference(x, w, m_sizes, x_scale=None, w_scale=None, bias=None, token
 def _run_entry(out, x, w, m_sizes, x_scale, w_scale, bias, token_weights, use_fast_accum, indices=None):
     w = _weights(_entry_weights(w, m_sizes))
     return _run_grouped(
-        _k_contiguous(x), w, out, m_sizes.contiguous(), a_scale=None if x_scale is None else x_scale.reshape(-1),
+        k_contiguous(x), w, out, m_sizes.contiguous(), a_scale=None if x_scale is None else x_scale.reshape(-1),
         b_scale=None if w_scale is None else w_scale.reshape(w.shape[0], -1),
         scales=NO_SCALES if x_scale is None else ROWWISE, bias=None if bias is None else bias.contiguous(),
         token_weights=None if token_weights is None else token_weights.contiguous(),

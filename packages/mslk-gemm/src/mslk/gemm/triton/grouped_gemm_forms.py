@@ -11,7 +11,7 @@ import functools
 import torch
 
 from mslk.core import formats, registry, testing
-from mslk.gemm.triton.fp8_gemm import quantize_rows
+from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows
 from mslk.gemm.triton.grouped_gemm import (
     K_GROUPED,
     PADDED,
@@ -23,7 +23,6 @@ from mslk.gemm.triton.grouped_gemm import (
     _check_rowwise,
     _check_sizes,
     _group_bounds,
-    _k_contiguous,
     _k_grouped_reference,
     _run_grouped,
     _stacked_reference,
@@ -188,7 +187,7 @@ def _run_padded(X, W, out, valid, **scales):
     groups, m, k = X.shape
     result = out if out.is_contiguous() else torch.empty_like(out)
     _run_grouped(
-        _k_contiguous(X.reshape(groups * m, k)), _weights(W), result.view(groups * m, -1), valid,
+        k_contiguous(X.reshape(groups * m, k)), _weights(W), result.view(groups * m, -1), valid,
         grouping=PADDED, rows=m, **scales,
     )  # fmt: skip
     return out if result is out else out.copy_(result)
@@ -364,17 +363,17 @@ def _grouped_mm_triton(XQ, WQ, x_scale, w_scale, offsets, output):
     rowwise = {"scales": ROWWISE, "fast_accum": True}
     if form == (2, 3):
         _run_grouped(
-            _k_contiguous(XQ), _weights(WQ.mT), output, offsets, ends=True, a_scale=xs, b_scale=ws.view(groups, -1),
+            k_contiguous(XQ), _weights(WQ.mT), output, offsets, ends=True, a_scale=xs, b_scale=ws.view(groups, -1),
             **rowwise,
         )  # fmt: skip
     elif form == (3, 2):  # the transposed problem: outᵀ [ΣN, M] = WQᵀ [ΣN, K] · XQ[g]ᵀ, groups along WQᵀ's rows
         _run_grouped(
-            _k_contiguous(WQ.T), _weights(XQ), output.T, offsets, ends=True, a_scale=ws,
+            k_contiguous(WQ.T), _weights(XQ), output.T, offsets, ends=True, a_scale=ws,
             b_scale=xs.view(groups, -1), **rowwise,
         )  # fmt: skip
     elif form == (2, 2):  # K grouped: out[g] = XQ[:, K of g] · WQ[K of g, :] with scales per (group, row/col)
         _run_grouped(
-            _k_contiguous(XQ), _weights(WQ.T), output, offsets, grouping=K_GROUPED, ends=True, a_scale=xs,
+            k_contiguous(XQ), _weights(WQ.T), output, offsets, grouping=K_GROUPED, ends=True, a_scale=xs,
             b_scale=ws.view(groups, -1), zero_fill=False, **rowwise,
         )  # fmt: skip
     else:

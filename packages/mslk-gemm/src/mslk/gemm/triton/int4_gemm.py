@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import quantize_rows, tile_coordinates
+from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, tile_coordinates
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
@@ -478,10 +478,6 @@ def _programs(device: torch.device) -> int:
     return arch.sm_count(device) if device.type == "cuda" else 4  # 4: a few programs under the interpreter
 
 
-def _k_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _weights_view(W: torch.Tensor, shuffled: bool, table: bool) -> torch.Tensor:
     """Packed weights as the kernel addresses them: bytes, or int16 words for the preshuffled bf16 format."""
     W = W.contiguous()
@@ -622,7 +618,7 @@ def _bf16_op(name: str, *, shuffled: bool, batched: bool, samples) -> registry.O
     )
     def _triton(X, W, w_scale_group, w_zero_group):
         out = torch.empty((*X.shape[:-1], W.shape[-2]), dtype=torch.bfloat16, device=X.device)
-        x = _k_contiguous(X if batched else X.reshape(1, -1, X.shape[-1]))
+        x = k_contiguous(X if batched else X.reshape(1, -1, X.shape[-1]))
         w, scale, zero = (t if batched else t[None] for t in (W, w_scale_group, w_zero_group))
         _run_int4(x, w, scale.contiguous(), zero.contiguous(), out.view(x.shape[0], x.shape[1], -1), shuffled=shuffled)
         return out
@@ -732,7 +728,7 @@ bf16i4bf16_shuffled_grouped_op = registry.Op(
 def _bf16_grouped_triton(X, WQ, w_scale_group, w_zero_group, M_sizes):
     out = torch.empty((X.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=X.device)
     return _run_grouped(
-        _k_contiguous(X), WQ, w_scale_group.contiguous(), w_zero_group.contiguous(), M_sizes.contiguous(), out
+        k_contiguous(X), WQ, w_scale_group.contiguous(), w_zero_group.contiguous(), M_sizes.contiguous(), out
     )
 
 
@@ -790,7 +786,7 @@ f8i4bf16_rowwise_op = registry.Op(
 )
 def _f8_rowwise_triton(XQ, WQ, x_scale, w_scale, w_zp):
     out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
-    x = _k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
+    x = k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
     _run_int4(
         x, WQ[None], w_scale.contiguous()[None], w_zp.contiguous()[None], out.view(1, x.shape[1], -1),
         shuffled=False, x_scale=x_scale.reshape(-1).contiguous(),
@@ -845,7 +841,7 @@ f8i4bf16_shuffled_op = registry.Op(
 )
 def _f8_shuffled_triton(XQ, WQ, x_scale, w_scale, w_scale_group):
     out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
-    x = _k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
+    x = k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
     _run_int4(
         x, WQ[None], w_scale_group.contiguous()[None], None, out.view(1, x.shape[1], -1), shuffled=True, table=True,
         x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(-1).contiguous(),
@@ -907,7 +903,7 @@ f8i4bf16_shuffled_grouped_op = registry.Op(
 def _f8_grouped_triton(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
-        _k_contiguous(XQ), WQ, w_scale_group.contiguous(), None, M_sizes.contiguous(), out, table=True,
+        k_contiguous(XQ), WQ, w_scale_group.contiguous(), None, M_sizes.contiguous(), out, table=True,
         x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(),
     )  # fmt: skip
 

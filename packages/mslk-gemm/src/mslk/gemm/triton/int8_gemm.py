@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import load_k_step, tile_coordinates
+from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
 from mslk.gemm.triton.int4_gemm import splitk_reduce
 
 
@@ -100,8 +100,7 @@ def _run(XQ, WQ, scale: float, scale_tensor, split_k: int) -> torch.Tensor:
         return out
     if k == 0:
         return out.zero_()
-    a = XQ if XQ.stride(1) == 1 else XQ.contiguous()
-    b = WQ if WQ.stride(1) == 1 else WQ.contiguous()
+    a, b = k_contiguous(XQ), k_contiguous(WQ)
     cfg = dict(_config(m, n, k, arch.sm_count(XQ.device) if XQ.is_cuda else 4, split_k))
     splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
     split = splits > 1
