@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
+from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates, tma_descriptors
 
 GROUP_K = 128  # the groupwise recipe's K granularity
 
@@ -55,13 +55,14 @@ def _block_scaled_reference(XQ, WQ, x_scale, w_scale, x_block_m, w_block_n, bloc
 
 @triton.jit
 def _fp8_block_scaled_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
     stride_am, stride_bn, stride_cm, stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
     A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C = Σ_k (A_k · B_kᵀ) · a_scale[m // A_SCALE_ROWS, k // SCALE_K] · b_scale[n // B_SCALE_ROWS, k // SCALE_K],
-    A [M, K] and B [N, K] K-contiguous, C [M, N]; SCALE_K is a multiple of BLOCK_K."""
+    A [M, K] and B [N, K] K-contiguous, C [M, N]; SCALE_K is a multiple of BLOCK_K. a_desc / b_desc: their TMA
+    descriptors, or None (pointer loads)."""
     pid_m, pid_n = tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -82,7 +83,11 @@ def _fp8_block_scaled_kernel(
         b_scale_ptrs = b_scale_ptr + (safe_cols // B_SCALE_ROWS) * stride_sb_rows  # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
-        a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
+        if a_desc is not None:
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        else:
+            a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
         kb = (k * BLOCK_K) // SCALE_K
         a_scale = tl.load(a_scale_ptrs + kb * stride_sa_k)
         b_scale = tl.load(b_scale_ptrs + kb * stride_sb_k)
@@ -121,8 +126,9 @@ def _run_block_scaled(XQ, WQ, x_scale, x_scale_strides, w_scale, w_scale_strides
     a, b = k_contiguous(XQ), k_contiguous(WQ)
     cfg = _block_scaled_config(m, n, _k_step(block_k))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]),)
+    a_desc, b_desc = tma_descriptors(a, b, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
     _fp8_block_scaled_kernel[grid](
-        a, b, out, x_scale, w_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+        a, b, a_desc, b_desc, out, x_scale, w_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0),
         *x_scale_strides, *w_scale_strides, A_SCALE_ROWS=x_rows, B_SCALE_ROWS=w_rows, SCALE_K=block_k,
         EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
     )  # fmt: skip

@@ -17,6 +17,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mslk.core import arch, formats, launch, registry, testing
 
@@ -140,12 +141,13 @@ def load_k_step(a_ptrs, b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _rowwise_tile(
-    tile, batch, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    tile, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One output tile."""
+    """One output tile. a_desc / b_desc (or None): TMA descriptors of A and B with their batches' rows back to
+    back (a batch stride of 0: one matrix for every batch)."""
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -158,7 +160,11 @@ def _rowwise_tile(
     b_ptrs += ks[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
-        a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
+        if a_desc is not None:  # rows/cols past M/N read the next batch's (never stored) or zeros
+            a = a_desc.load([batch * (stride_ab // stride_am) + pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([batch * (stride_bb // stride_bn) + pid_n * BLOCK_N, k * BLOCK_K])
+        else:
+            a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
         if FAST_ACCUM:
             acc = tl.dot(a, b.T, acc)
         else:  # each block's product is added in fp32 (the tensor cores' FP8 accumulation is narrower)
@@ -180,7 +186,7 @@ def _rowwise_tile(
 
 @triton.jit
 def _fp8_rowwise_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -194,15 +200,15 @@ def _fp8_rowwise_kernel(
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(pid, tiles, tl.num_programs(0), flatten=True):
             _rowwise_tile(
-                tile, batch, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_ab, stride_am,
-                stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M,
-                FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                tile, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+                stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
+                HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _rowwise_tile(
-            pid, batch, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_ab, stride_am,
-            stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M,
-            FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            pid, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+            stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
+            HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
@@ -246,8 +252,14 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
     a_batch = a.stride(0) if a.shape[0] > 1 else 0
     b_batch = b.stride(0) if b.shape[0] > 1 else 0
+    a_desc, b_desc = None, None
+    if a_batch in (0, a.shape[1] * a.stride(1)) and b_batch in (0, b.shape[1] * b.stride(1)):  # batches stacked
+        a_desc, b_desc = tma_descriptors(
+            a.reshape(-1, k) if a_batch else a[0], b.reshape(-1, k) if b_batch else b[0],
+            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
+        )  # fmt: skip
     _fp8_rowwise_kernel[grid](
-        a, b, out, sa, sb, bias,
+        a, b, a_desc, b_desc, out, sa, sb, bias,
         rows, cols, k, a_batch, a.stride(1), b_batch, b.stride(1), *c_strides,
         sa.stride(0) if sa.shape[0] > 1 else 0, sb.stride(0) if sb.shape[0] > 1 else 0,
         HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
@@ -258,6 +270,23 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
 def k_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride along its last dim (K), as the GEMM kernels load it: t itself when it has it, else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def tma_descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int) -> tuple:
+    """TMA descriptors of a [M, K] and b [N, K] in [block_m | block_n, block_k] tiles where both are K-contiguous
+    with 16-byte aligned rows (loads past their edges give zeros; Triton lowers them to plain loads on GPUs
+    without TMA); else (None, None), and the kernels load through pointers."""
+
+    def aligned(t: torch.Tensor) -> bool:
+        rows_apart = t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
+        return t.numel() > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and rows_apart
+
+    if not (aligned(a) and aligned(b)):
+        return None, None
+    return (
+        TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k]),
+        TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [block_n, block_k]),
+    )
 
 
 def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
