@@ -129,10 +129,8 @@ def split_parts(x: torch.Tensor, kp: int) -> torch.Tensor:
 
 def _run(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     (m, k), n = A.shape, B.shape[0]
-    if m == 0 or n == 0:
+    if launch.no_products(out, k):
         return out
-    if k == 0:
-        return out.zero_()
     block_k = CONFIG["BLOCK_K"]
     kp = launch.cdiv(k, block_k) * block_k
     # Fresh, K-contiguous, 16-byte aligned rows: what a TMA descriptor needs (Triton lowers descriptor loads to

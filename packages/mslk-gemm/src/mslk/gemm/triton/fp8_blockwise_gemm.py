@@ -119,10 +119,8 @@ def _run_block_scaled(XQ, WQ, x_scale, x_scale_strides, w_scale, w_scale_strides
     (stride along the row blocks, stride along the K blocks) of each scale tensor."""
     (m, k), n = XQ.shape, WQ.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=XQ.device)
-    if m == 0 or n == 0:
+    if launch.no_products(out, k):
         return out
-    if k == 0:
-        return out.zero_()
     a, b = k_contiguous(XQ), k_contiguous(WQ)
     cfg = _block_scaled_config(m, n, _k_step(block_k))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]),)

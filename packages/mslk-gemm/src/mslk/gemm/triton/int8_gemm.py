@@ -96,10 +96,8 @@ def _config(m: int, n: int, k: int, sms: int, split_k: int) -> dict:
 def _run(XQ, WQ, scale: float, scale_tensor, split_k: int) -> torch.Tensor:
     (m, k), n = XQ.shape, WQ.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=XQ.device)
-    if m == 0 or n == 0:
+    if launch.no_products(out, k):
         return out
-    if k == 0:
-        return out.zero_()
     a, b = k_contiguous(XQ), k_contiguous(WQ)
     cfg = dict(_config(m, n, k, arch.sm_count(XQ.device) if XQ.is_cuda else 4, split_k))
     splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
