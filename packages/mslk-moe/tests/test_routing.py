@@ -296,8 +296,21 @@ def test_scatter_add_with_rows_sharing_tokens(tokens, rows, hot):
         got = out.clone()
         _triton(gs, "scatter_add_dense_tokens_op")(got, values, index)
         testing.assert_rel_close(got, expected, 1e-6)
-    locks = gs._token_locks.get(out.device)
-    assert locks is not None and not locks.any()
+    kept = gs._token_locks.get(out.device)
+    assert kept and not any(locks.any() for locks in kept)
+
+
+def test_scatter_add_locks_grow_and_stay():
+    """A larger output gets a larger lock buffer; the older ones stay allocated (graphs may hold them)."""
+    from mslk.moe import gather_scatter as gs
+
+    device = torch.device("cpu")
+    first = gs._locks(device, 10)
+    assert gs._locks(device, 10) is first and first.numel() >= 10
+    grown = gs._locks(device, first.numel() + 1)
+    kept = gs._token_locks[device]
+    assert grown.numel() >= 2 * first.numel() and kept[-1] is grown and kept[-2] is first
+    assert not grown.any()
 
 
 def test_out_of_range_indices_are_skipped_by_the_kernels():

@@ -281,19 +281,22 @@ def _scatter_add_supports(out_tokens, in_tokens, *args):
 
 
 # Per-device spin locks of the scatter-add kernel, one per output token, all free (0) between kernels: kept
-# from call to call, so that a scatter-add is one launch (no memset, no counting pass).
-_token_locks: dict[torch.device, torch.Tensor] = {}
+# from call to call, so that a scatter-add is one launch (no memset, no counting pass). A device's buffers are
+# never freed (the last one is used): CUDA graphs captured with an older one, or kernels still running on
+# another stream, may hold its address. They grow by doubling, so they add up to at most twice the largest.
+_token_locks: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _locks(device: torch.device, tokens: int) -> torch.Tensor | None:
     """At least `tokens` free locks on device; None while a CUDA graph is being captured and the kept ones are
     too few (a buffer allocated during a capture belongs to the graph's memory pool)."""
-    locks = _token_locks.get(device)
-    if locks is None or locks.numel() < tokens:
+    kept = _token_locks.setdefault(device, [])
+    if not kept or kept[-1].numel() < tokens:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        locks = _token_locks[device] = torch.zeros(max(tokens, 1024), dtype=torch.int32, device=device)
-    return locks
+        size = max(tokens, 2 * kept[-1].numel() if kept else 1024)
+        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None, source_rows=None):
