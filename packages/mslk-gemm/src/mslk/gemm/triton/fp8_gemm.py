@@ -256,7 +256,7 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     a_desc, b_desc = None, None
     if a_batch in (0, a.shape[1] * a.stride(1)) and b_batch in (0, b.shape[1] * b.stride(1)):  # batches stacked
         a_desc, b_desc = tma_descriptors(
-            a.reshape(-1, k) if a_batch else a[0], b.reshape(-1, k) if b_batch else b[0],
+            a.view(-1, k) if a_batch else a[0], b.view(-1, k) if b_batch else b[0],
             cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
         )  # fmt: skip
     _fp8_rowwise_kernel[grid](
