@@ -484,15 +484,23 @@ def _weights_view(W: torch.Tensor, shuffled: bool, table: bool) -> torch.Tensor:
     return W.view(torch.int16) if shuffled and not table else W
 
 
+def _run_int4_rows(X, W, scale, zero, **kwargs) -> torch.Tensor:
+    """bf16 [..., M, N] of X [..., M, K] (every leading dim flattened into rows) and one weight matrix W [N, K/2]
+    with its scales and zeros (or None): `_run_int4` on a batch of one."""
+    out = torch.empty((*X.shape[:-1], W.shape[-2]), dtype=torch.bfloat16, device=X.device)
+    x = k_contiguous(X.reshape(1, -1, X.shape[-1]))
+    zero = None if zero is None else zero.contiguous()[None]
+    _run_int4(x, W[None], scale.contiguous()[None], zero, out.view(1, x.shape[1], -1), **kwargs)
+    return out
+
+
 def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_scale=None):
     """out [B, M, N] bf16 of X [B, M, K] (bf16 or FP8, K-contiguous rows) and packed weights W [B, N, K/2] with
     group scales [B, G, N] (tables [B, G, 8, N]) and zeros; x_scale [M] and w_scale [N] for the FP8 forms (B = 1)."""
     batches, m, k = X.shape
     n = W.shape[-2]
-    if out.numel() == 0:
+    if launch.no_products(out, k):
         return out
-    if k == 0:
-        return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
     cfg = dict(_config(m, n, k, batches, _programs(X.device), X.element_size(), X.element_size() == 1 and not table))
@@ -617,10 +625,10 @@ def _bf16_op(name: str, *, shuffled: bool, batched: bool, samples) -> registry.O
         supports=lambda X, W, scale, zero: _supports(X.shape[-1], scale.shape[-2]),
     )
     def _triton(X, W, w_scale_group, w_zero_group):
+        if not batched:
+            return _run_int4_rows(X, W, w_scale_group, w_zero_group, shuffled=shuffled)
         out = torch.empty((*X.shape[:-1], W.shape[-2]), dtype=torch.bfloat16, device=X.device)
-        x = k_contiguous(X if batched else X.reshape(1, -1, X.shape[-1]))
-        w, scale, zero = (t if batched else t[None] for t in (W, w_scale_group, w_zero_group))
-        _run_int4(x, w, scale.contiguous(), zero.contiguous(), out.view(x.shape[0], x.shape[1], -1), shuffled=shuffled)
+        _run_int4(k_contiguous(X), W, w_scale_group.contiguous(), w_zero_group.contiguous(), out, shuffled=shuffled)
         return out
 
     return op
@@ -785,13 +793,7 @@ f8i4bf16_rowwise_op = registry.Op(
     supports=lambda XQ, WQ, x_scale, w_scale, w_zp: _supports(XQ.shape[-1], w_scale.shape[-2]),
 )
 def _f8_rowwise_triton(XQ, WQ, x_scale, w_scale, w_zp):
-    out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
-    x = k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
-    _run_int4(
-        x, WQ[None], w_scale.contiguous()[None], w_zp.contiguous()[None], out.view(1, x.shape[1], -1),
-        shuffled=False, x_scale=x_scale.reshape(-1).contiguous(),
-    )  # fmt: skip
-    return out
+    return _run_int4_rows(XQ, WQ, w_scale, w_zp, shuffled=False, x_scale=x_scale.reshape(-1).contiguous())
 
 
 def f8i4bf16_rowwise(XQ, WQ, x_scale, w_scale, w_zp) -> torch.Tensor:
@@ -840,13 +842,10 @@ f8i4bf16_shuffled_op = registry.Op(
     supports=lambda XQ, WQ, x_scale, w_scale, table: _supports(XQ.shape[-1], table.shape[-3]),
 )
 def _f8_shuffled_triton(XQ, WQ, x_scale, w_scale, w_scale_group):
-    out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=torch.bfloat16, device=XQ.device)
-    x = k_contiguous(XQ.reshape(1, -1, XQ.shape[-1]))
-    _run_int4(
-        x, WQ[None], w_scale_group.contiguous()[None], None, out.view(1, x.shape[1], -1), shuffled=True, table=True,
-        x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(-1).contiguous(),
+    return _run_int4_rows(
+        XQ, WQ, w_scale_group, None, shuffled=True, table=True, x_scale=x_scale.reshape(-1).contiguous(),
+        w_scale=w_scale.reshape(-1).contiguous(),
     )  # fmt: skip
-    return out
 
 
 def f8i4bf16_shuffled(XQ, WQ, x_scale, w_scale, w_scale_group) -> torch.Tensor:
