@@ -18,9 +18,9 @@ power of two (96, 192) is read right only where no power of two gives as many gr
 K = 192 with gs = 96 reads as gs = 128).
 
 Kernels: one K loop, 128 k per step, serves every op. Each step dequantizes the [BLOCK_N, 128] weight tile in
-registers (never to global memory) and multiplies the activations' [BLOCK_M, 128] tile by it on the tensor
-cores: in bf16, scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8:
-q · scale is exact in fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes
+registers (never to global memory) and multiplies it by the activations' [BLOCK_M, 128] tile on the tensor cores,
+computing the output transposed (weights as the first operand, which stays in registers on Hopper): in bf16,
+scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8: q · scale is exact in fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes
 its bf16 pair in three PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs); elsewhere (ROCm, the
 interpreter) the same arithmetic runs as Triton ops. Small M (decode) splits K over more programs: each writes
 fp32 partial sums to a workspace and a second kernel adds them in split order (deterministic) into bf16.
@@ -261,7 +261,9 @@ def _int4_k_loop(
     steps, SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
 ):  # fmt: skip
-    """acc [BM, BN] += X[x_rows, k] · Wdq[cols, k]ᵀ over the K steps [first_step, first_step + steps). Rows where
+    """acc [BN, BM] += Wdq[cols, k] · X[x_rows, k]ᵀ over the K steps [first_step, first_step + steps): the
+    dequantized weights are the dot's first operand, which wgmma takes from registers (no shared-memory round trip),
+    and the activations its second, so a decode tile is as narrow as M (wgmma's N, down to 16). Rows where
     x_mask [BM, 1] is false are not read (None: all are); columns past N read row 0 and are never stored.
 
     Plain weights: one dot per step, a byte per pair (k, k + 1). Preshuffled: one dot per half step of 64 k, both
@@ -298,8 +300,8 @@ def _int4_k_loop(
                 t = (t | (t << 8)) & 0x00FF00FF
                 w_lo = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
                 w_hi = _dequant_pairs(t >> 4, s_hi.to(tl.bfloat16), z_hi.to(tl.bfloat16), ASM, UPCAST)
-            acc = tl.dot(x_lo, w_lo.T, acc)
-            acc = tl.dot(x_hi, w_hi.T, acc)
+            acc = tl.dot(w_lo, x_lo.T, acc)
+            acc = tl.dot(w_hi, x_hi.T, acc)
             s_hi = _group_rows(s_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
             if not TABLE:
                 z_hi = _group_rows(z_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
@@ -314,7 +316,7 @@ def _int4_k_loop(
                 x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
             t = b.to(tl.uint8, bitcast=True).to(tl.int32) * 0x1001  # low nibble to bits 0-3, high to 16-19
             w = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
-            acc = tl.dot(_activations(x, False, UPCAST), w.T, acc)
+            acc = tl.dot(w, _activations(x, False, UPCAST).T, acc)
         s_lo = _group_rows(s_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
         if not TABLE:
             z_lo = _group_rows(z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
@@ -345,17 +347,17 @@ def _int4_gemm_kernel(
     steps = tl.minimum(steps_per_split, tl.cdiv(K, _K_STEP) - first)
     b64 = batch.to(tl.int64)
     acc = _int4_k_loop(
-        tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb,
+        tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb,
         s_ptr + b64 * stride_sb, z_ptr + b64 * stride_sb, stride_xm, stride_wn, stride_sg, x_rows, x_mask, cols, N, K,
         groups, first, steps, SHUFFLED, TABLE, ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB,
     )  # fmt: skip
     if not SPLIT:
         if X_SCALE:
-            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[None, :]
         if W_SCALE:
-            acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[:, None]
     c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + b64 * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
-    tl.store(c_ptrs + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    tl.store(c_ptrs + cols[None, :], acc.T.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -422,17 +424,17 @@ def _int4_grouped_kernel(
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _int4_k_loop(
-                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg,
+                tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], cols, N, K, groups, 0, tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST,
                 True, GROUP_SIZE, KSUB,
             )  # fmt: skip
             if TABLE:
                 if g < G:
-                    acc *= tl.load(x_scale_ptr + first_row + rows, mask=rows < m, other=0.0)[:, None]
-                    acc *= tl.load(w_scale_ptr + g64 * stride_wsg + cols, mask=cols < N, other=0.0)[None, :]
+                    acc *= tl.load(x_scale_ptr + first_row + rows, mask=rows < m, other=0.0)[None, :]
+                    acc *= tl.load(w_scale_ptr + g64 * stride_wsg + cols, mask=cols < N, other=0.0)[:, None]
             out_ptrs = out_ptr + (first_row + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & (cols < N)[None, :])
+            tl.store(out_ptrs, acc.T.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & (cols < N)[None, :])
             tile += programs
         first_row += m
         first_tile += tiles
@@ -449,22 +451,25 @@ def _sub_block(size: int, shuffled: bool) -> int | None:
 
 
 @functools.cache
-def _config(m: int, n: int, k: int, batches: int, sms: int, x_bytes: int, upcast_x: bool) -> dict:
-    """Tiles by shape class for Hopper (offline sm_90 compiles: registers, shared memory; not yet timed).
+def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled_bf16: bool) -> dict:
+    """Tiles by shape class for Hopper, measured on the H200 at N = K = 8192 (RESULTS.md, fifth session).
 
-    Decode (M <= 64) streams the weights: 64 x 64 tiles (wgmma's smallest M; the rows past M are not loaded), two
-    programs per SM by shared memory, and K split until they fill the SMs in one wave. Larger M: the dequantization
-    per flop falls as 1 / BLOCK_M, so 256 x 128 tiles with 2 stages of (256 · 128 · 2 + 128 · 64) B (3 with FP8
-    activations); 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill)."""
+    The tile is [BLOCK_N weight rows, BLOCK_M activation rows] (the output transposed). Decode streams the weights:
+    64 weight rows per program and the activation tile as narrow as M allows (wgmma's N: 16 for M <= 16; rows past
+    M are not loaded), with K split into parts of at least 16 steps until there are about four programs per SM.
+    Larger M: the dequantization per flop falls as 1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3
+    stages (2 for preshuffled bf16 weights, whose third would pass the 227 KiB of shared memory); 128 x 128 where
+    FP8 activations are widened to bf16 (256 rows would spill)."""
     steps = launch.cdiv(k, K_STEP)
     if m <= 64:
-        cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        cfg = {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64 if m <= 16 else 128, "GROUP_M": 1, "num_warps": 4,
+               "num_stages": 3}  # fmt: skip
     elif m <= 256 or upcast_x:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     else:
-        cfg = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2 if x_bytes == 2 else 3}
+        cfg = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2 if shuffled_bf16 else 3}
     tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
-    splits = max(1, min((2 * sms) // tiles, steps // 8))  # one wave of two programs per SM, >= 1024 k each
+    splits = max(1, min(launch.cdiv(4 * sms, tiles), steps // 16))
     per_split = launch.cdiv(steps, splits)
     return {**cfg, "splits": launch.cdiv(steps, per_split), "steps_per_split": per_split}
 
@@ -503,7 +508,8 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         return out
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
-    cfg = dict(_config(m, n, k, batches, _programs(X.device), X.element_size(), X.element_size() == 1 and not table))
+    upcast_x = X.element_size() == 1 and not table
+    cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled and not table))
     splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
     w = _weights_view(W, shuffled, table)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
