@@ -20,10 +20,11 @@ K = 192 with gs = 96 reads as gs = 128).
 Kernels: one K loop, 128 k per step, serves every op. Each step dequantizes the [BLOCK_N, 128] weight tile in
 registers (never to global memory) and multiplies it by the activations' [BLOCK_M, 128] tile on the tensor cores,
 computing the output transposed (weights as the first operand, which stays in registers on Hopper): in bf16,
-scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8: q · scale is exact in fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes
-its bf16 pair in three PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs); elsewhere (ROCm, the
-interpreter) the same arithmetic runs as Triton ops. Small M (decode) splits K over more programs: each writes
-fp32 partial sums to a workspace and a second kernel adds them in split order (deterministic) into bf16.
+scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8: q · scale is exact in
+fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes its bf16 pair in three
+PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs); elsewhere (ROCm, the interpreter) the same
+arithmetic runs as Triton ops. Small M (decode) splits K over more programs: each writes fp32 partial sums to a
+workspace and a second kernel adds them in split order (deterministic) into bf16.
 """
 
 from __future__ import annotations
@@ -454,22 +455,29 @@ def _sub_block(size: int, shuffled: bool) -> int | None:
 def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled_bf16: bool) -> dict:
     """Tiles by shape class for Hopper, measured on the H200 at N = K = 8192 (RESULTS.md, fifth session).
 
-    The tile is [BLOCK_N weight rows, BLOCK_M activation rows] (the output transposed). Decode streams the weights:
-    64 weight rows per program and the activation tile as narrow as M allows (wgmma's N: 16 for M <= 16; rows past
-    M are not loaded), with K split into parts of at least 16 steps until there are about four programs per SM.
-    Larger M: the dequantization per flop falls as 1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3
-    stages (2 for preshuffled bf16 weights, whose third would pass the 227 KiB of shared memory); 128 x 128 where
-    FP8 activations are widened to bf16 (256 rows would spill)."""
+    The tile is [BLOCK_N weight rows, BLOCK_M activation rows] (the output transposed). Decode streams the weights
+    and is bound by latency, so it wants many programs in flight: for M <= 16, 64 weight rows by 16 activation rows
+    (rows past M are not loaded) on 2 warps (mma.sync; one wgmma warpgroup measured 15% slower), K split until
+    there are about 8 programs per SM, each at least 8 steps long; up to M = 64, 128 x 64 on one warpgroup and
+    about 4 programs per SM of at least 16 steps. Larger M: the dequantization per flop falls as 1 / BLOCK_M, so
+    128 weight rows by 256 activation rows on 3 stages (2 for preshuffled bf16 weights, whose third would pass
+    the 227 KiB of shared memory), K split only when there are fewer tiles than SMs; 128 x 128 where FP8
+    activations are widened to bf16 (256 rows would spill)."""
+
+    def tiles(bm, bn, warps, stages, group_m=8):
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
+
     steps = launch.cdiv(k, K_STEP)
-    if m <= 64:
-        cfg = {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64 if m <= 16 else 128, "GROUP_M": 1, "num_warps": 4,
-               "num_stages": 3}  # fmt: skip
+    if m <= 16:
+        cfg, per_sm, min_steps = tiles(16, 64, 2, 3, 1), 8, 8
+    elif m <= 64:
+        cfg, per_sm, min_steps = tiles(64, 128, 4, 3, 1), 4, 16
     elif m <= 256 or upcast_x:
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+        cfg, per_sm, min_steps = tiles(128, 128, 8, 4), 1, 16
     else:
-        cfg = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2 if shuffled_bf16 else 3}
-    tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
-    splits = max(1, min(launch.cdiv(4 * sms, tiles), steps // 16))
+        cfg, per_sm, min_steps = tiles(256, 128, 8, 2 if shuffled_bf16 else 3), 1, 16
+    count = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
+    splits = max(1, min(per_sm * sms // count, steps // min_steps))
     per_split = launch.cdiv(steps, splits)
     return {**cfg, "splits": launch.cdiv(steps, per_split), "steps_per_split": per_split}
 
