@@ -452,30 +452,33 @@ def _sub_block(size: int, shuffled: bool) -> int | None:
 
 
 @functools.cache
-def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled_bf16: bool) -> dict:
+def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled: bool, table: bool) -> dict:
     """Tiles by shape class for Hopper, measured on the H200 at N = K = 8192 (RESULTS.md, fifth session).
 
     The tile is [BLOCK_N weight rows, BLOCK_M activation rows] (the output transposed). Decode streams the weights
-    and is bound by latency, so it wants many programs in flight: for M <= 16, 64 weight rows by 16 activation rows
-    (rows past M are not loaded) on 2 warps (mma.sync; one wgmma warpgroup measured 15% slower), K split until
-    there are about 8 programs per SM, each at least 8 steps long; up to M = 64, 128 x 64 on one warpgroup and
-    about 4 programs per SM of at least 16 steps. Larger M: the dequantization per flop falls as 1 / BLOCK_M, so
-    128 weight rows by 256 activation rows on 3 stages (2 for preshuffled bf16 weights, whose third would pass
-    the 227 KiB of shared memory), K split only when there are fewer tiles than SMs; 128 x 128 where FP8
-    activations are widened to bf16 (256 rows would spill)."""
+    and is bound by latency, so it wants many programs in flight: with plain weights and M <= 32, 64 weight rows
+    by 16 or 32 activation rows (rows past M are not loaded) on 2 warps (mma.sync; a wgmma warpgroup measured 15%
+    slower at M = 16, 25% at M = 32), K split to about 8 programs per SM of at least 8 steps (M <= 16), else 4 of
+    at least 16 steps. Preshuffled weights (whose 2-warp tiles measured slower) and M up to 64: one warpgroup, 64
+    weight rows by 16 activation rows or 128 by 64, about 4 programs per SM. Larger M: the dequantization per
+    flop falls as 1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3 stages (2 for preshuffled bf16
+    weights, whose third would pass the 227 KiB of shared memory), K split only when there are fewer tiles than
+    SMs; 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill)."""
 
     def tiles(bm, bn, warps, stages, group_m=8):
         return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
 
     steps = launch.cdiv(k, K_STEP)
-    if m <= 16:
-        cfg, per_sm, min_steps = tiles(16, 64, 2, 3, 1), 8, 8
+    per_sm, min_steps = 1, 16  # programs per SM that K splits aim for, and the fewest steps in a split
+    if m <= 32 and not shuffled:
+        cfg = tiles(16 if m <= 16 else 32, 64, 2, 3, 1)
+        per_sm, min_steps = (8, 8) if m <= 16 else (4, 16)
     elif m <= 64:
-        cfg, per_sm, min_steps = tiles(64, 128, 4, 3, 1), 4, 16
+        cfg, per_sm = tiles(16, 64, 4, 3, 1) if m <= 16 else tiles(64, 128, 4, 3, 1), 4
     elif m <= 256 or upcast_x:
-        cfg, per_sm, min_steps = tiles(128, 128, 8, 4), 1, 16
+        cfg = tiles(128, 128, 8, 4)
     else:
-        cfg, per_sm, min_steps = tiles(256, 128, 8, 2 if shuffled_bf16 else 3), 1, 16
+        cfg = tiles(256, 128, 8, 2 if shuffled and not table else 3)
     count = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
     splits = max(1, min(per_sm * sms // count, steps // min_steps))
     per_split = launch.cdiv(steps, splits)
@@ -517,7 +520,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
     upcast_x = X.element_size() == 1 and not table
-    cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled and not table))
+    cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table))
     splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
     w = _weights_view(W, shuffled, table)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
