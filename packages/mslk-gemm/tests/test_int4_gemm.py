@@ -336,15 +336,22 @@ def test_unsupported_group_size_names_the_reason():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192), (8192, 8192, 8192)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 8192, 8192), (16, 8192, 8192), (64, 8192, 8192), (8192, 8192, 8192), (5, 777, 1536), (29, 1000, 4000),
+     (50, 520, 2048), (300, 520, 2304)],
+)  # fmt: skip
 def test_bf16i4bf16_rowwise_gpu(m, n, k):
+    """Every tile class of _config (M <= 16, <= 32, <= 64, <= 256, larger), odd N, K not a multiple of 128."""
     x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=128, device="cuda")
     out = g.bf16i4bf16_rowwise(x, w, scale, zero)
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "n", "k", "gs"), [(16, 8192, 8192, 128), (2048, 4096, 7168, 64), (100, 1024, 4096, 32)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "gs"), [(16, 8192, 8192, 128), (2048, 4096, 7168, 64), (100, 1024, 4096, 32), (29, 1000, 1024, 128)]
+)
 def test_int4_forms_gpu(m, n, k, gs):
     x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, device="cuda")
     out = g.bf16i4bf16_shuffled(x, w, scale, zero)
