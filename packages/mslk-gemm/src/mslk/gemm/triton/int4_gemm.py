@@ -363,37 +363,38 @@ def _int4_gemm_kernel(
 
 @triton.jit
 def splitk_reduce_kernel(
-    ws_ptr, out_ptr, row_scale_ptr, col_scale_ptr, scalar_ptr, scalar, R, N, SPLITS,
-    ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, SCALAR_PTR: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    ws_ptr, out_ptr, row_scale_ptr, col_scale_ptr, scalar_ptr, scalar, R, N,
+    SPLITS: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, SCALAR_PTR: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[r, n] = (Σ_s ws[s, r, n]) · row_scale[r] · col_scale[n] · scalar (· scalar_ptr[0]), for the
     workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs), added in split
-    order in its own dtype: deterministic. out [R, N] contiguous."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ws_ptr.dtype.element_ty)
-    for s in range(SPLITS):
-        acc += tl.load(ws_ptr + tl.cast(s, tl.int64) * R * N + offsets, mask=mask, other=0)
+    order in its own dtype: deterministic. out [R, N] contiguous; each program takes BLOCK of its R·N elements.
+    The splits are unrolled so that all their loads are in flight at once (a loop waits for each in turn: 9 us
+    instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
+    total = tl.cast(R, tl.int64) * N
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < total
+    acc = tl.load(ws_ptr + offsets, mask=mask, other=0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ws_ptr + s * total + offsets, mask=mask, other=0)
     out = acc.to(tl.float32) * scalar
     if ROW_SCALE:
-        out *= tl.load(row_scale_ptr + rows, mask=rows < R, other=0.0)[:, None]
+        out *= tl.load(row_scale_ptr + offsets // N, mask=mask, other=0.0)
     if COL_SCALE:
-        out *= tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        out *= tl.load(col_scale_ptr + offsets % N, mask=mask, other=0.0)
     if SCALAR_PTR:
         out *= tl.load(scalar_ptr)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_tensor=None) -> torch.Tensor:
-    """out [R, N] (contiguous) from the split-K workspace ws [splits, R, N]; see splitk_reduce_kernel."""
+    """out [R, N] from the split-K workspace ws [splits, R, N], both contiguous; see splitk_reduce_kernel."""
     splits, r, n = ws.shape
-    grid = (launch.cdiv(r, 8), launch.cdiv(n, 256))
-    splitk_reduce_kernel[grid](
-        ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, splits, ROW_SCALE=row_scale is not None,
-        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, BLOCK_R=8, BLOCK_N=256, num_warps=4,
+    block = 512
+    splitk_reduce_kernel[(launch.cdiv(r * n, block),)](
+        ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, SPLITS=splits, ROW_SCALE=row_scale is not None,
+        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return out
 
