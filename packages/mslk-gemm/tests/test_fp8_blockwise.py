@@ -79,6 +79,28 @@ def test_block_scaled_gpu(m, n, k):
         testing.assert_rel_close(out, oracle(gq, wq, gs, ws, 1, 128, 128), 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "row_pad"),
+    [(129, 257, 384, 128, 0), (1000, 777, 208, 128, 0), (300, 520, 1024, 256, 0), (4096, 4096, 4096, 128, 0),
+     (200, 136, 512, 128, 32)],
+    ids=str,
+)  # fmt: skip
+def test_hopper_kernel_gpu(m, n, k, block, row_pad):
+    """The Gluon kernel (sm_90), called directly (dispatch takes it for K >= 4096 only): ragged M and N, K not a
+    multiple of 128 (TMA pads with zeros), 256-blocks (two K steps per scale), XQ rows strided inside a wider
+    tensor; every output element written (poisoned output)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    wide_q, wide_s = g.quantize_blocks(testing.randn(m, k + row_pad, device="cuda"), block, block)
+    xq, xs = wide_q[:, :k], wide_s[:, : -(-k // block)].contiguous()  # row_pad > 0 only where k % block == 0
+    wq, ws = g.quantize_blocks(testing.randn(n, k, device="cuda"), block, block)
+    assert g.fp8_blockwise_hopper.supports(xq, wq, block, block, block)
+    out = testing.empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    g.fp8_blockwise_hopper.run(xq, wq, out, xs, xs.stride(), ws, ws.stride(), block, block, block)
+    testing.assert_rel_close(out, oracle(xq, wq, xs, ws, block, block, block), 1e-2)
+
+
 def test_small_k_blocks_go_to_the_reference():
     backend = g.f8f8bf16_blockwise_op.get_backend("triton")
     args = (torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0), 128, 128, 16)

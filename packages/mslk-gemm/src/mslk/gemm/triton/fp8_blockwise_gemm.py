@@ -8,7 +8,9 @@ DeepSeek-V3 recipe: one scale per row and 128 elements of K for XQ (quantize_fp8
 and per 128 x 128 tile for WQ (quantize_fp8_block(w, 128, 128, k_major=False), [K/128, N/128]).
 
 One Triton kernel serves both: each K step multiplies a tile's product by the scales of its rows and columns
-before adding it to the fp32 accumulator (the scales change along K, so they cannot wait for the epilogue).
+before adding it to the fp32 accumulator (the scales change along K, so they cannot wait for the epilogue). On
+Hopper, scale blocks covering whole 128 x 128 tiles and K >= 4096 run fp8_blockwise_hopper.py's Gluon kernel
+instead, which keeps a wgmma in flight while it scales the previous step's product.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
+from mslk.gemm.triton import fp8_blockwise_hopper
 from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates, tma_descriptors
 
 GROUP_K = 128  # the groupwise recipe's K granularity
@@ -122,6 +125,9 @@ def _run_block_scaled(XQ, WQ, x_scale, x_scale_strides, w_scale, w_scale_strides
     if launch.no_products(out, k):
         return out
     a, b = k_contiguous(XQ), k_contiguous(WQ)
+    if k >= fp8_blockwise_hopper.MIN_K and fp8_blockwise_hopper.supports(a, b, x_rows, w_rows, block_k):
+        return fp8_blockwise_hopper.run(a, b, out, x_scale, x_scale_strides, w_scale, w_scale_strides, x_rows, w_rows,
+                                        block_k)  # fmt: skip
     cfg = _block_scaled_config(m, n, _k_step(block_k))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]),)
     a_desc, b_desc = tma_descriptors(a, b, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
