@@ -4,10 +4,10 @@
 
 for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile and K block), K-major operands that
 TMA can read. Each K step's product has to be scaled before it joins the accumulator, and Triton's compiler waits
-for every wgmma before that multiply (the tensor cores idle meanwhile). Here each step's wgmma goes into a fresh
-accumulator asynchronously, and the previous step's product is scaled and added while it runs: wgmma i is
-issued, then wgmma i - 1 is waited for (one left in flight) and promoted. Operands come through a ring of TMA
-stages; a stage is refilled once both warpgroups are past the wgmma that read it.
+for every wgmma before that multiply (the tensor cores idle meanwhile). Here K steps go in pairs: both steps'
+wgmmas start, each into a fresh product, and the first product is scaled and added while the second runs.
+Operands come through a ring of TMA stages; a stage is refilled once both warpgroups are past the wgmma that
+read it.
 """
 
 from __future__ import annotations
@@ -53,19 +53,9 @@ def _issue_step(a_bufs, b_bufs, ready, step, part, STAGES: gl.constexpr):
 
 @gluon.jit
 def _retire_step(
-    a_desc,
-    b_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    step,
-    steps,
-    off_m,
-    off_n,
-    part,
-    IN_FLIGHT: gl.constexpr,
+    a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, part, IN_FLIGHT: gl.constexpr,
     STAGES: gl.constexpr,
-):
+):  # fmt: skip
     """K step `step`'s product, waited for with IN_FLIGHT later ones left running; its stage then takes step +
     STAGES."""
     done = warpgroup_mma_wait(IN_FLIGHT, deps=(part,))
@@ -93,6 +83,7 @@ def _blockwise_wgmma_kernel(
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
+    # Tile order of fp8_gemm.tile_coordinates (a Triton function, which Gluon kernels cannot call).
     pid = gl.program_id(0)
     tiles_m = gl.cdiv(M, BM)
     tiles_n = gl.cdiv(N, BN)
