@@ -19,6 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
+from mslk.gemm.triton.fp8_gemm import tma_ready
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory
@@ -144,11 +145,6 @@ def supports(a: torch.Tensor, b: torch.Tensor, a_scale_rows: int, b_scale_rows: 
     """Whether the kernel serves these operands: an sm_90 GPU, FP8 e4m3 operands TMA can read (K-contiguous,
     16-byte aligned rows), more than 64 rows (smaller M runs the Triton kernel's 64-row tiles), scale blocks
     covering whole tiles and whole K steps."""
-
-    def tma_ready(t: torch.Tensor) -> bool:
-        rows_apart = t.stride(0) >= t.shape[1] and t.stride(0) % 16 == 0
-        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and rows_apart
-
     return (
         a.is_cuda
         and torch.version.hip is None

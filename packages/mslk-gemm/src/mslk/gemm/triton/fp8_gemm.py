@@ -273,16 +273,17 @@ def k_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can read the 2-D t by rows: non-empty, K-contiguous, 16-byte aligned rows that don't overlap."""
+    rows_apart = t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
+    return t.numel() > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and rows_apart
+
+
 def tma_descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int) -> tuple:
-    """TMA descriptors of a [M, K] and b [N, K] in [block_m | block_n, block_k] tiles where both are K-contiguous
-    with 16-byte aligned rows (loads past their edges give zeros; Triton lowers them to plain loads on GPUs
-    without TMA); else (None, None), and the kernels load through pointers."""
-
-    def aligned(t: torch.Tensor) -> bool:
-        rows_apart = t.stride(0) >= t.shape[1] and t.stride(0) * t.element_size() % 16 == 0
-        return t.numel() > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and rows_apart
-
-    if not (aligned(a) and aligned(b)):
+    """TMA descriptors of a [M, K] and b [N, K] in [block_m | block_n, block_k] tiles where both are tma_ready
+    (loads past their edges give zeros; Triton lowers them to plain loads on GPUs without TMA); else (None, None),
+    and the kernels load through pointers."""
+    if not (tma_ready(a) and tma_ready(b)):
         return None, None
     return (
         TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k]),
