@@ -5,6 +5,7 @@ import torch
 
 from mslk.core import testing
 from mslk.moe import (
+    common,
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,
     index_shuffling,
@@ -193,10 +194,12 @@ def _check_shuffling(t, e, top_k, dtype, ranged, with_count):
     scores = _tied_scores(t, e, dtype)
     start, end = (e // 4, e - e // 4) if ranged else (None, None)
     count = torch.tensor([max(t - 3, 0)], device=KERNEL_DEVICE) if with_count else None
-    out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, top_k)
     ref = shuffling._index_shuffling(scores, start, end, count, top_k)
-    for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), name  # the unused tail too
+    for _ in range(2):  # again: the grid barrier's counter was left at zero
+        out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, top_k)
+        for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name  # the unused tail too
+        assert common._kept[(scores.device, shuffling.BARRIER)][-1][0] == 0
 
 
 @pytest.mark.parametrize(
@@ -296,19 +299,18 @@ def test_scatter_add_with_rows_sharing_tokens(tokens, rows, hot):
         got = out.clone()
         _triton(gs, "scatter_add_dense_tokens_op")(got, values, index)
         testing.assert_rel_close(got, expected, 1e-6)
-    kept = gs._token_locks.get(out.device)
+    kept = common._kept.get((out.device, gs.SCATTER_LOCKS))
     assert kept and not any(locks.any() for locks in kept)
 
 
-def test_scatter_add_locks_grow_and_stay():
-    """A larger output gets a larger lock buffer; the older ones stay allocated (graphs may hold them)."""
-    from mslk.moe import gather_scatter as gs
-
+def test_kept_zeros_grow_and_stay():
+    """A larger request gets a larger buffer; the older ones stay allocated (graphs may hold them)."""
     device = torch.device("cpu")
-    first = gs._locks(device, 10)
-    assert gs._locks(device, 10) is first and first.numel() >= 10
-    grown = gs._locks(device, first.numel() + 1)
-    kept = gs._token_locks[device]
+    first = common.kept_zeros(device, "test", 10)
+    assert common.kept_zeros(device, "test", 10) is first and first.numel() >= 10
+    assert common.kept_zeros(device, "another use", 10) is not first
+    grown = common.kept_zeros(device, "test", first.numel() + 1)
+    kept = common._kept[(device, "test")]
     assert grown.numel() >= 2 * first.numel() and kept[-1] is grown and kept[-2] is first
     assert not grown.any()
 

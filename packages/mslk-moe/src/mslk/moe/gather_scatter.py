@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
-from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
 from mslk.quantize.triton.common import check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
@@ -280,23 +280,7 @@ def _scatter_add_supports(out_tokens, in_tokens, *args):
     return reasons
 
 
-# Per-device spin locks of the scatter-add kernel, one per output token, all free (0) between kernels: kept
-# from call to call, so that a scatter-add is one launch (no memset, no counting pass). A device's buffers are
-# never freed (the last one is used): CUDA graphs captured with an older one, or kernels still running on
-# another stream, may hold its address. They grow by doubling, so they add up to at most twice the largest.
-_token_locks: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _locks(device: torch.device, tokens: int) -> torch.Tensor | None:
-    """At least `tokens` free locks on device; None while a CUDA graph is being captured and the kept ones are
-    too few (a buffer allocated during a capture belongs to the graph's memory pool)."""
-    kept = _token_locks.setdefault(device, [])
-    if not kept or kept[-1].numel() < tokens:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        size = max(tokens, 2 * kept[-1].numel() if kept else 1024)
-        kept.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return kept[-1]
+SCATTER_LOCKS = "scatter-add token locks"  # kept_zeros: one spin lock per output token, 0 = free
 
 
 def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None, source_rows=None):
@@ -309,7 +293,7 @@ def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None,
     # At most a row per token (top-1 routing) takes the locks: uncontended, they cost H200 about 1% against
     # 4.5% for counting first. More rows than tokens (top-k) means tokens with several rows, which would wait
     # on each other's locks: there, counting and atomic adds are faster (T=2048 D=5120 top-8: 2111 GB/s vs 1978).
-    locks = _locks(out_tokens.device, tokens) if rows <= tokens else None
+    locks = kept_zeros(out_tokens.device, SCATTER_LOCKS, tokens) if rows <= tokens else None
     multiplicity = None
     if locks is None:
         multiplicity = torch.zeros(tokens, dtype=torch.int32, device=out_tokens.device)

@@ -3,9 +3,10 @@
 Unlike the reference library's kernel it takes any number of experts, any top_k up to E, and its results are
 deterministic: a token's top-k experts are its k highest scores, ties to the lower expert index (NaN counts as
 the highest score, -0 equals +0), and inside an expert's segment the tokens are in ascending order. The PyTorch
-implementation serves every device; on a GPU three Triton kernels (no host sync) serve E up to 4096 and top_k
-up to 8: per token block the top-k and a histogram of the experts, then every block's first position in each
-expert's segment, then the placement.
+implementation serves every device; on a GPU one Triton launch (no host sync) serves E up to 4096 and top_k
+up to 8: each program finds the top-k of its tokens and their histogram over the experts, waits at a grid
+barrier for the others, takes its first position in each expert's segment from all the histograms, and places
+its pairs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mslk.core import launch, registry, testing
-from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.core import arch, launch, registry, testing
+from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
 
 
 def _bounds(routing_scores, expert_index_start, expert_index_end) -> tuple[int, int]:
@@ -93,18 +94,17 @@ index_shuffling_op = registry.Op(
 
 _MAX_TRITON_EXPERTS = 4096  # one program holds a token block's scores of every expert
 _MAX_TRITON_TOP_K = 8
+BARRIER = "index_shuffling grid barrier"  # kept_zeros: the kernel's grid barrier state
 
 
 @triton.jit
-def _route_kernel(
-    scores_ptr, pair_expert_ptr, histogram_ptr, valid_count_ptr, T, E, start, stride_t, stride_e,
-    E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr, BINS_PAD: tl.constexpr,
+def _route_block(
+    scores_ptr, pair_expert_ptr, tokens, T, E, start, stride_t, stride_e, valid_count,
+    E_LOCAL: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BINS_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Top-k experts of BLOCK_T tokens: pair_expert[t·k + j] = local index of token t's j-th expert; and the
-    block's histogram over bins 0..E_LOCAL (bin E_LOCAL: pairs not selected, outside the range or the count)."""
-    block = tl.program_id(0)
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    """Top-k experts of the tokens [BLOCK_T]: pair_expert[t·k + j] = local index of token t's j-th expert.
+    Returns the block's histogram over bins 0..E_LOCAL (bin E_LOCAL: pairs not selected, outside the range or
+    the count)."""
     experts = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     in_range = (tokens < T)[:, None] & (experts < E)
     v = tl.load(scores_ptr + tokens.to(tl.int64)[:, None] * stride_t + experts * stride_e, mask=in_range, other=0.0)
@@ -113,7 +113,6 @@ def _route_kernel(
     bits = v.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers ordered as the floats, NaN above +inf
     key = tl.where(in_range, key, -2147483648)  # [BLOCK_T, E_PAD]
-    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
     bins = tl.zeros([BINS_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, 1)[:, None]
@@ -122,60 +121,86 @@ def _route_kernel(
         local = chosen - start
         tl.store(pair_expert_ptr + tokens * TOP_K + j, local, mask=tokens < T)
         selected = (local >= 0) & (local < E_LOCAL) & (tokens < valid_count)
-        # Tokens past T go to the last bin (BINS_PAD > E_LOCAL + 1), which is not stored.
+        # Tokens past T go to the last bin (BINS_PAD > E_LOCAL + 1), which is never read.
         bins += tl.histogram(tl.where(tokens < T, tl.where(selected, local, E_LOCAL), BINS_PAD - 1), BINS_PAD)
-    b = tl.arange(0, BINS_PAD)
-    tl.store(histogram_ptr + block * (E_LOCAL + 1) + b, bins, mask=b <= E_LOCAL)
+    return bins
 
 
 @triton.jit
-def _offsets_kernel(
-    histogram_ptr, counts_ptr, n_blocks, E, start, T,
-    E_LOCAL: tl.constexpr, BINS_PAD: tl.constexpr, ROWS: tl.constexpr, COUNTS_PAD: tl.constexpr,
+def _grid_barrier(state_ptr, programs):
+    """Every program of the launch (all resident at once: a cooperative launch) gets here before any goes on.
+    state_ptr [2] int32: arrivals (0 between barriers: the last to arrive resets it) and a generation number
+    that the last to arrive advances, which releases the others."""
+    tl.debug_barrier()  # the program's stores come before its arrival
+    generation = tl.atomic_add(state_ptr + 1, 0, sem="acquire")
+    if tl.atomic_add(state_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.atomic_xchg(state_ptr, 0, sem="relaxed")
+        tl.atomic_add(state_ptr + 1, 1, sem="release")
+    else:
+        while tl.atomic_add(state_ptr + 1, 0, sem="acquire") == generation:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _index_shuffling_kernel(
+    scores_ptr, pair_expert_ptr, histogram_ptr, barrier_ptr, valid_count_ptr, counts_ptr, expert_indices_ptr,
+    token_indices_ptr, T, E, start, stride_t, stride_e, blocks_per_program,
+    E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr, BINS_PAD: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr, COUNTS_PAD: tl.constexpr,
 ):  # fmt: skip
-    """One program: the histogram [n_blocks, E_LOCAL + 1] becomes each block's first position in every bin
-    (bins back to back, blocks in order inside a bin), in place; counts [E + 2] gets the per-expert counts."""
-    b = tl.arange(0, BINS_PAD)[None, :]
+    """The whole op in one launch; program p takes the token blocks [p, p + 1) · blocks_per_program.
+    1. The top-k of its tokens (pair_expert) and their histogram over the bins (histogram row p).
+    2. After a grid barrier, from all programs' histograms: where its first pair of each bin goes (bins back
+       to back, programs in order inside a bin); program 0 writes counts.
+    3. Its pairs at their positions, block by block: a pair goes after the block's earlier pairs in its bin
+       (pairs in token order, then top-k order)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
+    first_block = pid * blocks_per_program
+    block_tokens = tl.arange(0, BLOCK_T)
+    own = tl.zeros([BINS_PAD], dtype=tl.int32)
+    for block in range(first_block, first_block + blocks_per_program):
+        own += _route_block(
+            scores_ptr, pair_expert_ptr, block * BLOCK_T + block_tokens, T, E, start, stride_t, stride_e,
+            valid_count, E_LOCAL, TOP_K, E_PAD, BINS_PAD,
+        )  # fmt: skip
+    bins = tl.arange(0, BINS_PAD)
+    tl.store(histogram_ptr + pid * (E_LOCAL + 1) + bins, own, mask=bins <= E_LOCAL)
+    _grid_barrier(barrier_ptr, programs)
+
     rows = tl.arange(0, ROWS)[:, None]
     totals = tl.zeros([BINS_PAD], dtype=tl.int32)
-    for r0 in range(0, n_blocks, ROWS):
-        mask = (r0 + rows < n_blocks) & (b <= E_LOCAL)
-        totals += tl.sum(tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, mask=mask, other=0), 0)
-    running = tl.cumsum(totals, 0) - totals  # [BINS_PAD]: where each bin starts
-    for r0 in range(0, n_blocks, ROWS):
-        mask = (r0 + rows < n_blocks) & (b <= E_LOCAL)
-        h = tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, mask=mask, other=0)
-        tl.store(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + b, running[None, :] + tl.cumsum(h, 0) - h, mask=mask)
-        running += tl.sum(h, 0)
-    bins = tl.arange(0, BINS_PAD)
-    tl.store(counts_ptr + start + bins, totals, mask=bins < E_LOCAL)
-    e = tl.arange(0, COUNTS_PAD)
-    selected = tl.sum(tl.where(bins < E_LOCAL, totals, 0), 0)
-    others = tl.where(e == E, T, tl.where(e == E + 1, selected, 0))  # experts outside the range count 0
-    tl.store(counts_ptr + e, others, mask=((e < start) | (e >= start + E_LOCAL)) & (e < E + 2))
+    before = tl.zeros([BINS_PAD], dtype=tl.int32)  # the bins' pairs of programs before this one
+    for r0 in range(0, programs, ROWS):
+        mask = (r0 + rows < programs) & (bins <= E_LOCAL)[None, :]
+        # .cg: from L2, where the other programs wrote
+        h = tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + bins[None, :], mask=mask, other=0,
+                    cache_modifier=".cg")  # fmt: skip
+        totals += tl.sum(h, 0)
+        before += tl.sum(tl.where(r0 + rows < pid, h, 0), 0)
+    position = tl.cumsum(totals, 0) - totals + before  # [BINS_PAD]: where the program's next pair of a bin goes
+    if pid == 0:
+        tl.store(counts_ptr + start + bins, totals, mask=bins < E_LOCAL)
+        e = tl.arange(0, COUNTS_PAD)
+        selected = tl.sum(tl.where(bins < E_LOCAL, totals, 0), 0)
+        others = tl.where(e == E, T, tl.where(e == E + 1, selected, 0))  # experts outside the range count 0
+        tl.store(counts_ptr + e, others, mask=((e < start) | (e >= start + E_LOCAL)) & (e < E + 2))
 
-
-@triton.jit
-def _place_kernel(
-    pair_expert_ptr, offsets_ptr, valid_count_ptr, expert_indices_ptr, token_indices_ptr, T,
-    E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
-):  # fmt: skip
-    """Write the pairs of a token block at their positions: their block's first position in their bin plus the
-    number of earlier pairs of the block in the same bin (pairs in token order, then top-k order)."""
-    block = tl.program_id(0)
-    p = tl.arange(0, PAIRS)  # [PAIRS], a power of two >= BLOCK_T · TOP_K
-    pair = block * BLOCK_T * TOP_K + p
-    in_range = (p < BLOCK_T * TOP_K) & (pair < T * TOP_K)
-    local = tl.load(pair_expert_ptr + pair, mask=in_range, other=0)
-    token = pair // TOP_K
-    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
-    bin = tl.where((local >= 0) & (local < E_LOCAL) & (token < valid_count), local, E_LOCAL)
-    bin = tl.where(in_range, bin, E_LOCAL + 1)  # out of range: a bin of their own, never written
-    earlier = (bin[None, :] == bin[:, None]) & (p[None, :] < p[:, None])  # [PAIRS, PAIRS]
-    rank = tl.sum(earlier.to(tl.int32), 1)
-    first = tl.load(offsets_ptr + block * (E_LOCAL + 1) + bin, mask=in_range, other=0)
-    tl.store(expert_indices_ptr + first + rank, local, mask=in_range)
-    tl.store(token_indices_ptr + first + rank, token, mask=in_range)
+    p = tl.arange(0, PAIRS)  # a power of two >= BLOCK_T · TOP_K
+    for block in range(first_block, first_block + blocks_per_program):
+        pair = block * BLOCK_T * TOP_K + p
+        in_range = (p < BLOCK_T * TOP_K) & (pair < T * TOP_K)
+        local = tl.load(pair_expert_ptr + pair, mask=in_range, other=0)
+        token = pair // TOP_K
+        bin = tl.where((local >= 0) & (local < E_LOCAL) & (token < valid_count), local, E_LOCAL)
+        bin = tl.where(in_range, bin, BINS_PAD - 1)  # out of range: a bin never written
+        earlier = (bin[None, :] == bin[:, None]) & (p[None, :] < p[:, None])  # [PAIRS, PAIRS]
+        slot = tl.gather(position, bin, 0) + tl.sum(earlier.to(tl.int32), 1)
+        tl.store(expert_indices_ptr + slot, local, mask=in_range)
+        tl.store(token_indices_ptr + slot, token, mask=in_range)
+        position += tl.histogram(bin, BINS_PAD)
 
 
 def _index_shuffling_supports(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None,
@@ -192,32 +217,30 @@ def _index_shuffling_supports(routing_scores, expert_index_start=None, expert_in
 def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None,
                             top_k=1):  # fmt: skip
     tokens, experts = routing_scores.shape
+    device = routing_scores.device
     start, end = _bounds(routing_scores, expert_index_start, expert_index_end)
-    ints = {"dtype": torch.int32, "device": routing_scores.device}
+    ints = {"dtype": torch.int32, "device": device}
     counts = torch.empty(experts + 2, **ints)
     expert_indices, token_indices = torch.empty(tokens * top_k, **ints), torch.empty(tokens * top_k, **ints)
     e_pad = launch.next_power_of_2(experts)
     # Token blocks of at most 128 pairs (the placement compares pairs with pairs) and 8192 scores.
     block_t = max(1, min(128 // launch.next_power_of_2(top_k), 8192 // e_pad))
     n_blocks = launch.cdiv(tokens, block_t)
+    # At most one program per SM, so that all are resident for the grid barrier (the interpreter runs
+    # programs one after another: one program there).
+    programs = 1 if testing.interpreting() else max(1, min(n_blocks, arch.sm_count(device)))
+    blocks_per_program = launch.cdiv(n_blocks, programs)
     local, bins_pad = end - start, launch.next_power_of_2(end - start + 2)
-    pair_expert, histogram = torch.empty(tokens * top_k, **ints), torch.empty(max(n_blocks, 1) * (local + 1), **ints)
-    count = valid_token_count if valid_token_count is not None else counts
-    common = {"E_LOCAL": local, "HAS_COUNT": valid_token_count is not None, "TOP_K": top_k, "BLOCK_T": block_t}
-    if tokens:
-        _route_kernel[(n_blocks,)](
-            routing_scores, pair_expert, histogram, count, tokens, experts, start, *routing_scores.stride(),
-            E_PAD=e_pad, BINS_PAD=bins_pad, **common, num_warps=4,
-        )  # fmt: skip
-    _offsets_kernel[(1,)](
-        histogram, counts, n_blocks, experts, start, tokens, E_LOCAL=local, BINS_PAD=bins_pad,
-        ROWS=max(1, min(64, 8192 // bins_pad)), COUNTS_PAD=launch.next_power_of_2(experts + 2), num_warps=4,
+    workspace = torch.empty(tokens * top_k + programs * (local + 1), **ints)
+    barrier = kept_zeros(device, BARRIER, 2)
+    _index_shuffling_kernel[(programs,)](
+        routing_scores, workspace, workspace[tokens * top_k :], torch.zeros(2, **ints) if barrier is None else barrier,
+        counts if valid_token_count is None else valid_token_count, counts, expert_indices, token_indices, tokens,
+        experts, start, *routing_scores.stride(), blocks_per_program, E_LOCAL=local,
+        HAS_COUNT=valid_token_count is not None, TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad, BINS_PAD=bins_pad,
+        PAIRS=launch.next_power_of_2(block_t * top_k), ROWS=max(1, min(launch.next_power_of_2(programs),
+        8192 // bins_pad)), COUNTS_PAD=launch.next_power_of_2(experts + 2), num_warps=4, launch_cooperative_grid=True,
     )  # fmt: skip
-    if tokens:
-        _place_kernel[(n_blocks,)](
-            pair_expert, histogram, count, expert_indices, token_indices, tokens,
-            PAIRS=launch.next_power_of_2(block_t * top_k), **common, num_warps=4,
-        )  # fmt: skip
     return counts, expert_indices, token_indices
 
 
