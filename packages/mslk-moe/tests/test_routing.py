@@ -199,7 +199,7 @@ def _check_shuffling(t, e, top_k, dtype, ranged, with_count):
         out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, top_k)
         for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), name  # the unused tail too
-        assert common._kept[(scores.device, shuffling.BARRIER)][-1][0] == 0
+        assert common.kept_zeros(scores.device, shuffling.BARRIER, 2)[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -221,6 +221,27 @@ def test_index_shuffling_kernel(t, e, top_k, dtype, ranged, with_count):
 @pytest.mark.parametrize(("ranged", "with_count"), [(False, False), (True, True)], ids=["all", "ranged_count"])
 def test_index_shuffling_kernel_gpu(t, e, top_k, dtype, ranged, with_count):
     _check_shuffling(t, e, top_k, dtype, ranged, with_count)
+
+
+@pytest.mark.gpu
+def test_index_shuffling_kernels_on_two_streams_at_once():
+    """Kernels running at the same time on two streams keep their grid barriers apart."""
+    from mslk.moe import shuffling
+
+    scores = [_tied_scores(16384, 128, torch.bfloat16) for _ in range(2)]
+    refs = [shuffling._index_shuffling(s, top_k=2) for s in scores]
+    streams = [torch.cuda.Stream() for _ in scores]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = [[], []]
+    for _ in range(20):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[i].append(_triton(shuffling, "index_shuffling_op")(scores[i], None, None, None, 2))
+    torch.cuda.synchronize()
+    for ref, outs in zip(refs, results, strict=True):
+        for out in outs:
+            assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
 
 
 def test_index_shuffling_kernel_limits():
@@ -299,8 +320,7 @@ def test_scatter_add_with_rows_sharing_tokens(tokens, rows, hot):
         got = out.clone()
         _triton(gs, "scatter_add_dense_tokens_op")(got, values, index)
         testing.assert_rel_close(got, expected, 1e-6)
-    kept = common._kept.get((out.device, gs.SCATTER_LOCKS))
-    assert kept and not any(locks.any() for locks in kept)
+    assert not common.kept_zeros(out.device, gs.SCATTER_LOCKS, 1).any()
 
 
 def test_kept_zeros_grow_and_stay():
@@ -310,7 +330,7 @@ def test_kept_zeros_grow_and_stay():
     assert common.kept_zeros(device, "test", 10) is first and first.numel() >= 10
     assert common.kept_zeros(device, "another use", 10) is not first
     grown = common.kept_zeros(device, "test", first.numel() + 1)
-    kept = common._kept[(device, "test")]
+    kept = common._kept[(device, 0, "test")]
     assert grown.numel() >= 2 * first.numel() and kept[-1] is grown and kept[-2] is first
     assert not grown.any()
 

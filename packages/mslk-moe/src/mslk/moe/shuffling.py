@@ -232,9 +232,8 @@ def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_inde
     blocks_per_program = launch.cdiv(n_blocks, programs)
     local, bins_pad = end - start, launch.next_power_of_2(end - start + 2)
     workspace = torch.empty(tokens * top_k + programs * (local + 1), **ints)
-    barrier = kept_zeros(device, BARRIER, 2)
     _index_shuffling_kernel[(programs,)](
-        routing_scores, workspace, workspace[tokens * top_k :], torch.zeros(2, **ints) if barrier is None else barrier,
+        routing_scores, workspace, workspace[tokens * top_k :], kept_zeros(device, BARRIER, 2),
         counts if valid_token_count is None else valid_token_count, counts, expert_indices, token_indices, tokens,
         experts, start, *routing_scores.stride(), blocks_per_program, E_LOCAL=local,
         HAS_COUNT=valid_token_count is not None, TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad, BINS_PAD=bins_pad,

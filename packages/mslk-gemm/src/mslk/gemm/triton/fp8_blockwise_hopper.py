@@ -183,7 +183,8 @@ def _consumer(p, consumer: gl.constexpr):
         gl.store(p.c_ptr + rows.to(gl.int64)[:, None] * p.stride_cm + cols[None, :], acc.to(gl.bfloat16), mask=mask)
 
 
-@gluon.jit
+# _Shared's scalar fields must be tensors: no argument may become a constant (Triton makes ints equal to 1 ones).
+@gluon.jit(do_not_specialize=["M", "N", "K", "stride_cm", "stride_sa_rows", "stride_sa_k", "stride_sb_rows", "stride_sb_k"])
 def _blockwise_wgmma_kernel(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
     stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
