@@ -22,6 +22,8 @@ from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
+# Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
+_TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
 STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory
 GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring programs share B in L2
 NUM_WARPS = 8  # two warpgroups, 64 rows of the tile each
@@ -162,9 +164,8 @@ def supports(a: torch.Tensor, b: torch.Tensor, a_scale_rows: int, b_scale_rows: 
 def run(a, b, out, a_scale, a_scale_strides, b_scale, b_scale_strides, a_scale_rows, b_scale_rows, scale_k):
     """out [M, N] bf16 (unit column stride) of a [M, K] and b [N, K]; see _blockwise_wgmma_kernel and supports()."""
     (m, k), n = a.shape, b.shape[0]
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [BLOCK_M, BLOCK_K], layout)
-    b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [BLOCK_N, BLOCK_K], layout)
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [BLOCK_M, BLOCK_K], _TILE_LAYOUT)
+    b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [BLOCK_N, BLOCK_K], _TILE_LAYOUT)
     grid = (launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N),)
     _blockwise_wgmma_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
