@@ -60,6 +60,7 @@ def test_masks_and_layouts(bias_id, fmt, sizes):
 def test_half_dtypes_gqa_kv_and_output_dtype(dtype):
     q, k, v, bias = _inputs("B03", "BMHK", (2, 33, 40, 1, 4, 32), dtype, DEVICE, kv=48)
     _check(q, k, v, bias, dtype, scale=0.3)
+    _check(q, k, v, bias, dtype, scale=-0.3)  # a negative scale is not folded into the exponent
     _check(q, k, v, bias, dtype, output_dtype=torch.float32)
     # Grouped-query attention: one K/V head expanded over 4 query heads with stride 0 (never copied).
     k1, v1 = k[:, :, :1].expand_as(k), v[:, :, :1].expand_as(v)

@@ -151,8 +151,8 @@ def _unmasked_key_range(lo, hi, first_row, q_len, k_len, shift, window_left, win
 def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
             q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale,
             shift, window_left, window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
+            HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+            TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
     """The online softmax of the forward over the key blocks [start_col, end_col); only MASKED blocks evaluate
     the mask (the interior of a causal or windowed range is seen whole). TMA: K and V tiles come through tensor
     descriptors (zeros past the tensor's rows and head dim), which frees the registers of the address math."""
@@ -164,13 +164,18 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
         else:
             k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
             v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
-        s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
+        if SCALE_IN_EXP:  # raw q·kᵀ, scaled inside the exponent (one FFMA a score; the scale is positive)
+            s = _dot(q, k.T, None, IEEE)
+            scale = qk_scale
+        else:
+            s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
+            scale = 1.0
         if MASKED:
             s = tl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the row sums keep every weight; the values see the dropped, rescaled ones
             kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop)
@@ -190,9 +195,9 @@ def _flash_forward_kernel(
     stride_ob, stride_om, stride_og, stride_oh,
     stride_lb, stride_lg, stride_lh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
-    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr,
-    BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
     # The last query blocks, which see the most keys under a causal mask, start first: less tail at the end.
     pid_m, pid_bgh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -229,8 +234,8 @@ def _flash_forward_kernel(
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
                 q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk,
-                qk_scale, shift, window_left, window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS, IEEE,
-                UPCAST, TMA, BLOCK_N, BLOCK_K, BLOCK_KV,
+                qk_scale, shift, window_left, window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS,
+                SCALE_IN_EXP, IEEE, UPCAST, TMA, BLOCK_N, BLOCK_K, BLOCK_KV,
             )  # fmt: skip
 
         has_keys = l_i > 0.0
@@ -373,13 +378,17 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
     return mask
 
 
-def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"; `tma`: the forward
-    reads K/V through tensor descriptors). Under the interpreter, small unequal tiles (slow per program; tests
-    cover BLOCK_M != BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16,
-    B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md; larger key blocks spill registers in the
-    backward). Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a block)
-    square tiles that fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
+def _tiles(
+    q: torch.Tensor, head_block: int, kind: str, tma: bool = False, short_sequences: bool = False
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"; `tma`: the forward reads K/V
+    through tensor descriptors; `short_sequences`: varlen of at most 512 queries a sequence, where a program sees
+    few key blocks and smaller, more programs win: 64 x 64 on 4 warps took 146 us against 185 for 128 x 128 at 32 x
+    512 causal, B=1 H=16 K=128, and tied at 8 x 2048). Under the interpreter, small unequal tiles (slow per program;
+    tests cover BLOCK_M != BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16,
+    B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md; larger key blocks spill registers in the backward).
+    Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a block) square tiles that
+    fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
     if not q.is_cuda:
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
     if q.dtype == torch.float32:
@@ -388,6 +397,8 @@ def _tiles(q: torch.Tensor, head_block: int, kind: str, tma: bool = False) -> tu
         block = (64 if head_block <= 128 else 32) // (1 if kind == "fwd" else 2)
         return block, block, 4, 2
     if kind == "fwd" and tma:
+        if short_sequences and head_block <= 128:
+            return 64, 64, 4, 3
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
     if head_block > 128:  # backward: 32 x 32 tiles overflow shared memory at head dim 256 under Triton 3.6
         return (128, 64, 8, 2) if kind == "fwd" else (16, 16, 4, 2)
@@ -484,7 +495,8 @@ class FwOp(AttentionFwOpBase):
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             tma = _tma_readable(k, v, varlen)
-            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma)
+            short = varlen is not None and max_q <= 512
+            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
             bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
@@ -495,7 +507,7 @@ class FwOp(AttentionFwOpBase):
                 *descriptors or (None, None),
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
                 *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, DROPOUT=inp.p > 0.0,
-                HAS_BIAS=bias is not None,
+                HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and inp.scale_float > 0.0,
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
