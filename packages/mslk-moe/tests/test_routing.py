@@ -231,6 +231,7 @@ def test_index_shuffling_kernels_on_two_streams_at_once():
     scores = [_tied_scores(16384, 128, torch.bfloat16) for _ in range(2)]
     refs = [shuffling._index_shuffling(s, top_k=2) for s in scores]
     streams = [torch.cuda.Stream() for _ in scores]
+    torch.cuda._sleep(100_000_000)  # holds both streams back until every launch below is queued: they then overlap
     for stream in streams:
         stream.wait_stream(torch.cuda.current_stream())
     results = [[], []]
