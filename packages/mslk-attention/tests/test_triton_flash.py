@@ -75,6 +75,16 @@ def test_empty_keys_give_zero_and_minus_inf():
     assert (out == 0).all() and (ctx.lse == -torch.inf).all()
 
 
+@pytest.mark.parametrize(
+    ("device", "dtype"), [(DEVICE, torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)]
+)
+def test_queries_that_see_no_key(device, dtype):
+    """Bottom-right causal with more queries than keys: the first query blocks see no key at all (output 0, LSE
+    −inf), and no program walks key blocks outside the keys (whole blocks of them, several in a row)."""
+    q, k, v, bias = _inputs("B03", "BMHK", (2, 300, 40, 1, 2, 64), dtype, device)
+    _check(q, k, v, bias, dtype)
+
+
 def test_pinned_through_memory_efficient_attention():
     q, k, v, bias = _inputs("B07", "BMHK", (2, 20, 20, 1, 2, 32), torch.float32, DEVICE)
     out = fmha.memory_efficient_attention(q, k, v, bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
@@ -122,9 +132,18 @@ def _check_backward(q, k, v, bias, tolerance):
         testing.assert_rel_close(got, want, tolerance, what=name)
 
 
+@pytest.fixture(params=[False, True], ids=["atomic_dq", "deterministic"])
+def backward_mode(request):
+    """Both backwards: one pass with dQ summed by atomics, and two passes under torch.use_deterministic_algorithms."""
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(saved)
+
+
 @pytest.mark.parametrize("bias_id", BACKWARD_IDS)
 @pytest.mark.parametrize(("fmt", "sizes"), [("BMHK", (2, 37, 45, 1, 3, 32)), ("BMGHK", (2, 20, 20, 2, 2, 16))])
-def test_backward(bias_id, fmt, sizes):
+def test_backward(bias_id, fmt, sizes, backward_mode):
     q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.float32, DEVICE, kv=24 if fmt == "BMHK" else None)
     _check_backward(q, k, v, bias, 1e-5)
 
@@ -174,11 +193,25 @@ def test_backward_declines_gappy_keys():
 @pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_backward_gpu(bias_id, dtype, head_dim):
+def test_backward_gpu(bias_id, dtype, head_dim, backward_mode):
     if dtype == torch.float32 and head_dim == 256:
         pytest.skip("slow")
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
     _check_backward(q, k, v, bias, {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_repeats_bitwise(backward_mode):
+    """Under torch.use_deterministic_algorithms two runs give the same bits; 4096 keys in 32 key blocks make
+    the one-pass backward's atomic dQ sums land in varying orders (dK and dV are per program either way)."""
+    q, k, v, bias = _inputs("B03", "BMHK", (2, 1024, 4096, 1, 8, 128), torch.bfloat16, "cuda")
+    inp = common.Inputs(q, k, v, bias)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    do = testing.randn(*out.shape, dtype=torch.bfloat16, device="cuda")
+    first, second = (triton_flash.BwOp.apply(ctx, inp, do) for _ in range(2))
+    assert torch.equal(first.dk, second.dk) and torch.equal(first.dv, second.dv)
+    if backward_mode:
+        assert torch.equal(first.dq, second.dq)
 
 
 @pytest.mark.parametrize(

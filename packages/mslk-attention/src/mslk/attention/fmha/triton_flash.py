@@ -15,10 +15,12 @@ On Hopper (SM90) the forward reads K and V tiles through TMA tensor descriptors 
 aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
 takes otherwise; the interior key blocks of a causal or windowed range skip the mask.
 
-`BwOp` is the matching backward: deterministic (two passes, no atomics), from any forward's output and LSE.
-The dispatcher tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=`
-elsewhere): on the H200 the forward runs at 0.82-0.96x cuDNN on dense attention and beats FlexAttention on
-sliding windows, but the backward is slower than cuDNN's and about as fast as FlashAttention-2's (RESULTS.md).
+`BwOp` is the matching backward, from any forward's output and LSE: one pass over key blocks that writes dK and
+dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under
+torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO, K and V tiles come through
+2D TMA descriptors where their rows allow. The dispatcher tries both last before the reference, for GPU inputs
+no other kernel takes (pin them with `op=` elsewhere): on the H200 the forward runs at 0.90-1.02x cuDNN on dense
+attention and beats FlexAttention on sliding windows and varlen, the backward at 0.45-0.87x cuDNN's (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -76,19 +78,12 @@ def _visible(rows, cols, q_len, k_len, shift, window_left, window_right):
 @triton.jit
 def _key_range(first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):  # fmt: skip
-    """[lo, hi) of the keys that the queries [first_row, first_row + BLOCK_M) may see, lo on a block."""
+    """[lo, hi) of the keys that the queries [first_row, first_row + BLOCK_M) may see, lo on a block; hi >= lo (an
+    empty range when they see none, so that the unmasked range inside it is empty too)."""
     last_row = tl.minimum(first_row + BLOCK_M, q_len) - 1
     lo = tl.where(window_left >= 0, tl.maximum(first_row + shift - window_left, 0) // BLOCK_N * BLOCK_N, 0)
-    return lo, tl.where(window_right >= 0, tl.minimum(last_row + shift + window_right + 1, k_len), k_len)
-
-
-@triton.jit
-def _query_range(first_col, q_len, k_len, shift, window_left, window_right, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
-    """[lo, hi) of the queries that may see the keys [first_col, first_col + BLOCK_N), lo on a block."""
-    last_col = tl.minimum(first_col + BLOCK_N, k_len) - 1
-    lo = tl.where(window_right >= 0, tl.maximum(first_col - shift - window_right, 0) // BLOCK_M * BLOCK_M, 0)
-    return lo, tl.where(window_left >= 0, tl.minimum(last_col - shift + window_left + 1, q_len), q_len)
+    hi = tl.where(window_right >= 0, tl.minimum(last_row + shift + window_right + 1, k_len), k_len)
+    return lo, tl.maximum(hi, lo)
 
 
 @triton.jit
@@ -251,9 +246,82 @@ def _flash_forward_kernel(
 
 
 @triton.jit
+def _delta_kernel(out_ptr, do_ptr, delta_ptr, G, H, Mq, Kv,
+                  stride_ob, stride_om, stride_og, stride_oh,
+                  stride_gb, stride_gm, stride_gg, stride_gh,
+                  stride_db, stride_dg, stride_dh,
+                  BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
+    """delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq], one read of each (the backward's dS = P ∘ (dP − delta))."""
+    pid_bgh = tl.program_id(1)
+    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_KV)
+    mask = (rows < Mq)[:, None] & (cols < Kv)[None, :]
+    o = tl.load(out_ptr + b.to(tl.int64) * stride_ob + g * stride_og + h * stride_oh
+                + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)  # fmt: skip
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_gb + g * stride_gg + h * stride_gh
+                 + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + b.to(tl.int64) * stride_db + g * stride_dg + h * stride_dh + rows, delta, mask=rows < Mq)
+
+
+@triton.jit
+def _dkdv_over_queries(
+    dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse_ptr, delta_ptr, stat_base, bias_base,
+    db_base, start_row, end_row, cols, q_row0, head_col, q_start, q_len, k_start, k_len, stride_qm, stride_om,
+    stride_gqm, stride_bm, stride_bn, stride_dbm, stride_dbn, dk_range, dv_range, K, Kv, Mk, qk_scale, sm_scale,
+    shift, window_left, window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, ATOMIC_DQ: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of the key block `cols` over the query blocks [start_row, end_row), in transposed tiles (rows:
+    keys, columns: queries) so that Pᵀ and dSᵀ feed the dK/dV products without a transpose; only MASKED blocks
+    evaluate the mask. ATOMIC_DQ: each block's dQ share, scale · dS·K, is added to the fp32 dQ in place (TMA
+    reduce-add of the tile, or atomics). TMA: Q and dO tiles come through [B·M, G·H·K] tensor descriptors, from row
+    q_row0 + start and column head_col · K."""
+    for start in range(start_row, end_row, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        if TMA:
+            q = q_desc.load([q_row0 + start, head_col * K])
+            do = do_desc.load([q_row0 + start, head_col * Kv])
+        else:
+            q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
+            do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
+        in_sequence = rows < q_len
+        lse2 = tl.load(lse_ptr + stat_base + rows, mask=in_sequence, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + stat_base + rows, mask=in_sequence, other=0.0)
+        s = _scores(k, q, cols, rows, bias_base, stride_bn, stride_bm, k_len, q_len, qk_scale, HAS_BIAS, IEEE)
+        p = tl.exp2(s - lse2[None, :])
+        if MASKED:  # a query without any key (LSE −inf) has no weights
+            visible = _visible(cols, rows, k_len, q_len, -shift, window_right, window_left)
+            p = tl.where(visible & (lse2 > float("-inf"))[None, :], p, 0.0)
+        dp = _dot(v, do.T, None, IEEE)
+        p_dropped = p
+        if DROPOUT:
+            kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop).T
+            p_dropped = tl.where(kept, p / (1.0 - p_drop), 0.0)
+            dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
+        dv = _dot(p_dropped.to(do.dtype), do, dv, IEEE)
+        ds = p * (dp - delta[None, :])
+        dk = _dot(ds.to(q.dtype), q, dk, IEEE)
+        if ATOMIC_DQ:
+            # dQᵀ = Kᵀ·dSᵀ: both operands as they are in shared memory (no transpose of dS in registers)
+            dq = _dot(k.T, ds.to(k.dtype), None, IEEE).T * sm_scale
+            if TMA:
+                dq_desc.atomic_add([q_row0 + start, head_col * K], dq)
+            else:
+                tl.atomic_add(dq_base + (q_start + rows).to(tl.int64)[:, None] * stride_gqm + dk_range[None, :], dq,
+                              mask=in_sequence[:, None] & (dk_range < K)[None, :], sem="relaxed")  # fmt: skip
+        if BIAS_GRAD:  # dbias = dS, written once per (query, key)
+            tl.store(db_base + rows.to(tl.int64)[None, :] * stride_dbm + cols[:, None] * stride_dbn,
+                     ds.to(db_base.dtype.element_ty), mask=in_sequence[None, :] & (cols < k_len)[:, None])  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
 def _flash_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
-    seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, q_desc, do_desc, dq_desc, k_desc, v_desc,
     G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, sm_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
@@ -265,15 +333,17 @@ def _flash_backward_kernel(
     stride_gvb, stride_gvm, stride_gvg, stride_gvh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
     stride_dbb, stride_dbg, stride_dbh, stride_dbm, stride_dbn,
-    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, TMA_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
-    """Attention backward without atomics (deterministic), from the forward's LSE and delta = rowsum(dO ∘ O).
-    DQ_PASS: program (query block, sequence·group·head) loops over its visible key blocks and writes dQ; else
-    program (key block, ...) loops over the query blocks that see it and writes dK and dV. With
-    P = exp(S − LSE): dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − delta), dQ = scale · dS·K, dK = scale · dSᵀ·Q."""
+    """Attention backward from the forward's LSE and delta = rowsum(dO ∘ O). With P = exp(S − LSE): dV = Pᵀ·dO,
+    dS = P ∘ (dO·Vᵀ − delta), dQ = scale · dS·K, dK = scale · dSᵀ·Q. Programs (key block, sequence·group·head)
+    loop over the query blocks that see their keys and write dK and dV; with ATOMIC_DQ they also add dQ's shares
+    (one pass, 5 products a tile). Deterministic mode: DQ_PASS programs (query block, ...) loop over their
+    visible key blocks and write dQ, then the dK/dV programs run without ATOMIC_DQ. The dK/dV programs write the
+    bias gradient dS (each (query, key) once)."""
     pid, pid_bgh = tl.program_id(0), tl.program_id(1)
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
     q_start, q_len, k_start, k_len, batch = _sequence(
@@ -287,10 +357,14 @@ def _flash_backward_kernel(
     do_base = do_ptr + batch * stride_ob + g * stride_og + h * stride_oh
     k_base = k_ptr + batch * stride_kb + g * stride_kg + h * stride_kh
     v_base = v_ptr + batch * stride_vb + g * stride_vg + h * stride_vh
+    dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
     stat_base = batch * stride_lb + g * stride_lg + h * stride_lh + q_start  # LSE and delta share a layout
     bias_base = bias_ptr  # None without a bias
+    db_base = dbias_ptr
     if HAS_BIAS:
         bias_base = bias_ptr + batch * stride_bb + g * stride_bg + h * stride_bh
+    if BIAS_GRAD:
+        db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
     if DQ_PASS:
         if pid * BLOCK_M < q_len:
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -313,41 +387,41 @@ def _flash_backward_kernel(
                     dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
                 ds = p * (dp - delta[:, None])
                 dq = _dot(ds.to(k.dtype), k, dq, IEEE)
-                if BIAS_GRAD:  # dbias = dS, written once per (query, key) by this pass
-                    db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
-                    tl.store(db_base + rows.to(tl.int64)[:, None] * stride_dbm + cols[None, :] * stride_dbn,
-                             ds.to(dbias_ptr.dtype.element_ty),
-                             mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])  # fmt: skip
-            dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
             tl.store(dq_base + (q_start + rows).to(tl.int64)[:, None] * stride_gqm + dk_range[None, :],
                      (dq * sm_scale).to(dq_ptr.dtype.element_ty),
                      mask=(rows < q_len)[:, None] & (dk_range < K)[None, :])  # fmt: skip
     else:
-        if pid * BLOCK_N < k_len:
-            cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk_range, K, UPCAST)
-            v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
-            lo, hi = _query_range(pid * BLOCK_N, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
+        first_col = pid * BLOCK_N
+        if first_col < k_len:
+            cols = first_col + tl.arange(0, BLOCK_N)
+            if TMA_KV:
+                k = k_desc.load([(batch * Mk + k_start + first_col).to(tl.int32), (g * H + h) * K])
+                v = v_desc.load([(batch * Mk + k_start + first_col).to(tl.int32), (g * H + h) * Kv])
+            else:
+                k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk_range, K, UPCAST)
+                v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
+            # Query j sees key i as key i sees query j under the mirrored mask (shift and windows swapped), so the
+            # key-range helpers give the query blocks that see this key block and those that see it whole.
+            lo, hi = _key_range(first_col, k_len, q_len, -shift, window_right, window_left, BLOCK_N, BLOCK_M)
+            full_lo, full_hi = _unmasked_key_range(
+                lo, hi, first_col, k_len, q_len, -shift, window_right, window_left, BLOCK_N, BLOCK_M
+            )
+            if first_col + BLOCK_N > k_len:  # columns past the sequence's keys (another sequence's under TMA)
+                full_lo, full_hi = hi, hi
+            head = (batch * G + g) * H + h
+            q_row0 = (batch * Mq + q_start).to(tl.int32)  # of the sequence's first query in the [B·M, ...] views
             dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_KV], dtype=tl.float32)
-            for start in range(lo, hi, BLOCK_M):
-                rows = start + tl.arange(0, BLOCK_M)
-                q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
-                do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
-                lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
-                delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
-                visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
-                s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
-                p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                dp = _dot(do, v.T, None, IEEE)
-                p_dropped = p
-                if DROPOUT:
-                    kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
-                    p_dropped = tl.where(kept, p / (1.0 - p_drop), 0.0)
-                    dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
-                dv = _dot(p_dropped.to(do.dtype).T, do, dv, IEEE)
-                ds = p * (dp - delta[:, None])
-                dk = _dot(ds.to(q.dtype).T, q, dk, IEEE)
+            for part in tl.static_range(3):  # masked first query blocks, unmasked interior, masked last ones
+                start_row = lo if part == 0 else (full_lo if part == 1 else full_hi)
+                end_row = full_lo if part == 0 else (full_hi if part == 1 else hi)
+                dk, dv = _dkdv_over_queries(
+                    dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse_ptr, delta_ptr, stat_base,
+                    bias_base, db_base, start_row, end_row, cols, q_row0, g * H + h, q_start, q_len, k_start, k_len,
+                    stride_qm, stride_om, stride_gqm, stride_bm, stride_bn, stride_dbm, stride_dbn, dk_range,
+                    dv_range, K, Kv, Mk, qk_scale, sm_scale, shift, window_left, window_right, seed, head, p_drop,
+                    part != 1, DROPOUT, HAS_BIAS, BIAS_GRAD, ATOMIC_DQ, IEEE, UPCAST, TMA, BLOCK_M, BLOCK_K, BLOCK_KV,
+                )  # fmt: skip
             dk_base = dk_ptr + batch * stride_gkb + g * stride_gkg + h * stride_gkh
             tl.store(dk_base + (k_start + cols).to(tl.int64)[:, None] * stride_gkm + dk_range[None, :],
                      (dk * sm_scale).to(dk_ptr.dtype.element_ty),
@@ -381,12 +455,13 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
 def _tiles(
     q: torch.Tensor, head_block: int, kind: str, tma: bool = False, short_sequences: bool = False
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv"; `tma`: the forward reads K/V
-    through tensor descriptors; `short_sequences`: varlen of at most 512 queries a sequence, where a program sees
-    few key blocks and smaller, more programs win: 64 x 64 on 4 warps took 146 us against 185 for 128 x 128 at 32 x
-    512 causal, B=1 H=16 K=128, and tied at 8 x 2048). Under the interpreter, small unequal tiles (slow per program;
-    tests cover BLOCK_M != BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16,
-    B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md; larger key blocks spill registers in the backward).
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv", whose BLOCK_M is the query
+    step and BLOCK_N the key block of a program; `tma`: the forward reads K/V through tensor descriptors;
+    `short_sequences`: varlen of at most 512 queries a sequence, where a program sees few key blocks and smaller,
+    more programs win: 64 x 64 on 4 warps took 146 us against 185 for 128 x 128 at 32 x 512 causal, B=1 H=16 K=128,
+    and tied at 8 x 2048). Under the interpreter, small unequal tiles (slow per program; tests cover BLOCK_M !=
+    BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16, B=4 M=4096 H=16 at K=128,
+    B=8 K=64, B=2 K=256; RESULTS.md; larger blocks spill registers or overflow shared memory in the backward).
     Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a block) square tiles that
     fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
     if not q.is_cuda:
@@ -400,35 +475,54 @@ def _tiles(
         if short_sequences and head_block <= 128:
             return 64, 64, 4, 3
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
-    if head_block > 128:  # backward: 32 x 32 tiles overflow shared memory at head dim 256 under Triton 3.6
+    if kind == "dkdv":
+        return (64, 64, 4, 3) if head_block <= 64 else ((64, 128, 8, 2) if head_block <= 128 else (32, 64, 8, 3))
+    if head_block > 128:  # 32 x 32 dQ tiles overflow shared memory at head dim 256 under Triton 3.6
         return (128, 64, 8, 2) if kind == "fwd" else (16, 16, 4, 2)
-    return {"fwd": (128, 64, 8, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}[kind]
+    return 128, 64, 8, 3
 
 
-def _tma_readable(k: torch.Tensor, v: torch.Tensor, varlen) -> bool:
-    """Whether the forward reads K and V through TMA descriptors: NVIDIA Hopper (SM90, where it is tested and
-    measured), 16-bit, head dims 64, 128 or 256 (the same; others take the pointer path), 16-byte aligned rows,
-    no stride 0 (K/V expanded for GQA), and no padded or gappy keys (a tile past a sequence's keys then reads
-    rows that may hold anything, NaN included, where the pointer path reads zeros)."""
-    if not (k.is_cuda and arch.is_cuda() and arch.capability(k.device) == (9, 0)) or k.element_size() != 2:
+def _tma_readable(*tensors: torch.Tensor) -> bool:
+    """Whether kernels may read these [B, M, G, H, K] tensors through TMA descriptors: NVIDIA Hopper (SM90, where it
+    is tested and measured), 16-bit, head dims 64, 128 or 256 (others take the pointer path), 16-byte aligned rows
+    and no stride 0 (K/V expanded for GQA)."""
+    if not all(t.is_cuda and t.element_size() == 2 and t.shape[-1] in _TMA_HEAD_DIMS for t in tensors):
         return False
-    if any(t.shape[-1] not in _TMA_HEAD_DIMS for t in (k, v)):
-        return False
-    if varlen is not None and varlen.seqlen_k is not None:
+    if not (arch.is_cuda() and arch.capability(tensors[0].device) == (9, 0)):
         return False
     return not any(
-        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16 for t in (k, v)
+        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16
+        for t in tensors
     )
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_k: int, block_kv: int) -> tuple:
-    """TMA descriptors of [B, M, G, H, K] K and V, one [BLOCK_N, head dim] tile per load (zeros past the tensor's
-    rows and head dim)."""
+def _tile_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) -> tuple:
+    """TMA descriptors of [B, M, G, H, K] tensors, one [rows, width] tile per load or reduce-add (zeros past the
+    tensor's rows and head dim; stores past them are dropped)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return tuple(
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, 1, width])
-        for t, width in ((k, block_k), (v, block_kv))
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, 1, width]) for t, width in tensors_and_widths
+    )
+
+
+def _flat_rows(t: torch.Tensor) -> bool:
+    """Whether a [B, M, G, H, K] tensor's rows are those of a [B·M, G·H·K] matrix (strides (M·s, s, H·K, K, 1)),
+    which 2D tensor descriptors read."""
+    b, m, g, h, k = t.shape
+    return (
+        (b == 1 or t.stride(0) == m * t.stride(1)) and (g == 1 or t.stride(2) == h * k) and (h == 1 or t.stride(3) == k)
+    )
+
+
+def _row_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) -> tuple:
+    """TMA descriptors of [B, M, G, H, K] tensors (`_flat_rows`) as [B·M, G·H·K] matrices, one [rows, width] tile
+    per load or reduce-add: a tile past a sequence's rows reaches the next one's rows (zeros past the tensor)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(
+        TensorDescriptor(t, [t.shape[0] * t.shape[1], math.prod(t.shape[2:])], [t.stride(1), 1], [rows, width])
+        for t, width in tensors_and_widths
     )
 
 
@@ -494,13 +588,15 @@ class FwOp(AttentionFwOpBase):
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         if out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            tma = _tma_readable(k, v, varlen)
+            # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
+            # NaN included, where the pointer path reads zeros.
+            tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
             short = varlen is not None and max_q <= 512
             block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
             bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
-            descriptors = _kv_descriptors(k, v, block_n, block_k, block_kv) if tma else None
+            descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
             _flash_forward_kernel[grid](
                 q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
@@ -528,8 +624,9 @@ class FwOp(AttentionFwOpBase):
 
 
 class BwOp(AttentionBwOpBase):
-    """MSLK's Triton flash-attention backward: deterministic (no atomics: one pass writes dQ, another dK and
-    dV), from the output and LSE of any forward in the packed varlen layout."""
+    """MSLK's Triton flash-attention backward, from the output and LSE of any forward in the packed varlen layout:
+    one pass that adds dQ's shares with fp32 atomics, or, under torch.use_deterministic_algorithms, two passes
+    without atomics (one writes dQ, another dK and dV)."""
 
     OPERATOR = _flash_backward_kernel if registry.triton_missing() is None else None
     NOT_BUILT_REASON = registry.triton_missing() or ""
@@ -553,42 +650,73 @@ class BwOp(AttentionBwOpBase):
         q, k, v, out, do = (_bmghk(t) for t in (inp.query, inp.key, inp.value, ctx.out, grad))
         batch, mq, groups, heads, dim = q.shape
         mk, dim_v = k.shape[1], v.shape[-1]
-        # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        lse = ctx.lse if ctx.lse.dim() == 4 else ctx.lse.unsqueeze(1)
-        lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
-        delta = (do.float() * out.float()).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, H, Mq], like lse
         varlen = varlen_args(inp.attn_bias)
         sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
         max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
-        alignment, window_left, window_right = _alignment(inp.attn_bias)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        if varlen is not None or not (max_q and max_k and dim):
+            for t in (dq, dk, dv):  # rows no program reaches (outside every sequence) stay zero
+                t.zero_()
+        # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs).
+        dq_sum = dq
+        if not deterministic:
+            if dq.dtype != torch.float32:
+                dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            dq_sum.zero_()
         given_bias = tensor_bias(inp.attn_bias)
         bias_grad = given_bias is not None and given_bias.requires_grad
         db = torch.zeros(given_bias.shape, dtype=given_bias.dtype, device=q.device) if bias_grad else None
-        for t in (dq, dk, dv):  # rows no program reaches (keys outside every sequence) stay zero
-            t.zero_()
         if max_q and max_k and dim:
+            lse = ctx.lse if ctx.lse.dim() == 4 else ctx.lse.unsqueeze(1)
+            lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
+            delta = _delta(out, do)
+            alignment, window_left, window_right = _alignment(inp.attn_bias)
             bias, *bias_strides = _bias_args(given_bias)
             db_args = _bias_args(db)
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             seqlen_k = None if varlen is None else varlen.seqlen_k
-            for dq_pass, rows in ((True, max_q), (False, max_k)):
+            for dq_pass in (True, False) if deterministic else (False,):
                 block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
-                program_rows = block_m if dq_pass else block_n
+                descriptors = (None, None, None)
+                if not dq_pass and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
+                    # dq_sum's is used only by the one-pass backward
+                    descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
+                kv_descriptors = (None, None)
+                if not dq_pass and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v) and seqlen_k is None:
+                    kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
+                program_rows, rows = (block_m, max_q) if dq_pass else (block_n, max_k)
                 _flash_backward_kernel[(launch.cdiv(rows, program_rows), sequences * groups * heads)](
-                    q, k, v, do, lse, delta, dq, dk, dv, bias, db_args[0],
+                    q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0],
                     *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
+                    *descriptors, *kv_descriptors,
                     groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
                     window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
-                    *_strides(dq, dk, dv),
-                    *bias_strides, *db_args[1:], DROPOUT=inp.p > 0.0, HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad,
-                    DQ_PASS=dq_pass,
+                    *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], DROPOUT=inp.p > 0.0,
+                    HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass, ATOMIC_DQ=not deterministic,
                     VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                     UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+                    TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
                     num_stages=stages,
                 )  # fmt: skip
+        if dq_sum is not dq:
+            dq.copy_(dq_sum)
         if inp.query.dim() == 4:
             dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
         return Gradients(dq, dk, dv, db)
+
+
+def _delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO ∘ O) in fp32, [B, G, H, Mq] like the LSE, from [B, Mq, G, H, Kv] output and its gradient."""
+    batch, mq, groups, heads, dim_v = out.shape
+    delta = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=out.device)
+    block_kv = launch.next_power_of_2(max(dim_v, 16))
+    block_m = 64 if out.is_cuda else 16
+    _delta_kernel[(launch.cdiv(mq, block_m), batch * groups * heads)](
+        out, do, delta, groups, heads, mq, dim_v, *_strides(out, do), *delta.stride()[:3],
+        BLOCK_M=block_m, BLOCK_KV=block_kv,
+    )  # fmt: skip
+    return delta
