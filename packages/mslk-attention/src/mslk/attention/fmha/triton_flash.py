@@ -20,7 +20,8 @@ dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), o
 torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 2D TMA descriptors where their rows allow. The dispatcher tries both last before the reference, for GPU inputs
 no other kernel takes (pin them with `op=` elsewhere): on the H200 the forward runs at 0.90-1.02x cuDNN on dense
-attention and beats FlexAttention on sliding windows and varlen, the backward at 0.45-0.87x cuDNN's (RESULTS.md).
+attention and beats FlexAttention on sliding windows and varlen; forward+backward runs at 0.52-0.88x cuDNN's
+(RESULTS.md).
 """
 
 from __future__ import annotations
