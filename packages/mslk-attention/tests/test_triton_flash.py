@@ -183,6 +183,18 @@ def test_backward_through_memory_efficient_attention_and_gqa():
         testing.assert_rel_close(got, want, 1e-5)
 
 
+def test_flat_rows_of_the_2d_descriptors():
+    """The backward's 2D TMA descriptors read [B, M, G, H, K] as [B·M, G·H·K]: contiguous tensors and Q/K/V
+    unbound from one packed [B, M, 3, H, K] tensor qualify; a [B, H, M, K] tensor transposed to BMHK and
+    stride-0 expanded heads do not (they take the pointer path)."""
+    x = torch.empty(2, 5, 3, 4, 8)
+    assert triton_flash._flat_rows(x)
+    assert triton_flash._flat_rows(triton_flash._bmghk(x[:, :, 0]))
+    assert triton_flash._flat_rows(torch.empty(1, 5, 2, 4, 8)[:, 1:])  # B = 1: the batch stride is free
+    assert not triton_flash._flat_rows(triton_flash._bmghk(torch.empty(2, 4, 5, 8).transpose(1, 2)))
+    assert not triton_flash._flat_rows(triton_flash._bmghk(torch.empty(2, 5, 1, 8).expand(2, 5, 4, 8)))
+
+
 def test_backward_declines_gappy_keys():
     q, k, v, bias = _inputs("B18", "BMHK", (2, 20, 30, 1, 2, 16), torch.float32, DEVICE)
     reasons = triton_flash.BwOp.not_supported_reasons(common.Inputs(q, k, v, bias))
