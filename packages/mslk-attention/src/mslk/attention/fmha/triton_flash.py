@@ -498,8 +498,8 @@ def _tma_readable(*tensors: torch.Tensor) -> bool:
 
 
 def _tile_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) -> tuple:
-    """TMA descriptors of [B, M, G, H, K] tensors, one [rows, width] tile per load or reduce-add (zeros past the
-    tensor's rows and head dim; stores past them are dropped)."""
+    """TMA descriptors of [B, M, G, H, K] tensors (any strides TMA takes), one [rows, width] tile per load (zeros
+    past each batch element's rows and the head dim)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return tuple(
