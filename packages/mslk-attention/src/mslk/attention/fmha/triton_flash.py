@@ -360,6 +360,8 @@ def _flash_backward_kernel(
     v_base = v_ptr + batch * stride_vb + g * stride_vg + h * stride_vh
     dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
     stat_base = batch * stride_lb + g * stride_lg + h * stride_lh + q_start  # LSE and delta share a layout
+    head = (batch * G + g) * H + h  # keys the dropout's numbers
+    head_col = g * H + h  # the head's column block in the [B·M, G·H·K] views of the descriptors
     bias_base = bias_ptr  # None without a bias
     db_base = dbias_ptr
     if HAS_BIAS:
@@ -384,7 +386,7 @@ def _flash_backward_kernel(
                 p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
                 dp = _dot(do, v.T, None, IEEE)
                 if DROPOUT:
-                    kept = _kept(seed, (batch * G + g) * H + h, q_start + rows, k_start + cols, Mk, p_drop)
+                    kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop)
                     dp = tl.where(kept, dp / (1.0 - p_drop), 0.0)
                 ds = p * (dp - delta[:, None])
                 dq = _dot(ds.to(k.dtype), k, dq, IEEE)
@@ -396,8 +398,9 @@ def _flash_backward_kernel(
         if first_col < k_len:
             cols = first_col + tl.arange(0, BLOCK_N)
             if TMA_KV:
-                k = k_desc.load([(batch * Mk + k_start + first_col).to(tl.int32), (g * H + h) * K])
-                v = v_desc.load([(batch * Mk + k_start + first_col).to(tl.int32), (g * H + h) * Kv])
+                k_row = (batch * Mk + k_start + first_col).to(tl.int32)
+                k = k_desc.load([k_row, head_col * K])
+                v = v_desc.load([k_row, head_col * Kv])
             else:
                 k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk_range, K, UPCAST)
                 v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
@@ -409,7 +412,6 @@ def _flash_backward_kernel(
             )
             if first_col + BLOCK_N > k_len:  # columns past the sequence's keys (another sequence's under TMA)
                 full_lo, full_hi = hi, hi
-            head = (batch * G + g) * H + h
             q_row0 = (batch * Mq + q_start).to(tl.int32)  # of the sequence's first query in the [B·M, ...] views
             dk = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_KV], dtype=tl.float32)
@@ -418,7 +420,7 @@ def _flash_backward_kernel(
                 end_row = full_lo if part == 0 else (full_hi if part == 1 else hi)
                 dk, dv = _dkdv_over_queries(
                     dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse_ptr, delta_ptr, stat_base,
-                    bias_base, db_base, start_row, end_row, cols, q_row0, g * H + h, q_start, q_len, k_start, k_len,
+                    bias_base, db_base, start_row, end_row, cols, q_row0, head_col, q_start, q_len, k_start, k_len,
                     stride_qm, stride_om, stride_gqm, stride_bm, stride_bn, stride_dbm, stride_dbn, dk_range,
                     dv_range, K, Kv, Mk, qk_scale, sm_scale, shift, window_left, window_right, seed, head, p_drop,
                     part != 1, DROPOUT, HAS_BIAS, BIAS_GRAD, ATOMIC_DQ, IEEE, UPCAST, TMA, BLOCK_M, BLOCK_K, BLOCK_KV,
