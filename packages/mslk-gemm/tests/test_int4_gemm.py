@@ -233,6 +233,36 @@ def test_split_k(shuffled, k, splits, per_split, monkeypatch):
         testing.assert_rel_close(out, oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale), TOL)
 
 
+@pytest.mark.parametrize("form", ["rowwise", "shuffled", "table"])
+def test_tma_and_pointer_loads(form, monkeypatch):
+    """Both load paths of the K loop: TMA descriptors (zeros past M, N and K; past a batch's rows the next batch's)
+    and pointers, on batches of odd M and N with a K tail (plain layout), each against the oracle."""
+    k = 352 if form == "rowwise" else 256  # rowwise: a K tail (two steps of 128, then 96)
+    x, w, scale, zero = bf16_inputs(2, m=19, n=70, k=k, gs=32)
+    if form == "table":
+        xq, x_scale = quantize_rows(x.float())
+        w_scale, table = torch.rand(2, 70, device=DEVICE) + 0.5, pow2_table(2, 70, k, group_size=32)
+        expected = oracle(xq, g.dequantize_int4_table(w, table), x_scale, w_scale[:, None])
+    else:
+        expected = oracle(x, g.dequantize_int4(w, scale, zero, shuffled=form == "shuffled"))
+
+    def run():
+        if form != "table":  # the batched ops: both batches in one launch
+            op = g.bf16i4bf16_shuffled_batched_op if form == "shuffled" else g.bf16i4bf16_rowwise_batched_op
+            return kernel(op)(x, w, scale, zero)
+        return torch.stack(
+            [kernel(g.f8i4bf16_shuffled_op)(xq[i], w[i], x_scale[i], w_scale[i], table[i]) for i in (0, 1)]
+        )
+
+    descriptors = g._descriptors
+    used = []
+    monkeypatch.setattr(g, "_descriptors", lambda *args: used.append(descriptors(*args)) or used[-1])
+    testing.assert_rel_close(run(), expected, TOL)
+    assert used and used[-1][0] is not None  # the TMA path ran
+    monkeypatch.setattr(g, "_descriptors", lambda *args: (None, None))
+    testing.assert_rel_close(run(), expected, TOL)
+
+
 def test_every_output_and_partial_is_written(monkeypatch):
     """Allocations come NaN-filled (outputs and the split-K workspace): a single unwritten element shows."""
     empty = torch.empty
@@ -265,7 +295,7 @@ def test_strided_3d_and_empty_activations():
     testing.assert_rel_close(kernel(g.bf16i4bf16_shuffled_op)(transposed, w[0], scale[0], zero[0]),
                              oracle(x.reshape(14, 256), g.dequantize_int4(w[0], scale[0], zero[0], shuffled=True)),
                              TOL)  # fmt: skip
-    empty = g.bf16i4bf16_rowwise(x[:, :0], w[0], scale[0], zero[0])
+    empty = kernel(g.bf16i4bf16_rowwise_op)(x[:, :0], w[0], scale[0], zero[0])  # the Triton path on a CPU too
     assert empty.shape == (2, 0, 40)
 
 
