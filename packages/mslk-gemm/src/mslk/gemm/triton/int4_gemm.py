@@ -446,14 +446,14 @@ def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_te
 
 @triton.jit
 def _int4_grouped_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K, groups,
-    stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K,
+    groups, stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
     TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
     persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
-    rows past ΣM_sizes come out zero."""
+    rows past ΣM_sizes come out zero. x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·]."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_row = 0  # of the current group in X and out
@@ -471,10 +471,10 @@ def _int4_grouped_kernel(
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _int4_k_loop(
-                tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, None, None,
+                tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, x_desc, w_desc,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
-                (rows < m)[:, None], 0, cols, 0, N, K, groups, 0, tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM,
-                UPCAST, True, GROUP_SIZE, KSUB,
+                (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
+                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB,
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -620,9 +620,10 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)
     programs = max(1, min(_programs(X.device), tiles_upper_bound))
     w = _weights_view(W, True, table)
+    x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, True)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
     _int4_grouped_kernel[(programs,)](
-        X, w, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
+        X, w, x_desc, w_desc, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
         w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
         0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8, num_stages=4, **_device_flags(X),
