@@ -22,9 +22,11 @@ registers (never to global memory) and multiplies it by the activations' [BLOCK_
 computing the output transposed (weights as the first operand, which stays in registers on Hopper): in bf16,
 scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8: q · scale is exact in
 fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes its bf16 pair in three
-PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs); elsewhere (ROCm, the interpreter) the same
-arithmetic runs as Triton ops. Small M (decode) splits K over more programs: each writes fp32 partial sums to a
-workspace and a second kernel adds them in split order (deterministic) into bf16.
+PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs), plus a PRMT per pair where four plain bytes
+go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic runs as Triton ops. The tiles come
+through TMA descriptors where TMA can read X and W (zeros past their edges), else through pointers. Small M
+(decode) splits K over more programs: each writes fp32 partial sums to a workspace and a second kernel adds them
+in split order (deterministic) into bf16.
 """
 
 from __future__ import annotations
