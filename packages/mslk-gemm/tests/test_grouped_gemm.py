@@ -40,6 +40,7 @@ CASES = [
     (300, [129, 0, 1, 170], 70, 200),
     (50, [7, 3], 33, 32),  # sizes sum to 10 of 50 rows: the rest is zero
     (0, [0, 0], 16, 32),
+    (420, [260, 140], 300, 32),  # groups of several rows and columns of tiles (the tile order's bands)
 ]
 
 
@@ -283,12 +284,13 @@ def test_scatter_add(fp8, groups):
 
 def test_entry_points_return_the_scatter_target():
     x, w, x_scale, w_scale = entry_inputs([3, 2], 8, 16, fp8=True)
-    m_sizes, indices, output = torch.tensor([3, 2]), torch.tensor([0, 1, 0, 1, 0]), torch.zeros(2, 8)
+    m_sizes, indices = torch.tensor([3, 2], device=DEVICE), torch.tensor([0, 1, 0, 1, 0], device=DEVICE)
+    output = torch.zeros(2, 8, device=DEVICE)
     assert (
         g.grouped_gemm_fp8_rowwise(x, w, m_sizes, x_scale, w_scale, _output_tensor=output, _scatter_add_indices=indices)
         is output
     )
-    expected = torch.zeros(2, 8, dtype=torch.float64).index_add_(
+    expected = torch.zeros(2, 8, dtype=torch.float64, device=DEVICE).index_add_(
         0, indices, entry_oracle(x, w, [3, 2], x_scale, w_scale)
     )
     testing.assert_rel_close(output, expected, 1e-2)

@@ -26,7 +26,10 @@ BF16_TOL = 2e-2  # against float64: bf16 inputs, weights and intermediates
 # Against the float64 unquantized model, four rowwise FP8 quantizations compound: 6% on average, and on a single
 # token (64 values) 12.5% at worst over 2000 draws.
 FP8_TOL = 0.15
-FP8_VS_BASELINE_TOL = 2e-2  # the same quantized values, different GEMMs
+# The two layers' FP8 paths run different GEMMs, whose bf16 outputs may differ by an ulp; the activations' FP8
+# quantization can turn that into a whole e4m3 step (12.5%) of a value: on a single token (64 values) 2.8% was
+# seen on the GPU.
+FP8_VS_BASELINE_TOL = 5e-2
 
 
 def full_weights(args: MoEArgs, device="cpu") -> dict[str, torch.Tensor]:
