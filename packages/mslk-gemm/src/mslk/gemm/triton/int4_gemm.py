@@ -350,17 +350,18 @@ def _int4_k_loop(
             if not TABLE:
                 z_hi = _group_rows(z_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
         else:  # plain bytes [BN, sub-blocks, KSUB/2]
-            byte = k0 // 2 + sub * (KSUB // 2) + tl.arange(0, KSUB // 2)[None, None, :]
-            ks = k0 + tl.arange(0, _K_STEP)[None, :]
             if w_desc is not None:
                 b = w_desc.load([first_col, k0 // 2]).reshape(cols.shape[0], SPAN // KSUB, KSUB // 2)
                 x = x_desc.load([first_row, k0])
-            elif EVEN_K:
-                b = tl.load(w_row_ptrs + byte)
-                x = _load_masked(x_row_ptrs + ks, x_mask, None)
-            else:  # past K: zero activations (and finite weights)
-                b = tl.load(w_row_ptrs + byte, mask=byte < K // 2, other=0)
-                x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
+            else:
+                byte = k0 // 2 + sub * (KSUB // 2) + tl.arange(0, KSUB // 2)[None, None, :]
+                ks = k0 + tl.arange(0, _K_STEP)[None, :]
+                if EVEN_K:
+                    b = tl.load(w_row_ptrs + byte)
+                    x = _load_masked(x_row_ptrs + ks, x_mask, None)
+                else:  # past K: zero activations (and finite weights)
+                    b = tl.load(w_row_ptrs + byte, mask=byte < K // 2, other=0)
+                    x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
             w = _dequant_pairs(b, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST, True)
             acc = tl.dot(w, _activations(x, False, UPCAST).T, acc)
         s_lo = _group_rows(s_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
