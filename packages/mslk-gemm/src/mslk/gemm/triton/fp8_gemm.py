@@ -285,10 +285,12 @@ def tma_descriptors(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int
     and the kernels load through pointers."""
     if not (tma_ready(a) and tma_ready(b)):
         return None, None
-    return (
-        TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k]),
-        TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [block_n, block_k]),
-    )
+    return row_tiles(a, block_m, block_k), row_tiles(b, block_n, block_k)
+
+
+def row_tiles(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
+    """TMA descriptor of a `tma_ready` 2-D t, one [rows, width] tile per load (zeros past its edges)."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, width])
 
 
 def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):

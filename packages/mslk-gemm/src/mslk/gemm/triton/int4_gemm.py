@@ -36,10 +36,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, tile_coordinates, tma_ready
+from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
@@ -562,10 +561,7 @@ def _descriptors(X, w, block_m: int, block_n: int, shuffled: bool) -> tuple:
         return None, None
     x_width = K_STEP // 2 if shuffled else K_STEP
     w_width = K_STEP // 2 // w.element_size()
-    return (
-        TensorDescriptor(x2d, list(x2d.shape), [x2d.stride(0), 1], [block_m, x_width]),
-        TensorDescriptor(w2d, list(w2d.shape), [w2d.stride(0), 1], [block_n, w_width]),
-    )
+    return row_tiles(x2d, block_m, x_width), row_tiles(w2d, block_n, w_width)
 
 
 def _run_int4_rows(X, W, scale, zero, **kwargs) -> torch.Tensor:
