@@ -203,7 +203,10 @@ def _check_shuffling(t, e, top_k, dtype, ranged, with_count):
 
 
 @pytest.mark.parametrize(
-    ("t", "e", "top_k"), [(0, 8, 1), (1, 1, 1), (37, 8, 2), (100, 16, 4), (64, 60, 3), (50, 20, 8)], ids=str
+    ("t", "e", "top_k"),
+    # (19, 2000, 2): blocks of 8 tokens, so that the one program of the interpreter takes several
+    [(0, 8, 1), (1, 1, 1), (37, 8, 2), (100, 16, 4), (64, 60, 3), (50, 20, 8), (19, 2000, 2)],
+    ids=str,
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("ranged", "with_count"), [(False, False), (True, True)], ids=["all", "ranged_count"])

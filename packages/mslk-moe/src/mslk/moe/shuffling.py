@@ -100,11 +100,11 @@ BARRIER = "index_shuffling grid barrier"  # kept_zeros: the kernel's grid barrie
 @triton.jit
 def _route_block(
     scores_ptr, pair_expert_ptr, tokens, T, E, start, stride_t, stride_e, valid_count,
-    E_LOCAL: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BINS_PAD: tl.constexpr,
+    E_LOCAL: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BINS: tl.constexpr,
 ):  # fmt: skip
     """Top-k experts of the tokens [BLOCK_T]: pair_expert[t·k + j] = local index of token t's j-th expert.
-    Returns the block's histogram over bins 0..E_LOCAL (bin E_LOCAL: pairs not selected, outside the range or
-    the count)."""
+    Returns the block's histogram of its selected pairs (expert in the range, token before the count) over the
+    local experts 0..E_LOCAL-1."""
     experts = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     in_range = (tokens < T)[:, None] & (experts < E)
     v = tl.load(scores_ptr + tokens.to(tl.int64)[:, None] * stride_t + experts * stride_e, mask=in_range, other=0.0)
@@ -113,16 +113,15 @@ def _route_block(
     bits = v.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers ordered as the floats, NaN above +inf
     key = tl.where(in_range, key, -2147483648)  # [BLOCK_T, E_PAD]
-    bins = tl.zeros([BINS_PAD], dtype=tl.int32)
+    bins = tl.zeros([BINS], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, 1)[:, None]
         chosen = tl.min(tl.where(key == best, experts, E_PAD), 1)  # [BLOCK_T]: the lowest expert of the best
         key = tl.where(experts == chosen[:, None], -2147483648, key)
         local = chosen - start
         tl.store(pair_expert_ptr + tokens * TOP_K + j, local, mask=tokens < T)
-        selected = (local >= 0) & (local < E_LOCAL) & (tokens < valid_count)
-        # Tokens past T go to the last bin (BINS_PAD > E_LOCAL + 1), which is never read.
-        bins += tl.histogram(tl.where(tokens < T, tl.where(selected, local, E_LOCAL), BINS_PAD - 1), BINS_PAD)
+        selected = (local >= 0) & (local < E_LOCAL) & (tokens < valid_count) & (tokens < T)
+        bins += tl.histogram(tl.where(selected, local, 0), BINS, mask=selected)
     return bins
 
 
@@ -147,60 +146,79 @@ def _index_shuffling_kernel(
     scores_ptr, pair_expert_ptr, histogram_ptr, barrier_ptr, valid_count_ptr, counts_ptr, expert_indices_ptr,
     token_indices_ptr, T, E, start, stride_t, stride_e, blocks_per_program,
     E_LOCAL: tl.constexpr, HAS_COUNT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr, BINS_PAD: tl.constexpr, PAIRS: tl.constexpr, ROWS: tl.constexpr, COUNTS_PAD: tl.constexpr,
+    PLACE_T: tl.constexpr, E_PAD: tl.constexpr, BINS: tl.constexpr, GROUPS: tl.constexpr, PAIRS: tl.constexpr,
+    ROWS: tl.constexpr, UNROLL: tl.constexpr, COUNTS_PAD: tl.constexpr,
 ):  # fmt: skip
     """The whole op in one launch; program p takes the token blocks [p, p + 1) · blocks_per_program.
-    1. The top-k of its tokens (pair_expert) and their histogram over the bins (histogram row p).
-    2. After a grid barrier, from all programs' histograms: where its first pair of each bin goes (bins back
-       to back, programs in order inside a bin); program 0 writes counts.
-    3. Its pairs at their positions, block by block: a pair goes after the block's earlier pairs in its bin
-       (pairs in token order, then top-k order)."""
+    1. The top-k of its tokens (pair_expert) and the histogram of its selected pairs (histogram row p).
+    2. After a grid barrier, from all programs' histograms: where its first pair of each expert goes (experts
+       back to back, programs in order inside an expert; then the pairs not selected, also in program order);
+       program 0 writes counts.
+    3. Its pairs at their positions, PLACE_T tokens at a time: a pair goes after the earlier pairs of its group
+       (its expert, or the pairs not selected), in token order, then top-k order."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
     first_block = pid * blocks_per_program
     block_tokens = tl.arange(0, BLOCK_T)
-    own = tl.zeros([BINS_PAD], dtype=tl.int32)
+    own = tl.zeros([BINS], dtype=tl.int32)
     for block in range(first_block, first_block + blocks_per_program):
         own += _route_block(
             scores_ptr, pair_expert_ptr, block * BLOCK_T + block_tokens, T, E, start, stride_t, stride_e,
-            valid_count, E_LOCAL, TOP_K, E_PAD, BINS_PAD,
+            valid_count, E_LOCAL, TOP_K, E_PAD, BINS,
         )  # fmt: skip
-    bins = tl.arange(0, BINS_PAD)
-    tl.store(histogram_ptr + pid * (E_LOCAL + 1) + bins, own, mask=bins <= E_LOCAL)
+    bins = tl.arange(0, BINS)
+    tl.store(histogram_ptr + pid * E_LOCAL + bins, own, mask=bins < E_LOCAL)
     _grid_barrier(barrier_ptr, programs)
+    # The program's first pairs to place, loaded now so that the load overlaps the histograms' below.
+    p = tl.arange(0, PAIRS)  # a power of two >= PLACE_T · TOP_K
+    first_pair = first_block * BLOCK_T * TOP_K
+    end_pair = tl.minimum((first_block + blocks_per_program) * BLOCK_T, T) * TOP_K
+    next_local = tl.load(
+        pair_expert_ptr + first_pair + p, mask=(p < PLACE_T * TOP_K) & (first_pair + p < end_pair), other=0
+    )
 
+    # All programs' histograms, summed elementwise first and reduced once: no reduction between the loads of
+    # the UNROLL steps, so that they go out together (.cg: from L2, where the other programs wrote).
     rows = tl.arange(0, ROWS)[:, None]
-    totals = tl.zeros([BINS_PAD], dtype=tl.int32)
-    before = tl.zeros([BINS_PAD], dtype=tl.int32)  # the bins' pairs of programs before this one
-    for r0 in range(0, programs, ROWS):
-        mask = (r0 + rows < programs) & (bins <= E_LOCAL)[None, :]
-        # .cg: from L2, where the other programs wrote
-        h = tl.load(histogram_ptr + (r0 + rows) * (E_LOCAL + 1) + bins[None, :], mask=mask, other=0,
-                    cache_modifier=".cg")  # fmt: skip
-        totals += tl.sum(h, 0)
-        before += tl.sum(tl.where(r0 + rows < pid, h, 0), 0)
-    position = tl.cumsum(totals, 0) - totals + before  # [BINS_PAD]: where the program's next pair of a bin goes
+    all_tile = tl.zeros([ROWS, BINS], dtype=tl.int32)
+    before_tile = tl.zeros([ROWS, BINS], dtype=tl.int32)
+    for r0 in range(0, programs, ROWS * UNROLL):
+        for u in tl.static_range(UNROLL):
+            row = r0 + u * ROWS + rows
+            mask = (row < programs) & (bins < E_LOCAL)[None, :]
+            h = tl.load(histogram_ptr + row * E_LOCAL + bins[None, :], mask=mask, other=0, cache_modifier=".cg")
+            all_tile += h
+            before_tile += tl.where(row < pid, h, 0)
+    totals = tl.sum(all_tile, 0)
+    before = tl.sum(before_tile, 0)  # the experts' selected pairs of programs before this one
+    selected_total = tl.sum(totals, 0)
+    position = tl.cumsum(totals, 0) - totals + before  # [BINS]: where the program's next pair of an expert goes
+    # Pairs not selected follow all selected ones; the programs before this one hold pairs_before pairs.
+    pairs_before = tl.minimum(first_block * BLOCK_T, T) * TOP_K
+    unselected_position = selected_total + pairs_before - tl.sum(before, 0)
     if pid == 0:
         tl.store(counts_ptr + start + bins, totals, mask=bins < E_LOCAL)
         e = tl.arange(0, COUNTS_PAD)
-        selected = tl.sum(tl.where(bins < E_LOCAL, totals, 0), 0)
-        others = tl.where(e == E, T, tl.where(e == E + 1, selected, 0))  # experts outside the range count 0
+        others = tl.where(e == E, T, tl.where(e == E + 1, selected_total, 0))  # experts outside the range: 0
         tl.store(counts_ptr + e, others, mask=((e < start) | (e >= start + E_LOCAL)) & (e < E + 2))
 
-    p = tl.arange(0, PAIRS)  # a power of two >= BLOCK_T · TOP_K
-    for block in range(first_block, first_block + blocks_per_program):
-        pair = block * BLOCK_T * TOP_K + p
-        in_range = (p < BLOCK_T * TOP_K) & (pair < T * TOP_K)
-        local = tl.load(pair_expert_ptr + pair, mask=in_range, other=0)
+    # Where the next pair of each group goes: experts 0..E_LOCAL-1, then group E_LOCAL, the pairs not selected.
+    groups = tl.arange(0, GROUPS)
+    position = tl.where(groups < E_LOCAL, tl.gather(position, tl.minimum(groups, BINS - 1), 0), unselected_position)
+    for pair0 in range(first_pair, end_pair, PLACE_T * TOP_K):
+        local = next_local
+        following = pair0 + PLACE_T * TOP_K + p
+        next_local = tl.load(pair_expert_ptr + following, mask=(p < PLACE_T * TOP_K) & (following < end_pair), other=0)
+        pair = pair0 + p
+        in_range = (p < PLACE_T * TOP_K) & (pair < end_pair)  # a prefix of p: the pairs out of range come last
         token = pair // TOP_K
-        bin = tl.where((local >= 0) & (local < E_LOCAL) & (token < valid_count), local, E_LOCAL)
-        bin = tl.where(in_range, bin, BINS_PAD - 1)  # out of range: a bin never written
-        earlier = (bin[None, :] == bin[:, None]) & (p[None, :] < p[:, None])  # [PAIRS, PAIRS]
-        slot = tl.gather(position, bin, 0) + tl.sum(earlier.to(tl.int32), 1)
+        group = tl.where((local >= 0) & (local < E_LOCAL) & (token < valid_count), local, E_LOCAL)
+        earlier = (group[None, :] == group[:, None]) & (p[None, :] < p[:, None])  # [PAIRS, PAIRS]
+        slot = tl.gather(position, group, 0) + tl.sum(earlier.to(tl.int32), 1)
         tl.store(expert_indices_ptr + slot, local, mask=in_range)
         tl.store(token_indices_ptr + slot, token, mask=in_range)
-        position += tl.histogram(bin, BINS_PAD)
+        position += tl.histogram(group, GROUPS, mask=in_range)
 
 
 def _index_shuffling_supports(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None,
@@ -223,26 +241,33 @@ def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_inde
     counts = torch.empty(experts + 2, **ints)
     expert_indices, token_indices = torch.empty(tokens * top_k, **ints), torch.empty(tokens * top_k, **ints)
     e_pad = launch.next_power_of_2(experts)
-    # Token blocks of at most 128 pairs (the placement compares pairs with pairs) and 8192 scores.
-    block_t = max(1, min(128 // launch.next_power_of_2(top_k), 8192 // e_pad))
-    n_blocks = launch.cdiv(tokens, block_t)
     # At most one program per SM, so that all are resident for the grid barrier (the interpreter runs
     # programs one after another: one program there).
-    programs = 1 if testing.interpreting() else max(1, min(n_blocks, arch.sm_count(device)))
+    max_programs = 1 if testing.interpreting() else arch.sm_count(device)
+    # Placement takes 32 pairs at a time: it compares pairs with pairs, work that grows as the square (H200,
+    # graph, T=16384 E=16 top-8: 17.0 us in steps of 32 pairs, 25.8 of 64, 31.5 of 128; T=16384 E=128 top-1:
+    # 14.3 / 14.2 / 15.3). The top-k: blocks of about a program's share of the tokens, at most 16384 scores.
+    place_t = max(1, 32 // launch.next_power_of_2(top_k))
+    block_t = max(1, min(16384 // e_pad, max(place_t, launch.next_power_of_2(launch.cdiv(tokens, max_programs)))))
+    place_t = min(place_t, block_t)
+    n_blocks = launch.cdiv(tokens, block_t)
+    programs = max(1, min(n_blocks, max_programs))
     blocks_per_program = launch.cdiv(n_blocks, programs)
-    # 8 warps for programs looping over top-1 blocks (H200, graph, T=16384 E=128: 15.9 us against 18.0 on 4),
-    # 4 for top-k (T=16384 E=16 k=8: 41.0 against 46.9 on 8; T=2048 E=256 k=8: 23.7 against 26.9).
-    warps = 8 if top_k == 1 and blocks_per_program > 1 else 4
-    local, bins_pad = end - start, launch.next_power_of_2(end - start + 2)
-    workspace = torch.empty(tokens * top_k + programs * (local + 1), **ints)
+    # 8 warps for blocks of 16384 scores (T=16384 E=128 top-1: 15.3 us against 15.8 on 4), 4 for smaller ones
+    # (T=16384 E=16 top-8: 31.7 against 33.7 on 8; T=2048 E=256 top-8: 16.7 against 17.9).
+    warps = 8 if block_t * e_pad >= 16384 else 4
+    local, bins = end - start, launch.next_power_of_2(end - start)
+    # Histogram tiles of 16 counts a thread, up to 4 loaded at once.
+    rows = max(1, min(launch.next_power_of_2(programs), 512 * warps // bins))
+    workspace = torch.empty(tokens * top_k + programs * local, **ints)
     _index_shuffling_kernel[(programs,)](
         routing_scores, workspace, workspace[tokens * top_k :], kept_zeros(device, BARRIER, 2),
         counts if valid_token_count is None else valid_token_count, counts, expert_indices, token_indices, tokens,
         experts, start, *routing_scores.stride(), blocks_per_program, E_LOCAL=local,
-        HAS_COUNT=valid_token_count is not None, TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad, BINS_PAD=bins_pad,
-        PAIRS=launch.next_power_of_2(block_t * top_k), ROWS=max(1, min(launch.next_power_of_2(programs),
-        8192 // bins_pad)), COUNTS_PAD=launch.next_power_of_2(experts + 2), num_warps=warps,
-        launch_cooperative_grid=True,
+        HAS_COUNT=valid_token_count is not None, TOP_K=top_k, BLOCK_T=block_t, PLACE_T=place_t, E_PAD=e_pad,
+        BINS=bins, GROUPS=launch.next_power_of_2(local + 1), PAIRS=launch.next_power_of_2(place_t * top_k),
+        ROWS=rows, UNROLL=min(launch.cdiv(programs, rows), 4), COUNTS_PAD=launch.next_power_of_2(experts + 2),
+        num_warps=warps, launch_cooperative_grid=True,
     )  # fmt: skip
     return counts, expert_indices, token_indices
 
