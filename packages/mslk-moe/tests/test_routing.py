@@ -214,6 +214,19 @@ def test_index_shuffling_kernel(t, e, top_k, dtype, ranged, with_count):
     _check_shuffling(t, e, top_k, dtype, ranged, with_count)
 
 
+@pytest.mark.parametrize(("start", "end"), [(3, 3), (0, 0), (8, 8)], ids=str)
+def test_index_shuffling_kernel_empty_expert_range(start, end):
+    """No expert kept: every pair is unselected, the pairs in token order."""
+    from mslk.moe import shuffling
+
+    scores = _tied_scores(37, 8, torch.float32)
+    count = torch.tensor([33], device=KERNEL_DEVICE)
+    ref = shuffling._index_shuffling(scores, start, end, count, 2)
+    out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, 2)
+    for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("t", "e", "top_k"),

@@ -170,7 +170,7 @@ def _index_shuffling_kernel(
     bins = tl.arange(0, BINS)
     tl.store(histogram_ptr + pid * E_LOCAL + bins, own, mask=bins < E_LOCAL)
     _grid_barrier(barrier_ptr, programs)
-    # The program's first pairs to place, loaded now so that the load overlaps the histograms' below.
+    # The program's first pairs to place, loaded now so that this load overlaps the histogram reads below.
     p = tl.arange(0, PAIRS)  # a power of two >= PLACE_T · TOP_K
     first_pair = first_block * BLOCK_T * TOP_K
     end_pair = tl.minimum((first_block + blocks_per_program) * BLOCK_T, T) * TOP_K
