@@ -173,7 +173,7 @@ def _index_shuffling_kernel(
     # The program's first pairs to place, loaded now so that this load overlaps the histogram reads below.
     p = tl.arange(0, PAIRS)  # a power of two >= PLACE_T · TOP_K
     first_pair = first_block * BLOCK_T * TOP_K
-    end_pair = tl.minimum((first_block + blocks_per_program) * BLOCK_T, T) * TOP_K
+    end_pair = tl.minimum(first_pair + blocks_per_program * BLOCK_T * TOP_K, T * TOP_K)
     next_local = tl.load(
         pair_expert_ptr + first_pair + p, mask=(p < PLACE_T * TOP_K) & (first_pair + p < end_pair), other=0
     )
@@ -194,9 +194,8 @@ def _index_shuffling_kernel(
     before = tl.sum(before_tile, 0)  # the experts' selected pairs of programs before this one
     selected_total = tl.sum(totals, 0)
     position = tl.cumsum(totals, 0) - totals + before  # [BINS]: where the program's next pair of an expert goes
-    # Pairs not selected follow all selected ones; the programs before this one hold pairs_before pairs.
-    pairs_before = tl.minimum(first_block * BLOCK_T, T) * TOP_K
-    unselected_position = selected_total + pairs_before - tl.sum(before, 0)
+    # Pairs not selected follow all selected ones; the programs before this one hold min(first_pair, T · k) pairs.
+    unselected_position = selected_total + tl.minimum(first_pair, T * TOP_K) - tl.sum(before, 0)
     if pid == 0:
         tl.store(counts_ptr + start + bins, totals, mask=bins < E_LOCAL)
         e = tl.arange(0, COUNTS_PAD)
@@ -247,7 +246,7 @@ def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_inde
     # Placement takes 32 pairs at a time: it compares pairs with pairs, work that grows as the square (H200,
     # graph, T=16384 E=16 top-8: 17.0 us in steps of 32 pairs, 25.8 of 64, 31.5 of 128; T=16384 E=128 top-1:
     # 14.3 / 14.2 / 15.3). The top-k: blocks of about a program's share of the tokens, at most 16384 scores.
-    place_t = max(1, 32 // launch.next_power_of_2(top_k))
+    place_t = 32 // launch.next_power_of_2(top_k)  # top_k <= 8
     block_t = max(1, min(16384 // e_pad, max(place_t, launch.next_power_of_2(launch.cdiv(tokens, max_programs)))))
     place_t = min(place_t, block_t)
     n_blocks = launch.cdiv(tokens, block_t)
