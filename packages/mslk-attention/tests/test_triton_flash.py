@@ -148,6 +148,16 @@ def test_backward(bias_id, fmt, sizes, backward_mode):
     _check_backward(q, k, v, bias, 1e-5)
 
 
+def test_heads_in_a_narrower_last_section(backward_mode):
+    """3 heads of 2 blocks each (forward, dQ and dK/dV passes alike): the interpreter's schedule takes heads in
+    sections of 2, the last one of a single head, whose programs must still cover both of its blocks."""
+    q, k, v, bias = _inputs("B01", "BMHK", (1, 50, 45, 1, 3, 32), torch.float32, DEVICE)
+    if DEVICE == "cpu":
+        assert triton_flash._heads_per_section(2, q.device) == 2
+    _check(q, k, v, bias, torch.float32)
+    _check_backward(q, k, v, bias, 1e-5)
+
+
 @pytest.mark.parametrize("bias_id", ["None", "B03"])
 @pytest.mark.parametrize(("mq", "mk", "head_dim"), [(1, 7, 80), (129, 130, 96), (129, 129, 80), (7, 129, 96)])
 def test_odd_head_dims_and_lengths(bias_id, mq, mk, head_dim):

@@ -182,6 +182,28 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
 
 
 @triton.jit
+def _program_block(blocks, section):
+    """(rank, sequence·group·head) of this program, one of `blocks` per head. The heads go in sections of `section`,
+    and a section's programs rank by rank across its heads, rank 0 first: the block that a causal mask gives the most
+    work. The last programs to start are then short ones, and the heads running at once (a section or two) share
+    their rows in L2."""
+    pid = tl.program_id(0)
+    per_section = section * blocks
+    first_head = pid // per_section * section
+    width = tl.minimum(section, tl.num_programs(0) // blocks - first_head)  # the last section may be narrower
+    in_section = pid % per_section
+    return in_section // width, first_head + in_section % width
+
+
+def _heads_per_section(blocks: int, device: torch.device) -> int:
+    """The `section` of `_program_block`: a power of two, a section about a wave of programs (one per SM; 4 under
+    the interpreter, so that tests see sections). H200, B=4 M=4096 H=16 K=128 causal, TFLOP/s (RESULTS.md):
+    forward 453 -> 489, backward 309 -> 325 against head by head; half or twice the section: slower."""
+    programs = arch.sm_count(device) if device.type == "cuda" else 4
+    return 1 << (max(1, programs // blocks).bit_length() - 1)
+
+
+@triton.jit
 def _flash_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, k_desc, v_desc,
     G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
@@ -190,13 +212,13 @@ def _flash_forward_kernel(
     stride_vb, stride_vm, stride_vg, stride_vh,
     stride_ob, stride_om, stride_og, stride_oh,
     stride_lb, stride_lg, stride_lh,
-    stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
+    stride_bb, stride_bg, stride_bh, stride_bm, stride_bn, blocks, section,
     DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, VARLEN: tl.constexpr,
     HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
-    # The last query blocks, which see the most keys under a causal mask, start first: less tail at the end.
-    pid_m, pid_bgh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    rank, pid_bgh = _program_block(blocks, section)
+    pid_m = blocks - 1 - rank  # the last query blocks see the most keys under a causal mask
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
     q_start, q_len, k_start, k_len, batch = _sequence(
         b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
@@ -333,7 +355,7 @@ def _flash_backward_kernel(
     stride_gkb, stride_gkm, stride_gkg, stride_gkh,
     stride_gvb, stride_gvm, stride_gvg, stride_gvh,
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn,
-    stride_dbb, stride_dbg, stride_dbh, stride_dbm, stride_dbn,
+    stride_dbb, stride_dbg, stride_dbh, stride_dbm, stride_dbn, blocks, section,
     DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DQ_PASS: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, TMA_KV: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -345,7 +367,8 @@ def _flash_backward_kernel(
     (one pass, 5 products a tile). Deterministic mode: DQ_PASS programs (query block, ...) loop over their
     visible key blocks and write dQ, then the dK/dV programs run without ATOMIC_DQ. The dK/dV programs write the
     bias gradient dS (each (query, key) once)."""
-    pid, pid_bgh = tl.program_id(0), tl.program_id(1)
+    rank, pid_bgh = _program_block(blocks, section)
+    pid = blocks - 1 - rank if DQ_PASS else rank  # the most work under a causal mask: last queries, first keys
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
     q_start, q_len, k_start, k_len, batch = _sequence(
         b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
@@ -597,15 +620,16 @@ class FwOp(AttentionFwOpBase):
             short = varlen is not None and max_q <= 512
             block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
             seqlen_k = None if varlen is None else varlen.seqlen_k
-            grid = (launch.cdiv(max_q, block_m), sequences * groups * heads)
+            blocks = launch.cdiv(max_q, block_m)
             bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
             descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
-            _flash_forward_kernel[grid](
+            _flash_forward_kernel[(blocks * sequences * groups * heads,)](
                 q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                 *descriptors or (None, None),
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
-                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, DROPOUT=inp.p > 0.0,
+                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
+                _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
                 HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and inp.scale_float > 0.0,
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
@@ -689,14 +713,15 @@ class BwOp(AttentionBwOpBase):
                 kv_descriptors = (None, None)
                 if not dq_pass and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v) and seqlen_k is None:
                     kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
-                program_rows, rows = (block_m, max_q) if dq_pass else (block_n, max_k)
-                _flash_backward_kernel[(launch.cdiv(rows, program_rows), sequences * groups * heads)](
+                blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
+                _flash_backward_kernel[(blocks * sequences * groups * heads,)](
                     q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0],
                     *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
                     *descriptors, *kv_descriptors,
                     groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
                     window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
-                    *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], DROPOUT=inp.p > 0.0,
+                    *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], blocks,
+                    _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
                     HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass, ATOMIC_DQ=not deterministic,
                     VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
