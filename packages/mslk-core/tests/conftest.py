@@ -52,7 +52,7 @@ def scale_rows_samples(device):
         )
 
 
-def make_scale_rows_op(*, fake=None, reference=scale_rows_reference, devices=("cuda",), available=None):
+def make_scale_rows_op(*, fake=None, reference=scale_rows_reference, devices=("cuda",), available=None, validate=None):
     """A fresh op `mslk_selftest::scale_rows_N(Tensor x, Tensor scale) -> Tensor` with a Triton backend."""
     op = registry.Op(
         f"mslk_selftest::scale_rows_{next(_names)}(Tensor x, Tensor scale) -> Tensor",
@@ -60,6 +60,7 @@ def make_scale_rows_op(*, fake=None, reference=scale_rows_reference, devices=("c
         reference=reference,
         fake=fake or (lambda x, scale: torch.empty_like(x)),
         samples=scale_rows_samples,
+        validate=validate,
     )
     op.backend("triton", devices=devices, supports=scale_rows_supports, available=available)(scale_rows_triton)
     return op
@@ -70,3 +71,28 @@ def fresh_ops(monkeypatch):
     """Ops made in a test leave the registry afterwards (their torch schemas stay, under unique names)."""
     monkeypatch.setattr(registry, "OPS", dict(registry.OPS))
     return make_scale_rows_op
+
+
+@pytest.fixture
+def fresh_add_into_op(fresh_ops):
+    return make_add_into_op
+
+
+def _add_into(out, x, factor=1.0):
+    out.add_(factor * x)
+
+
+def make_add_into_op(factor):
+    """A fresh op `mslk_selftest::add_into_N(Tensor(a!) out, Tensor x) -> ()` (writes into `out`), with reference
+    `out += x` and a CPU kernel `out += factor · x`."""
+    op = registry.Op(
+        f"mslk_selftest::add_into_{next(_names)}(Tensor(a!) out, Tensor x) -> ()",
+        domain="selftest",
+        reference=_add_into,
+        fake=lambda out, x: None,
+        samples=lambda device: [
+            registry.Sample((testing.randn(4, 6, device=device), testing.randn(4, 6, device=device)))
+        ],
+    )
+    op.backend("cpu_kernel", devices=("cpu",))(lambda out, x: _add_into(out, x, factor))
+    return op

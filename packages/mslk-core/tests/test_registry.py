@@ -164,6 +164,45 @@ def test_check_against_reference_catches_wrong_kernel_and_fake(fresh_ops):
     assert any("the fake kernel says (3, 1)" in p for p in problems)
 
 
+def test_check_against_reference_compares_what_the_op_writes_into(fresh_add_into_op):
+    for factor, wrong in [(1.0, False), (2.0, True)]:
+        op = fresh_add_into_op(factor)
+        sample = next(iter(op.samples(torch.device("cpu"))))
+        before = sample.args[0].clone()
+        problems = testing.check_against_reference(op, sample)
+        assert bool(problems) == wrong, problems
+        assert torch.equal(sample.args[0], before), "the check works on copies of the sample"
+
+
+def test_layout_problems_catch_a_kernel_that_ignores_strides(fresh_ops):
+    def contiguous_only(x, scale):  # reads x's storage as a contiguous matrix
+        return (torch.as_strided(x, x.shape, (x.shape[1], 1)).float() * scale[:, None]).to(x.dtype)
+
+    def refuse_strided(x, scale):
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+
+    wrong = fresh_ops(reference=contiguous_only)
+    sample = next(iter(wrong.samples(torch.device("cpu"))))
+    problems = testing.layout_problems(wrong, sample)
+    assert any("x in padded rows: output 0: relative error" in p for p in problems), problems
+    assert any("x in column-major" in p for p in problems), problems
+    assert testing.layout_problems(fresh_ops(reference=contiguous_only, validate=refuse_strided), sample) == []
+    assert testing.layout_problems(fresh_ops(), sample) == []
+
+
+def test_device_mixing_problems(fresh_ops):
+    op = fresh_ops()
+    sample = next(iter(op.samples(torch.device("cpu"))))
+    problems = testing.device_mixing_problems(op, sample, "meta")
+    assert len(problems) == 2 and all("on meta" in p for p in problems), problems
+
+    def same_device(x, scale):
+        registry.check_devices("scale_rows", x=x, scale=scale)
+
+    assert testing.device_mixing_problems(fresh_ops(validate=same_device), sample, "meta") == []
+
+
 def test_interpreted_triton_backend_matches_reference(fresh_ops):
     """Tier T1: the Triton kernel itself (interpreter on CPU, compiled on a GPU) against the reference."""
     op = fresh_ops()

@@ -47,7 +47,7 @@ def test_reference_is_the_math():
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8).half()), "one shape and dtype"),
         (lambda: silu_mul(torch.rand(2, 4, 8), torch.rand(2, 4, 8)), r"\[T, D\]"),
         (lambda: silu_mul(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)), "floating"),
-        (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8, device="meta")), "x0 is on cpu, x1 on meta"),
+        (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8, device="meta")), "one device, got x0 on cpu, x1 on meta"),
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8), torch.tensor([1, 2])), "one integer"),
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8), torch.tensor([1.0])), "one integer"),
         (lambda: silu_mul_quant(torch.rand(4, 8), torch.rand(4, 9)), "silu_mul_quant: x0 and x1"),

@@ -145,6 +145,31 @@ def test_quantized_variants_quantize_rowwise():
             "float64",
         ),
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 9)), "one shape and dtype"),
+        # Every tensor on one device: a count or indices elsewhere would fail inside a kernel, or read wrong memory.
+        (
+            lambda: index_shuffling(
+                torch.rand(4, 8), valid_token_count=torch.ones(1, dtype=torch.int32, device="meta")
+            ),
+            "one device, got routing_scores on cpu, valid_token_count on meta",
+        ),
+        (
+            lambda: gather_scale_dense_tokens(
+                torch.rand(4, 8), torch.zeros(3).int(), torch.zeros(3, device="meta").int(), torch.rand(4, 2)
+            ),
+            "expert_indices on meta",
+        ),
+        (
+            lambda: scatter_add_dense_tokens(
+                torch.rand(4, 8), torch.rand(3, 8), torch.zeros(3).int(), torch.ones(1, device="meta").int()
+            ),
+            "valid_token_count on meta",
+        ),
+        (
+            lambda: scatter_add_along_first_dim(
+                torch.rand(4, 8), torch.rand(3, 8), torch.zeros(3, device="meta").long()
+            ),
+            "Index on meta",
+        ),
     ],
 )
 def test_bad_input(call, message):

@@ -60,3 +60,5 @@ def test_bad_input():
         shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32), 2, 1)
     with pytest.raises(ValueError, match="integer token_counts"):
         shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="tokens on cpu, token_counts on meta"):
+        shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32, device="meta"))

@@ -134,6 +134,10 @@ class Op:
             raise ValueError(f"op {self.qualname} is defined twice")
         self.namespace, self.name = self.qualname.split("::")
         self.arg_names: list[str] = [arg.name for arg in parsed.arguments]
+        # The arguments the op writes into (`Tensor(a!)`): outputs to check as much as the returned ones.
+        self.mutated_args: list[str] = [
+            arg.name for arg in parsed.arguments if arg.alias_info is not None and arg.alias_info.is_write
+        ]
         self.domain = domain
         self.reference = reference
         self.samples = samples
@@ -288,6 +292,15 @@ def _default_next_step(op: Op) -> str:
         f"run `mslk env` to see which backends of {op.qualname} are usable on this machine, "
         "or move the inputs to a device and layout that a backend above supports."
     )
+
+
+def check_devices(where: str, **tensors: torch.Tensor | None) -> None:
+    """ValueError unless the named tensors (None skipped) are on one device: a kernel reads them all, and one on
+    another device would fail inside it, or read the wrong memory, instead of naming the cause."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        placed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"{where}: all tensors must be on one device, got {placed}")
 
 
 def describe(value: Any, detailed: bool = True) -> str:

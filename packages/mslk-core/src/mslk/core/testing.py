@@ -178,22 +178,33 @@ def _flat(result: Any) -> list[Any]:
     return [x for item in result for x in _flat(item)] if isinstance(result, (tuple, list)) else [result]
 
 
-def _to(value: Any, device: torch.device | str) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with fn applied to each tensor in it (lists and tuples too)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
 
 
-def check_against_reference(op: Op, sample: Sample) -> list[str]:
-    """Run `op` through torch.ops on the sample (on its device) and the reference on CPU copies; also
-    check that the fake kernel predicts each output's shape and dtype. Returns what went wrong."""
-    out = _flat(op.torch_op(*sample.args, **sample.kwargs))
-    ref = _flat(op.reference(*_to(sample.args, "cpu"), **_to(sample.kwargs, "cpu")))
-    problems = []
+def _copy(value: Any, device: torch.device | str) -> Any:
+    """A copy of value's tensors on `device` (a copy also where they are already there: ops write into some)."""
+    return _map_tensors(value, lambda t: t.to(device, copy=True))
+
+
+def _outputs(op: Op, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[list[Any], list[torch.Tensor]]:
+    """(fn's results, the tensors given for the arguments the op's schema says it writes into) after the call."""
+    results = _flat(fn(*args, **kwargs))
+    named = {**dict(zip(op.arg_names, args, strict=False)), **kwargs}  # args may stop before the defaults
+    return results, [named[name] for name in op.mutated_args if named.get(name) is not None]
+
+
+def _compare(op: Op, out: list[Any], ref: list[Any]) -> list[str]:
     if len(out) != len(ref):
         return [f"{len(out)} outputs, the reference gives {len(ref)}"]
+    problems = []
     for i, (o, r) in enumerate(zip(out, ref, strict=True)):
         if not isinstance(o, torch.Tensor):
             if o != r:
@@ -203,8 +214,22 @@ def check_against_reference(op: Op, sample: Sample) -> list[str]:
             assert_rel_close(o, r, op.tolerance, what=f"output {i}")
         except AssertionError as exc:
             problems.append(str(exc))
-    problems += _fake_problems(op, sample, out)
     return problems
+
+
+def _reference_outputs(op: Op, sample: Sample) -> list[Any]:
+    results, written = _outputs(op, op.reference, _copy(sample.args, "cpu"), _copy(sample.kwargs, "cpu"))
+    return results + written
+
+
+def check_against_reference(op: Op, sample: Sample) -> list[str]:
+    """Run `op` through torch.ops on a copy of the sample (on its device) and the reference on CPU copies,
+    comparing the results and the tensors the op writes into; also check that the fake kernel predicts each
+    result's shape and dtype. Returns what went wrong."""
+    args, kwargs = _map_tensors(sample.args, torch.clone), _map_tensors(sample.kwargs, torch.clone)
+    results, written = _outputs(op, op.torch_op, args, kwargs)
+    problems = _compare(op, results + written, _reference_outputs(op, sample))
+    return problems + _fake_problems(op, sample, results)
 
 
 def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
@@ -216,6 +241,83 @@ def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
         for i, (f, r) in enumerate(zip(fake, real, strict=True))
         if isinstance(r, torch.Tensor) and (f.shape != r.shape or f.dtype != r.dtype)
     ]
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """The same values with rows (or, in one dimension, elements) apart by more than their length."""
+    if t.dim() == 0 or t.numel() == 0:
+        return t
+    return padded_rows(t) if t.dim() > 1 else padded_rows(t[:, None], pad=1)[:, 0]
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.mT.contiguous().mT if t.dim() > 1 and t.shape[-1] > 1 and t.shape[-2] > 1 else t
+
+
+def _strides(value: Any) -> Any:
+    return _map_tensors(value, lambda t: t.stride())
+
+
+def _arguments(op: Op, sample: Sample) -> dict[int | str, tuple[str, Any]]:
+    """The sample's arguments that hold tensors: position (or keyword) -> (name, value)."""
+    named = {i: (op.arg_names[i], a) for i, a in enumerate(sample.args)} | {k: (k, v) for k, v in sample.kwargs.items()}
+    return {key: named[key] for key in named if any(isinstance(t, torch.Tensor) for t in _flat([named[key][1]]))}
+
+
+def _replaced(sample: Sample, key: int | str, value: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Copies of the sample's (args, kwargs) (ops write into some) with the argument at `key` (a position or
+    keyword) replaced by value."""
+    args = [value if i == key else _map_tensors(a, torch.clone) for i, a in enumerate(sample.args)]
+    return args, {k: value if k == key else _map_tensors(v, torch.clone) for k, v in sample.kwargs.items()}
+
+
+def layout_problems(op: Op, sample: Sample) -> list[str]:
+    """The sample with each tensor argument in turn (inputs and those written into) in other memory layouts, same
+    values: rows padded (`padded_rows`; vectors with a stride of 2), and column-major. The op must give the
+    reference's results, or refuse with a ValueError or NotImplementedError (the registry's "not supported
+    because") before any kernel runs: never a wrong result, never another error. Returns what went wrong."""
+    reference = _reference_outputs(op, sample)
+    problems = []
+    for key, (name, value) in _arguments(op, sample).items():
+        for layout, relayout in (("padded rows", _padded), ("column-major", _column_major)):
+            moved = _map_tensors(value, relayout)
+            if _strides(moved) == _strides(value):
+                continue  # no tensor of this argument takes another layout of this kind
+            what = f"{op.qualname}: {name} in {layout}"
+            try:
+                results, written = _outputs(op, op.torch_op, *_replaced(sample, key, moved))
+            except (ValueError, NotImplementedError):
+                continue  # refused, clearly
+            except Exception as exc:  # any other failure is the problem to report
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+                continue
+            problems += [f"{what}: {p}" for p in _compare(op, results + written, reference)]
+    return problems
+
+
+def device_mixing_problems(op: Op, sample: Sample, other: torch.device | str) -> list[str]:
+    """The sample with each tensor argument in turn moved alone to device `other`: the op must raise a ValueError
+    that names that device before any kernel runs (a kernel would fail inside, or read the wrong memory). Returns
+    what went wrong."""
+    tensors = {
+        key: (name, value) for key, (name, value) in _arguments(op, sample).items() if isinstance(value, torch.Tensor)
+    }
+    if len(tensors) < 2:
+        return []
+    problems = []
+    for key, (name, value) in tensors.items():
+        what = f"{op.qualname}: {name} on {other}"
+        args, kwargs = _replaced(sample, key, value.to(other))
+        try:
+            op.torch_op(*args, **kwargs)
+        except ValueError as exc:
+            if torch.device(other).type not in str(exc):
+                problems.append(f"{what}: the ValueError does not name the device: {exc}")
+        except Exception as exc:  # any other failure is the problem to report
+            problems.append(f"{what}: {type(exc).__name__} instead of a ValueError: {exc}")
+        else:
+            problems.append(f"{what}: no error")
+    return problems
 
 
 _OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -239,8 +341,9 @@ def _is_fp8(value: Any) -> bool:
 
 def domain_conformance(domain: str):
     """The conformance tests every domain package runs (T0, and T2 on a GPU), as two pytest functions:
-    the domain is loaded by `import mslk`, and each of its ops passes opcheck and matches its reference
-    on its samples (on the GPU when there is one). Use in a domain's tests:
+    the domain is loaded by `import mslk`, and each of its ops passes opcheck, matches its reference on its
+    samples (on the GPU when there is one) and rejects a tensor on another device with a clear ValueError. Use
+    in a domain's tests:
 
         test_domain_loaded, test_op_conformance = domain_conformance("gemm")
     """
@@ -259,7 +362,9 @@ def domain_conformance(domain: str):
     def test_op_conformance(op):
         device = torch.device("cuda" if arch.has_gpu() else "cpu")
         run_opcheck(op, device)
-        problems = [p for sample in op.samples(device) for p in check_against_reference(op, sample)]
+        samples = list(op.samples(device))
+        problems = [p for sample in samples for p in check_against_reference(op, sample) + layout_problems(op, sample)]
+        problems += device_mixing_problems(op, samples[0], "cpu" if device.type == "cuda" else "meta")
         assert not problems, "\n".join(problems)
 
     return test_domain_loaded, test_op_conformance

@@ -28,9 +28,8 @@ def _check_inputs(where, x0, x1, valid_token_count):
             f"{where}: x0 and x1 must be floating-point [T, D] of one shape and dtype, got {tuple(x0.shape)} "
             f"{x0.dtype} and {tuple(x1.shape)} {x1.dtype}"
         )
-    if x0.device != x1.device:
-        raise ValueError(f"{where}: x0 is on {x0.device}, x1 on {x1.device}")
     check_valid_token_count(where, valid_token_count)
+    registry.check_devices(where, x0=x0, x1=x1, valid_token_count=valid_token_count)
 
 
 def _validate(x0, x1, valid_token_count=None):

@@ -37,6 +37,10 @@ def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count
     _check_indices(where, "token_indices", token_indices, token_indices.shape[0] if token_indices.dim() else 0)
     _check_indices(where, "expert_indices", expert_indices, token_indices.shape[0])
     check_valid_token_count(where, valid_token_count)
+    registry.check_devices(
+        where, x=x, token_indices=token_indices, expert_indices=expert_indices, scores=scores,
+        valid_token_count=valid_token_count,
+    )  # fmt: skip
 
 
 def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
@@ -183,6 +187,10 @@ def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=No
         raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
     _check_indices(where, "token_indices", token_indices, in_tokens.shape[0])
     check_valid_token_count(where, valid_token_count)
+    registry.check_devices(
+        where, out_tokens=out_tokens, in_tokens=in_tokens, token_indices=token_indices,
+        valid_token_count=valid_token_count,
+    )  # fmt: skip
 
 
 def _scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
@@ -345,6 +353,9 @@ def _validate_scatter_padded(in_tokens, token_counts, token_indices, out_tokens)
             f"{tuple(token_counts.shape)} {token_counts.dtype}"
         )
     _check_indices(where, "token_indices", token_indices, in_tokens.shape[1])
+    registry.check_devices(
+        where, in_tokens=in_tokens, token_counts=token_counts, token_indices=token_indices, out_tokens=out_tokens
+    )
 
 
 def _padded_source_rows(in_tokens: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
@@ -427,6 +438,7 @@ def _validate_scatter_first_dim(Dst, Src, Index):
             f"{tuple(Src.shape)} {Src.dtype}"
         )
     _check_indices(where, "Index", Index, Src.shape[0])
+    registry.check_devices(where, Dst=Dst, Src=Src, Index=Index)
 
 
 def _scatter_first_dim(Dst, Src, Index):

@@ -41,6 +41,7 @@ def _validate(routing_scores, expert_index_start=None, expert_index_end=None, va
             f"{where}: need 0 <= expert_index_start <= expert_index_end <= E={experts}, got {start}, {end}"
         )
     check_valid_token_count(where, valid_token_count)
+    registry.check_devices(where, routing_scores=routing_scores, valid_token_count=valid_token_count)
 
 
 def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None, top_k=1):
@@ -336,6 +337,7 @@ def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
     end = experts if expert_end is None else expert_end
     if not 0 <= start <= end <= experts:
         raise ValueError(f"{where}: need 0 <= expert_start <= expert_end <= E={experts}, got {start}, {end}")
+    registry.check_devices(where, tokens=tokens, token_counts=token_counts)
 
 
 def _combine(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False):

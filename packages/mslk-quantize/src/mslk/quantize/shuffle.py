@@ -111,6 +111,7 @@ def _check_preshuffle(wq: torch.Tensor, where: str = "preshuffle_i4") -> None:
 
 def _validate_preshuffle(wq, w_scale):
     _check_preshuffle(wq)
+    registry.check_devices("preshuffle_i4", WQ=wq, w_scale=w_scale)
     groups_ok = w_scale.dim() == wq.dim() and w_scale.shape[-1] == wq.shape[-2] and w_scale.shape[:-2] == wq.shape[:-2]
     if w_scale.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or not groups_ok:
         raise ValueError(

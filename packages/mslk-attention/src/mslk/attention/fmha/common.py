@@ -235,10 +235,14 @@ class Inputs:
                 f"  query.device: {q.device}\n  key.device  : {k.device}\n  value.device: {v.device}"
             )
         bias = self.attn_bias
-        if isinstance(bias, ab.VARLEN_BIASES) and bias.q_seqinfo.seqstart.device != q.device:
+        bias_t = tensor_bias(bias)
+        bias_device = bias.q_seqinfo.seqstart.device if isinstance(bias, ab.VARLEN_BIASES) else None
+        if bias_t is not None:
+            bias_device = bias_t.device
+        if bias_device is not None and bias_device != q.device:
             raise ValueError(
                 "Attention bias and Query/Key/Value should be on the same device\n"
-                f"  query.device: {q.device}\n  attn_bias   : {bias.q_seqinfo.seqstart.device}"
+                f"  query.device: {q.device}\n  attn_bias   : {bias_device}"
             )
         quantized_kv = k.dtype == v.dtype == torch.int32
         if not quantized_kv and not q.dtype == k.dtype == v.dtype:
@@ -253,7 +257,6 @@ class Inputs:
             raise ValueError(
                 f"Please provide inputs in BMHK format rather than BMK when using bias type `{type(bias).__name__}`"
             )
-        bias_t = tensor_bias(bias)
         if bias_t is not None:
             expected = (q.shape[0], *q.shape[2:-1], q.shape[1], k.shape[1])  # [B, (G, H,) Mq, Mk]
             if tuple(bias_t.shape) != expected:

@@ -84,12 +84,6 @@ def _merge_backward_reference(attn_split, lse_split, attn_out, lse_out, grad_att
 # ------------------------------------------------------------------------------------ checks and fakes
 
 
-def _check_devices(where: str, tensors: Sequence[torch.Tensor]) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{where}: all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
 def _check_chunks(where, attn_split, lse_split, attn_shape, lse_shape, output_dtype=None) -> None:
     """Every chunk of the given shapes; one floating dtype per list; one device."""
     if not attn_split or len(attn_split) != len(lse_split):
@@ -108,7 +102,11 @@ def _check_chunks(where, attn_split, lse_split, attn_shape, lse_shape, output_dt
             )
     if output_dtype is not None and not output_dtype.is_floating_point:
         raise ValueError(f"{where}: output_dtype must be a floating dtype, got {output_dtype}")
-    _check_devices(where, [*attn_split, *lse_split])
+    registry.check_devices(
+        where,
+        **{f"attn_split[{i}]": t for i, t in enumerate(attn_split)},
+        **{f"lse_split[{i}]": t for i, t in enumerate(lse_split)},
+    )
 
 
 def _validate_varargs(attn_split, lse_split, write_lse, output_dtype, B, M, G, H, Kq):
@@ -140,7 +138,14 @@ def _validate_backward(attn_split, lse_split, attn_out, lse_out, grad_attn, grad
             raise ValueError(
                 f"{where}: {name} must be floating of shape {tuple(shape)}, got {tuple(t.shape)} {t.dtype}"
             )
-    _check_devices(where, [*attn_split, attn_out, lse_out, grad_attn, grad_lse])
+    registry.check_devices(
+        where,
+        **{f"attn_split[{i}]": t for i, t in enumerate(attn_split)},
+        attn_out=attn_out,
+        lse_out=lse_out,
+        grad_attn=grad_attn,
+        grad_lse=grad_lse,
+    )
 
 
 # The ops' outputs, uninitialized: their fake kernels, and the Triton backends' allocation.

@@ -52,9 +52,7 @@ def _validate(A, B, Ainvs=None, Binvs=None, use_fast_accum=True, output=None):
             f"{_WHERE}: expected A [..., M, K] and B [N, K] with the same K, got {tuple(A.shape)} and {tuple(B.shape)}"
         )
     # Devices first: a tensor on the wrong device is the cause to name, not the scale check it would also fail.
-    tensors = [t for t in (A, B, Ainvs, Binvs, output) if t is not None]
-    if len({t.device for t in tensors}) > 1:
-        raise ValueError(f"{_WHERE}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+    registry.check_devices(_WHERE, A=A, B=B, Ainvs=Ainvs, Binvs=Binvs, output=output)
     _check_scale("Ainvs", A, Ainvs)
     _check_scale("Binvs", B, Binvs)
     expected = (*A.shape[:-1], B.shape[0])

@@ -108,9 +108,7 @@ def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
     n = WQ.shape[-2]
     if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"{where}: bias must be float32 or bfloat16 [N] = [{n}], got {tuple(bias.shape)} {bias.dtype}")
-    tensors = [t for t in (XQ, WQ, x_scale, w_scale, bias) if t is not None]
-    if len({t.device for t in tensors}) > 1:
-        raise ValueError(f"{where}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
+    registry.check_devices(where, XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, bias=bias)
 
 
 def _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, out_dtype):

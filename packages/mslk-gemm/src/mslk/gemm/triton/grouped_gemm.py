@@ -262,13 +262,6 @@ def _check_sizes(where: str, sizes, groups: int, name: str = "M_sizes") -> None:
         )
 
 
-def _check_devices(where: str, **tensors) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        placed = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValueError(f"{where}: all tensors must be on one device, got {placed}")
-
-
 def _check_16bit(where: str, X, W) -> None:
     if X.dtype not in (torch.bfloat16, torch.float16) or W.dtype != X.dtype:
         raise ValueError(f"{where}: X and W must both be bfloat16 or float16, got {X.dtype} and {W.dtype}")
@@ -299,7 +292,7 @@ def _check_stacked(where: str, x, w, m_sizes) -> None:
             f"{where}: expected X [ΣM, K] and W [G, N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     _check_sizes(where, m_sizes, w.shape[0])
-    _check_devices(where, X=x, W=w, M_sizes=m_sizes)
+    registry.check_devices(where, X=x, W=w, M_sizes=m_sizes)
 
 
 def _check_rowwise(where: str, role: str, scale, data, numel: int) -> None:
@@ -451,7 +444,7 @@ def _validate_wgrad(X, W, M_sizes, output=None, output_accum=False, num_sms=None
         )
     _check_16bit(where, X, W)
     _check_sizes(where, M_sizes, M_sizes.shape[0] if M_sizes.dim() == 1 else -1)
-    _check_devices(where, X=X, W=W, M_sizes=M_sizes)
+    registry.check_devices(where, X=X, W=W, M_sizes=M_sizes)
     shape = (M_sizes.shape[0], X.shape[1], W.shape[1])
     if output_accum and output is None:
         raise ValueError(f"{where}: output_accum=True adds into `output`, which must be given (float32 {shape})")
@@ -673,7 +666,7 @@ def _validate_entry(where, x, w, m_sizes, x_scale, w_scale, bias, token_weights)
     if w.dim() == 2 and (groups == 0 or w.shape[0] % groups):
         raise ValueError(f"{where}: w [G·N, K] needs G = len(m_sizes) = {groups} to divide its {w.shape[0]} rows")
     n = _entry_weights(w, m_sizes).shape[1]
-    _check_devices(where, x=x, w=w, m_sizes=m_sizes, bias=bias, token_weights=token_weights)
+    registry.check_devices(where, x=x, w=w, m_sizes=m_sizes, bias=bias, token_weights=token_weights)
     if (x_scale is None) != (w_scale is None):
         raise ValueError(f"{where}: rowwise FP8 needs both x_scale and w_scale")
     if x_scale is None:
@@ -769,7 +762,7 @@ def _validate_scatter(
             f"{where}: output must be float32, bfloat16 or float16 [T, N] with N = {n}, got {tuple(output.shape)} "
             f"{output.dtype}"
         )
-    _check_devices(where, x=x, output=output, scatter_add_indices=indices)
+    registry.check_devices(where, x=x, output=output, scatter_add_indices=indices)
 
 
 def _scatter_reference(output, x, w, m_sizes, scatter_add_indices, *args, **kwargs):

@@ -17,7 +17,6 @@ from mslk.gemm.triton.grouped_gemm import (
     PADDED,
     ROWWISE,
     _check_16bit,
-    _check_devices,
     _check_fp8,
     _check_out,
     _check_rowwise,
@@ -41,7 +40,7 @@ def _check_lists(where: str, X, W) -> None:
             f"{where}: expected X[i] [M_i, K] and W[i] [N, K] with one N and K for all groups, got X "
             f"{[tuple(x.shape) for x in X]} and W {[tuple(w.shape) for w in W]}"
         )
-    _check_devices(where, **{f"X[{i}]": x for i, x in enumerate(X)}, **{f"W[{i}]": w for i, w in enumerate(W)})
+    registry.check_devices(where, **{f"X[{i}]": x for i, x in enumerate(X)}, **{f"W[{i}]": w for i, w in enumerate(W)})
 
 
 def _list_sizes(X) -> list[int]:
@@ -179,7 +178,7 @@ def _check_padded(where: str, X, W, zero_start_index_M) -> None:
             f"{tuple(W.shape)}"
         )
     _check_sizes(where, zero_start_index_M, X.shape[0], "zero_start_index_M")
-    _check_devices(where, X=X, W=W, zero_start_index_M=zero_start_index_M)
+    registry.check_devices(where, X=X, W=W, zero_start_index_M=zero_start_index_M)
 
 
 def _run_padded(X, W, out, valid, **scales):
@@ -311,7 +310,7 @@ def _validate_grouped_mm(XQ, WQ, x_scale, w_scale, offsets, output):
     groups, out_shape, x_numel, w_numel = _grouped_mm_shapes(XQ, WQ, offsets)
     if offsets is not None:
         _check_sizes(where, offsets, groups, "offsets")
-    _check_devices(where, XQ=XQ, WQ=WQ, offsets=offsets, output=output)
+    registry.check_devices(where, XQ=XQ, WQ=WQ, offsets=offsets, output=output)
     _check_rowwise(where, "x_scale", x_scale, XQ, x_numel)
     _check_rowwise(where, "w_scale", w_scale, WQ, w_numel)
     _check_out(where, "output", output, out_shape, (torch.bfloat16,), XQ.device)

@@ -90,11 +90,6 @@ def _check_group_scales(where: str, W, k: int, scale, zero=None, table: bool = F
             raise formats.ScaleFormatError(f"{where}: zero {zero.dtype} and scale {scale.dtype} must have one dtype")
 
 
-def _check_devices(where: str, *tensors) -> None:
-    if len({t.device for t in tensors}) > 1:
-        raise ValueError(f"{where}: all tensors must be on one device, got {[str(t.device) for t in tensors]}")
-
-
 def _check_bf16_x(where: str, X, dims: int | None) -> None:
     if X.dtype != torch.bfloat16 or (X.dim() != dims if dims else X.dim() < 2):
         shape = "[B, M, K]" if dims == 3 else "[..., M, K]" if dims is None else "[ΣM, K]"
@@ -681,7 +676,7 @@ def _bf16_op(name: str, *, shuffled: bool, batched: bool, samples) -> registry.O
         _check_bf16_x(where, X, dims)
         _check_weights(where, W, X.shape[-1], (X.shape[0],) if batched else (), shuffled)
         _check_group_scales(where, W, X.shape[-1], w_scale_group, w_zero_group)
-        _check_devices(where, X, W, w_scale_group, w_zero_group)
+        registry.check_devices(where, X=X, W=W, w_scale_group=w_scale_group, w_zero_group=w_zero_group)
 
     def reference(X, W, w_scale_group, w_zero_group):
         return _matmul_reference(X, dequantize_int4(W, w_scale_group, w_zero_group, shuffled=shuffled))
@@ -786,7 +781,7 @@ def _validate_bf16_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes):
     _check_weights(where, WQ, X.shape[-1], (WQ.shape[0],), True)
     _check_group_scales(where, WQ, X.shape[-1], w_scale_group, w_zero_group)
     _check_m_sizes(where, M_sizes, WQ.shape[0])
-    _check_devices(where, X, WQ, w_scale_group, w_zero_group, M_sizes)
+    registry.check_devices(where, X=X, WQ=WQ, w_scale_group=w_scale_group, w_zero_group=w_zero_group, M_sizes=M_sizes)
 
 
 def _bf16_grouped_samples(device):
@@ -847,7 +842,7 @@ def _validate_f8_rowwise(XQ, WQ, x_scale, w_scale, w_zp):
     _check_fp8_x(where, XQ, x_scale)
     _check_weights(where, WQ, XQ.shape[-1], (), False)
     _check_group_scales(where, WQ, XQ.shape[-1], w_scale, w_zp)
-    _check_devices(where, XQ, WQ, x_scale, w_scale, w_zp)
+    registry.check_devices(where, XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, w_zp=w_zp)
 
 
 def _f8_rowwise_samples(device):
@@ -895,7 +890,7 @@ def _validate_f8_shuffled(XQ, WQ, x_scale, w_scale, w_scale_group):
             f"{where}: w_scale (the weights' row scales) must be float32, got {w_scale.dtype}"
         )
     formats.Rowwise().check(WQ, w_scale, role=f"{where}: w_scale")
-    _check_devices(where, XQ, WQ, x_scale, w_scale, w_scale_group)
+    registry.check_devices(where, XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, w_scale_group=w_scale_group)
 
 
 def _f8_shuffled_samples(device):
@@ -951,7 +946,9 @@ def _validate_f8_grouped(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
         )
     formats.Rowwise().check(WQ, w_scale, role=f"{where}: w_scale")
     _check_m_sizes(where, M_sizes, WQ.shape[0])
-    _check_devices(where, XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes)
+    registry.check_devices(
+        where, XQ=XQ, WQ=WQ, x_scale=x_scale, w_scale=w_scale, w_scale_group=w_scale_group, M_sizes=M_sizes
+    )
 
 
 def _f8_grouped_samples(device):

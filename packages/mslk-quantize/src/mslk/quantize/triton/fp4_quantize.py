@@ -255,6 +255,7 @@ def _validate_nvfp4(x, global_scale=None):
             "quantize_nvfp4: global_scale must be one float32 value (448 · 6 / amax, see global_scale_nvfp4), "
             f"got shape {tuple(global_scale.shape)} {global_scale.dtype}"
         )
+    registry.check_devices("quantize_nvfp4", x=x, global_scale=global_scale)
 
 
 def _nvfp4_fake(x, global_scale=None):
