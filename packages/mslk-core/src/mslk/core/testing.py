@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mslk.core import arch
+from mslk.core import arch, registry
 from mslk.core.registry import Op, Sample
 
 # ---------------------------------------------------------------------------------------------- skips
@@ -264,19 +264,18 @@ def _arguments(op: Op, sample: Sample) -> dict[int | str, tuple[str, Any]]:
     return {key: named[key] for key in named if any(isinstance(t, torch.Tensor) for t in _flat([named[key][1]]))}
 
 
-def _replaced(sample: Sample, key: int | str, value: Any) -> tuple[list[Any], dict[str, Any]]:
-    """Copies of the sample's (args, kwargs) (ops write into some) with the argument at `key` (a position or
-    keyword) replaced by value."""
+def _replaced(sample: Sample, key: int | str | None = None, value: Any = None) -> tuple[list[Any], dict[str, Any]]:
+    """Copies of the sample's (args, kwargs) (ops write into some), the argument at `key` (a position or keyword)
+    replaced by value."""
     args = [value if i == key else _map_tensors(a, torch.clone) for i, a in enumerate(sample.args)]
     return args, {k: value if k == key else _map_tensors(v, torch.clone) for k, v in sample.kwargs.items()}
 
 
-def layout_problems(op: Op, sample: Sample) -> list[str]:
-    """The sample with each tensor argument in turn (inputs and those written into) in other memory layouts, same
-    values: rows padded (`padded_rows`; vectors with a stride of 2), and column-major. The op must give the
-    reference's results, or refuse with a ValueError or NotImplementedError (the registry's "not supported
-    because") before any kernel runs: never a wrong result, never another error. Returns what went wrong."""
-    reference = _reference_outputs(op, sample)
+def _layout_problems(op: Op, sample: Sample, call: Callable[..., list[Any]], expected: list[Any]) -> list[str]:
+    """`call(args, kwargs)` (outputs and tensors written into) with each tensor argument of the sample in turn in
+    other memory layouts, same values: rows padded (`padded_rows`; vectors with a stride of 2), and column-major.
+    Each must give the expected outputs, or refuse with a ValueError or NotImplementedError (the registry's "not
+    supported because") before any kernel runs: never a wrong result, never another error."""
     problems = []
     for key, (name, value) in _arguments(op, sample).items():
         for layout, relayout in (("padded rows", _padded), ("column-major", _column_major)):
@@ -285,13 +284,52 @@ def layout_problems(op: Op, sample: Sample) -> list[str]:
                 continue  # no tensor of this argument takes another layout of this kind
             what = f"{op.qualname}: {name} in {layout}"
             try:
-                results, written = _outputs(op, op.torch_op, *_replaced(sample, key, moved))
+                out = call(*_replaced(sample, key, moved))
             except (ValueError, NotImplementedError):
                 continue  # refused, clearly
             except Exception as exc:  # any other failure is the problem to report
                 problems.append(f"{what}: {type(exc).__name__}: {exc}")
                 continue
-            problems += [f"{what}: {p}" for p in _compare(op, results + written, reference)]
+            problems += [f"{what}: {p}" for p in _compare(op, out, expected)]
+    return problems
+
+
+def layout_problems(op: Op, sample: Sample) -> list[str]:
+    """The op (through torch.ops) on the sample's tensors in other layouts against the reference (see
+    `_layout_problems`). Returns what went wrong."""
+
+    def call(args, kwargs):
+        results, written = _outputs(op, op.torch_op, args, kwargs)
+        return results + written
+
+    return _layout_problems(op, sample, call, _reference_outputs(op, sample))
+
+
+def triton_layout_problems(op: Op, sample: Sample) -> list[str]:
+    """Each Triton backend of the op called directly (validation and its `supports` first) on the sample's tensors
+    in other layouts, against its own outputs on the sample as given (see `_layout_problems`). On CPU the kernels
+    run under the Triton interpreter, where a call through torch.ops would run the reference; its rounding of
+    FP8 differs from the reference's, not from itself. A backend the interpreter cannot run on the sample (bf16
+    atomics) is left to the GPU run. Returns what went wrong."""
+    problems = []
+    for backend in op.backends:
+        if backend.available is not registry.triton_missing:
+            continue
+
+        def call(args, kwargs, backend=backend):
+            if op.validate is not None:
+                op.validate(*args, **kwargs)
+            reasons = list(backend.supports(*args, **kwargs)) if backend.supports is not None else []
+            if reasons:
+                raise NotImplementedError(f"{backend.name}: {'; '.join(reasons)}")
+            results, written = _outputs(op, backend.impl, args, kwargs)
+            return results + written
+
+        try:
+            expected = call(*_replaced(sample))
+        except Exception:  # refused, or beyond the interpreter (see the docstring)
+            continue
+        problems += _layout_problems(op, sample, call, expected)
     return problems
 
 
@@ -342,8 +380,9 @@ def _is_fp8(value: Any) -> bool:
 def domain_conformance(domain: str):
     """The conformance tests every domain package runs (T0, and T2 on a GPU), as two pytest functions:
     the domain is loaded by `import mslk`, and each of its ops passes opcheck, matches its reference on its
-    samples (on the GPU when there is one) and rejects a tensor on another device with a clear ValueError. Use
-    in a domain's tests:
+    samples (on the GPU when there is one), also with its tensors in other layouts (its Triton kernels too, under
+    the interpreter on CPU), and rejects a tensor on another device with a clear ValueError. Use in a domain's
+    tests:
 
         test_domain_loaded, test_op_conformance = domain_conformance("gemm")
     """
@@ -364,7 +403,10 @@ def domain_conformance(domain: str):
         run_opcheck(op, device)
         samples = list(op.samples(device))
         problems = [p for sample in samples for p in check_against_reference(op, sample) + layout_problems(op, sample)]
-        problems += device_mixing_problems(op, samples[0], "cpu" if device.type == "cuda" else "meta")
+        other = "cpu" if device.type == "cuda" else "meta"
+        problems += [p for sample in samples for p in device_mixing_problems(op, sample, other)]
+        if device.type == "cpu":  # the kernels under the interpreter (on a GPU, torch.ops above ran them)
+            problems += triton_layout_problems(op, samples[0])
         assert not problems, "\n".join(problems)
 
     return test_domain_loaded, test_op_conformance

@@ -87,12 +87,13 @@ def _contiguous_rows(*tensors: torch.Tensor) -> list[str]:
 @triton.jit
 def _gather_scale_kernel(
     x_ptr, out_ptr, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, D,
-    stride_x, stride_out, stride_st, stride_se, HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_x, stride_out, stride_st, stride_se, stride_token, stride_expert, HAS_COUNT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out[i] = x[token[i]] · scores[token[i], expert[i]], one program per output row i."""
     i = tl.program_id(0)
-    token = tl.load(token_ptr + i).to(tl.int64)
-    expert = tl.load(expert_ptr + i).to(tl.int64)
+    token = tl.load(token_ptr + i * stride_token).to(tl.int64)
+    expert = tl.load(expert_ptr + i * stride_expert).to(tl.int64)
     readable = (token >= 0) & (token < T) & (expert >= 0) & (expert < E)
     if HAS_COUNT:
         readable &= i < tl.load(valid_count_ptr)
@@ -113,7 +114,8 @@ def _gather_triton(x, token_indices, expert_indices, scores, valid_token_count=N
     if rows and d:
         _gather_scale_kernel[(rows,)](
             x, out, token_indices, expert_indices, scores, valid_token_count, x.shape[0], scores.shape[1], d,
-            x.stride(0), out.stride(0), *scores.stride(), HAS_COUNT=valid_token_count is not None,
+            x.stride(0), out.stride(0), *scores.stride(), token_indices.stride(0), expert_indices.stride(0),
+            HAS_COUNT=valid_token_count is not None,
             BLOCK_D=_row_block(d), num_warps=4,
         )  # fmt: skip
     return out
@@ -224,9 +226,11 @@ scatter_add_dense_tokens_op = registry.Op(
 
 
 @triton.jit
-def _scatter_row(i, token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr):
+def _scatter_row(
+    i, token_ptr, stride_token, source_ptr, valid_count_ptr, T, HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr
+):  # fmt: skip
     """(target token, source row, whether row i adds anything) of the scatter-adds."""
-    token = tl.load(token_ptr + i).to(tl.int64)
+    token = tl.load(token_ptr + i * stride_token).to(tl.int64)
     source = tl.load(source_ptr + i).to(tl.int64) if HAS_SOURCE else i.to(tl.int64)
     adds = (token >= 0) & (token < T) & (source >= 0)
     if HAS_COUNT:
@@ -236,13 +240,13 @@ def _scatter_row(i, token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE: tl.co
 
 @triton.jit
 def _multiplicity_kernel(
-    token_ptr, source_ptr, valid_count_ptr, multiplicity_ptr, rows, T,
+    token_ptr, stride_token, source_ptr, valid_count_ptr, multiplicity_ptr, rows, T,
     HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """multiplicity[t] = the number of rows that add into token t."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     token, _, adds = _scatter_row(
-        tl.minimum(i, rows - 1), token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT
+        tl.minimum(i, rows - 1), token_ptr, stride_token, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT
     )
     tl.atomic_add(multiplicity_ptr + token, 1, mask=adds & (i < rows), sem="relaxed")
 
@@ -250,7 +254,7 @@ def _multiplicity_kernel(
 @triton.jit
 def _scatter_add_kernel(
     out_ptr, in_ptr, token_ptr, source_ptr, valid_count_ptr, multiplicity_ptr, lock_ptr, T, D, stride_out, stride_in,
-    HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr, LOCKED: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_token, HAS_SOURCE: tl.constexpr, HAS_COUNT: tl.constexpr, LOCKED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """out[token[i]] += in[source[i]], one program per row i, adding in fp32 and rounding once per row.
     LOCKED: the row reads, adds and writes its token under the token's spin lock (lock_ptr: 0 = free, and all
@@ -258,7 +262,9 @@ def _scatter_add_kernel(
     this row adds into is read, added and written; one that several rows add into gets atomic adds in out's
     dtype. Either way rows adding into one token do so in no fixed order."""
     i = tl.program_id(0)
-    token, source, adds = _scatter_row(i, token_ptr, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT)
+    token, source, adds = _scatter_row(
+        i, token_ptr, stride_token, source_ptr, valid_count_ptr, T, HAS_SOURCE, HAS_COUNT
+    )
     if adds:
         if LOCKED:
             while tl.atomic_cas(lock_ptr + token, 0, 1, sem="acquire") != 0:
@@ -306,12 +312,13 @@ def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None,
     if locks is None:
         multiplicity = torch.zeros(tokens, dtype=torch.int32, device=out_tokens.device)
         _multiplicity_kernel[(launch.cdiv(rows, 1024),)](
-            token_indices, source_rows, valid_token_count, multiplicity, rows, tokens, BLOCK=1024, **flags
-        )
+            token_indices, token_indices.stride(0), source_rows, valid_token_count, multiplicity, rows, tokens,
+            BLOCK=1024, **flags,
+        )  # fmt: skip
     _scatter_add_kernel[(rows,)](
         out_tokens, in_rows, token_indices, source_rows, valid_token_count, multiplicity, locks, tokens, d,
-        out_tokens.stride(0), in_rows.stride(-2), LOCKED=locks is not None, BLOCK_D=_row_block(d), num_warps=4,
-        **flags,
+        out_tokens.stride(0), in_rows.stride(-2), token_indices.stride(0), LOCKED=locks is not None,
+        BLOCK_D=_row_block(d), num_warps=4, **flags,
     )  # fmt: skip
 
 

@@ -199,11 +199,12 @@ def _run_grouped(
 
     a [R, RED] and b [G, N, RED] (or [N, RED], shared by the groups: K_GROUPED) with any strides; out [R, N]
     (STACKED, PADDED; a scatter target [T, N]) or [G, R, N] (K_GROUPED), any strides; sizes [G] int32/int64
-    counts, cumulative ends (`ends`), or None (every PADDED group full); `rows`: rows per PADDED group. Scales,
-    contiguous fp32: rowwise a_scale per row of a ([G, R] when K_GROUPED), b_scale [G, N]; groupwise a_scale
-    [R, RED/128] in per-group M-major blocks, b_scale [G, RED/128, ⌈N/128⌉]. bias [G, N], token_weights [R],
-    scatter [R] indices into out's rows, all contiguous."""
+    counts, cumulative ends (`ends`), or None (every PADDED group full), any stride; `rows`: rows per PADDED
+    group. Scales, contiguous fp32: rowwise a_scale per row of a ([G, R] when K_GROUPED), b_scale [G, N];
+    groupwise a_scale [R, RED/128] in per-group M-major blocks, b_scale [G, RED/128, ⌈N/128⌉]. bias [G, N],
+    token_weights [R], scatter [R] indices into out's rows, all contiguous."""
     groups = sizes.shape[0] if sizes is not None else b.shape[0]
+    sizes = None if sizes is None else sizes.contiguous()  # the kernel reads them one after the other
     n = b.shape[-2]
     if out.numel() == 0:
         return out
@@ -396,7 +397,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
     @op.backend("triton", available=registry.triton_missing)
     def _triton(X, W, M_sizes, out=None, num_sms=None):
         result = torch.empty((X.shape[0], W.shape[1]), dtype=X.dtype, device=X.device) if out is None else out
-        return _run_grouped(k_contiguous(X), _weights(W), result, M_sizes.contiguous(), num_sms=num_sms)
+        return _run_grouped(k_contiguous(X), _weights(W), result, M_sizes, num_sms=num_sms)
 
     return op
 
@@ -485,7 +486,7 @@ def _wgrad_triton(X, W, M_sizes, output=None, output_accum=False, num_sms=None):
     out = torch.empty((M_sizes.shape[0], X.shape[1], W.shape[1]), dtype=X.dtype, device=X.device)
     out = out if output is None else output
     _run_grouped(
-        k_contiguous(X).T, k_contiguous(W).T, out, M_sizes.contiguous(), grouping=K_GROUPED, zero_fill=False,
+        k_contiguous(X).T, k_contiguous(W).T, out, M_sizes, grouping=K_GROUPED, zero_fill=False,
         accumulate=output_accum, num_sms=num_sms,
     )  # fmt: skip
     return out
@@ -539,7 +540,7 @@ f8f8bf16_rowwise_grouped_stacked_op = registry.Op(
 def _fp8_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
-        k_contiguous(XQ), _weights(WQ), out, M_sizes.contiguous(), a_scale=x_scale.reshape(-1).contiguous(),
+        k_contiguous(XQ), _weights(WQ), out, M_sizes, a_scale=x_scale.reshape(-1).contiguous(),
         b_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(), scales=ROWWISE,
     )  # fmt: skip
 
@@ -626,7 +627,7 @@ f8f8bf16_groupwise_grouped_op = registry.Op(
 def _groupwise_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
-        k_contiguous(XQ), k_contiguous(WQ), out, M_sizes.contiguous(), a_scale=x_scale, b_scale=w_scale,
+        k_contiguous(XQ), k_contiguous(WQ), out, M_sizes, a_scale=x_scale, b_scale=w_scale,
         scales=GROUPWISE,
     )  # fmt: skip
 
@@ -697,7 +698,7 @@ def _entry_reference(x, w, m_sizes, x_scale=None, w_scale=None, bias=None, token
 def _run_entry(out, x, w, m_sizes, x_scale, w_scale, bias, token_weights, use_fast_accum, indices=None):
     w = _weights(_entry_weights(w, m_sizes))
     return _run_grouped(
-        k_contiguous(x), w, out, m_sizes.contiguous(), a_scale=None if x_scale is None else x_scale.reshape(-1),
+        k_contiguous(x), w, out, m_sizes, a_scale=None if x_scale is None else x_scale.reshape(-1),
         b_scale=None if w_scale is None else w_scale.reshape(w.shape[0], -1),
         scales=NO_SCALES if x_scale is None else ROWWISE, bias=None if bias is None else bias.contiguous(),
         token_weights=None if token_weights is None else token_weights.contiguous(),

@@ -380,8 +380,7 @@ def _validate_stacked(where: str, m_sizes: torch.Tensor, x: torch.Tensor, group_
             f"{where}: m_sizes must be a 1-D int64 (or int32) tensor of rows per segment, got shape "
             f"{tuple(m_sizes.shape)} {m_sizes.dtype}"
         )
-    if m_sizes.device != x.device:
-        raise ValueError(f"{where}: m_sizes is on {m_sizes.device} but the input is on {x.device}")
+    registry.check_devices(where, m_sizes=m_sizes, x=x)
 
 
 def _stacked_scale_numel(m_sizes: torch.Tensor, x: torch.Tensor, group_size: int) -> int:
@@ -450,6 +449,7 @@ def _validate_nvfp4_stacked(m_sizes, x, global_scale=None):
             f"quantize_nvfp4_stacked: global_scale must be float32 with one value per segment ({m_sizes.numel()}, "
             f"see calculate_group_max), got shape {tuple(global_scale.shape)} {global_scale.dtype}"
         )
+    registry.check_devices("quantize_nvfp4_stacked", m_sizes=m_sizes, x=x, global_scale=global_scale)
 
 
 def _nvfp4_stacked_fake(m_sizes, x, global_scale=None):
