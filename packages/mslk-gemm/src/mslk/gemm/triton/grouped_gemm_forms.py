@@ -184,7 +184,8 @@ def _check_padded(where: str, X, W, zero_start_index_M) -> None:
 def _run_padded(X, W, out, valid, **scales):
     """out [G, M, N] of X [G, M, K] and W [G, N, K]: group g's first valid[g] rows (all: valid None)."""
     groups, m, k = X.shape
-    result = out if out.is_contiguous() else torch.empty_like(out)
+    # (empty_like would keep a column-major out's strides, which the [G·M, N] view below cannot take)
+    result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     _run_grouped(
         k_contiguous(X.reshape(groups * m, k)), _weights(W), result.view(groups * m, -1), valid,
         grouping=PADDED, rows=m, **scales,
