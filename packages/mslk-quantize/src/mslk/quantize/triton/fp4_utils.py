@@ -203,14 +203,19 @@ def _global(global_scale: torch.Tensor | None, device) -> torch.Tensor:
     return torch.ones((), device=device) if global_scale is None else global_scale.float().reshape(()).to(device)
 
 
-def _nvfp4_codes(x2: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E2M1 codes [M, K] and e4m3 block scales [M, K/16] of x2 [M, K] with global scale(s) gs (0-dim, or
-    [M, 1] for one per row)."""
-    block_scale = _block_scales(x2, gs)
-    # One IEEE division per block, x · (gs / s_b), as the reference library's kernel; zero scale -> zeros.
+def nvfp4_elements(x2: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes [M, K] of x2 [M, K] under e4m3 block scales [M, K/16] and global scale(s) gs (0-dim, or [M, 1]
+    for one per row): E2M1(x · (gs / s_b)), one IEEE division per block as the reference library's kernel; zero
+    scale -> zeros."""
     denom = block_scale.float()
     factor = torch.where(denom == 0, 0.0, gs / denom.where(denom != 0, 1.0))
-    return e2m1_codes(x2.float().unflatten(-1, (-1, 16)) * factor[..., None]).flatten(-2), block_scale
+    return e2m1_codes(x2.float().unflatten(-1, (-1, 16)) * factor[..., None]).flatten(-2)
+
+
+def _nvfp4_codes(x2: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes [M, K] and e4m3 block scales [M, K/16] of x2 [M, K] with global scale(s) gs."""
+    block_scale = _block_scales(x2, gs)
+    return nvfp4_elements(x2, block_scale, gs), block_scale
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
