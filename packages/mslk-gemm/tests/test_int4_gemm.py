@@ -173,6 +173,7 @@ GROUPED = [
     (5, [1, 1, 3, 0], 130, 128, 32),
     (300, [129, 0, 1, 70], 24, 384, 64),  # sizes sum to 200 of 300 rows: the rest is zero
     (0, [0, 0], 16, 128, 128),
+    (7, [], 24, 128, 64),  # no group: every row is zero
 ]
 
 

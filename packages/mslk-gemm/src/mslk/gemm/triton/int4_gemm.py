@@ -607,6 +607,8 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     n = W.shape[1]
     if out.numel() == 0:
         return out
+    if W.shape[0] == 0:  # no group: every row is past their (empty) sum
+        return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
     # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
