@@ -258,6 +258,8 @@ def test_validate_inputs_errors():
     assert str(info.value) == (
         f"Invalid shape for attention bias: {bias.shape} (expected (2, 3, 5, 6))\n{_shapes_text(q, k, v)}"
     )
+    with pytest.raises(ValueError, match=r"^Query/Key need a head dim of at least 1\n"):
+        fmha.memory_efficient_attention(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match=r"^Please provide inputs in BMHK format rather than BMK when using bias "):
         fmha.memory_efficient_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], ab.LowerTriangularFromBottomRightMask())
     mask = ab.BlockDiagonalMask.from_seqlens([2, 3], [3, 3], device="cpu")

@@ -274,3 +274,38 @@ def test_dropout_gpu(dtype):
     mask = triton_flash.dropout_mask(ctx.rng_state, 2, 1, 4, 200, 200, p, "cuda")[:, 0]
     expected = attn_bias_utils.ref_attention(q.double(), k.double(), v.double(), bias, drop_mask=mask, p=p)
     testing.assert_rel_close(out, expected, TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_bias_heads_past_two_to_the_31():
+    """A [1, 16, 16384, 16384] bias: heads 8 and up start 2**31 elements in (their offsets once wrapped in int32).
+    The last head's output, LSE and dQ, dK, dV and bias gradient against float64 autograd of that head alone."""
+    mq = mk = 16384
+    q, k, v = (testing.randn(1, m, 16, 64, dtype=torch.bfloat16, device="cuda") for m in (mq, mk, mk))
+    bias = testing.randn(1, 16, mq, mk, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    inp = common.Inputs(q, k, v, bias)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    do = testing.randn(*out.shape, dtype=torch.bfloat16, device="cuda")
+    grads = triton_flash.BwOp.apply(ctx, inp, do)
+    q64, k64, v64 = (t[:, :, -1:].detach().double().requires_grad_() for t in (q, k, v))
+    bias64 = bias[:, -1:].detach().double().requires_grad_()
+    ref, lse = attention_reference(q64, k64, v64, bias64)
+    ref.backward(do[:, :, -1:].double())
+    testing.assert_rel_close(out[:, :, -1:], ref, TOLERANCE[torch.bfloat16], what="out")
+    testing.assert_rel_close(ctx.lse[:, -1:], lse, 1e-3, what="lse")
+    for name, got, want in [
+        ("dq", grads.dq[:, :, -1:], q64.grad), ("dk", grads.dk[:, :, -1:], k64.grad),
+        ("dv", grads.dv[:, :, -1:], v64.grad), ("db", grads.db[:, -1:], bias64.grad),
+    ]:  # fmt: skip
+        testing.assert_rel_close(got, want, 2e-2, what=name)
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_65535_heads(backward_mode):
+    """B·H = 65600 (decode-like batches): the delta kernel and dropout_mask take one grid axis (the second and
+    third take at most 65535 programs, and the launch failed)."""
+    q, k, v, bias = _inputs("None", "BMHK", (4100, 16, 16, 1, 16, 64), torch.bfloat16, "cuda")
+    _check_backward(q, k, v, bias, 2e-2)
+    mask = triton_flash.dropout_mask(1234, 4100, 1, 16, 16, 16, 0.5, "cuda")
+    assert torch.equal(mask[:2], triton_flash.dropout_mask(1234, 2, 1, 16, 16, 16, 0.5, "cuda"))
+    assert 0.4 < mask[-1].float().mean().item() < 0.6

@@ -175,3 +175,14 @@ def test_gpu_strided_output_argument():
     output = testing.empty_poisoned(513, 700, dtype=torch.float32, device="cuda")
     assert triton(A, B, output) is output
     testing.assert_rel_close(output, oracle(A, B), 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_split_past_two_to_the_31():
+    """parts [3, R, KP] with R·KP = 2**30: the lo part starts 2**31 elements in (its offset once wrapped in int32,
+    writing 4 GiB before the parts)."""
+    x = testing.randn(32768, 32768, device="cuda")
+    parts = g.split_parts(x, 32768)
+    rows = x[-3:].double()
+    hi, mid, lo = parts[:, -3:].double()
+    assert torch.equal(hi + mid + lo, rows) and torch.equal(parts[0, -3:], x[-3:].bfloat16())

@@ -109,6 +109,9 @@ def test_empty_and_k_zero():
     bias = testing.randn(8, device=DEVICE)
     out = kernel(g.f8f8bf16_rowwise_op)(xk0, w[:, :0], torch.ones(4, device=DEVICE), ws, bias)
     assert torch.equal(out, bias.to(torch.bfloat16).expand(4, 8)), "K = 0: the bias alone"
+    xq, xs = g.quantize_rows(testing.randn(0, 5, 32, device=DEVICE))
+    for batched in (kernel(g.f8f8bf16_rowwise_batched_op), g.f8f8bf16_rowwise_batched_op):  # no batch
+        assert batched(xq, w[None].expand(0, 8, 32), xs, ws[None].expand(0, 8)).shape == (0, 5, 8)
 
 
 def _bad(**changes):
@@ -182,3 +185,20 @@ def test_scaled_mm_backend_gpu(m, n, k):
         testing.assert_rel_close(out, oracle(*args[:5]) if len(args) > 4 else oracle(*args), 1e-2)
     out3 = g.f8f8bf16_rowwise(xq.reshape(2, m // 2, k), wq, x_scale.reshape(2, m // 2), w_scale)
     testing.assert_rel_close(out3, oracle(xq, wq, x_scale, w_scale).reshape(2, m // 2, n), 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_batched_batches_of_two_to_the_31_elements():
+    """XQ [2, 65536, 32768]: a batch of 2**31 elements makes its stride an int64 argument, and the TMA coordinates
+    built from it have to come back to int32 (Triton refused to compile the kernel). Rows of the second batch
+    checked (the rest of X is zero)."""
+    b, m, n, k = 2, 65536, 256, 32768
+    tail, tail_scale = g.quantize_rows(testing.randn(70, k, device="cuda"))
+    xq = torch.zeros(b, m, k, dtype=tail.dtype, device="cuda")
+    x_scale = torch.ones(b, m, device="cuda")
+    xq[1, -70:], x_scale[1, -70:] = tail, tail_scale
+    wq, w_scale = g.quantize_rows(testing.randn(b, n, k, device="cuda"))
+    out = g.f8f8bf16_rowwise_batched_op(xq, wq, x_scale, w_scale)
+    expected = oracle(xq[1, -70:], wq[1], x_scale[1, -70:], w_scale[1])
+    testing.assert_rel_close(out[1, -70:], expected, 1e-2)
+    assert (out[0, :5] == 0).all()

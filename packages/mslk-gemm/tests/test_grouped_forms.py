@@ -94,6 +94,20 @@ def test_dynamic(index_dtype):
     testing.assert_rel_close(skipped[2:], out[2:], 0.0)
 
 
+@pytest.mark.parametrize(("groups", "m", "n", "k"), [(0, 5, 8, 16), (3, 0, 8, 16), (3, 5, 8, 0)], ids=str)
+def test_dynamic_empty(groups, m, n, k):
+    """No group, no rows per group, K = 0 (zeros), through the kernel and torch.ops alike."""
+    zero_start = torch.full((groups,), m, device=DEVICE)
+    x, w = testing.randn(groups, m, k, device=DEVICE), testing.randn(groups, n, k, device=DEVICE)
+    (xq, xs), (wq, ws) = quantize_rows(x), quantize_rows(w)
+    for op, args in [
+        (f.bf16bf16bf16_grouped_dynamic_op, (x.bfloat16(), w.bfloat16(), zero_start)),
+        (f.f8f8bf16_rowwise_grouped_dynamic_op, (xq, wq, xs, ws, zero_start)),
+    ]:
+        for out in (kernel(op)(*args), op(*args)):
+            assert out.shape == (groups, m, n) and (out == 0).all()
+
+
 # ---------------------------------------------------------------------------------- grouped_mm forms (G-08)
 
 
@@ -217,3 +231,33 @@ def test_forms_gpu_and_cuda_graph():
     valid = torch.tensor(sizes, device="cuda")
     out = f.bf16bf16bf16_grouped_dynamic(x3, w3.bfloat16(), valid)
     testing.assert_rel_close(out, padded_oracle(x3, w3.bfloat16(), sizes), 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_mm_3d_2d_output_past_two_to_the_31():
+    """3D x 2D runs the transposed problem on output.T, whose column stride is ΣN: rows m of [M, ΣN] = [65536,
+    49152] start past 2**31 elements from m = 43691 on (their offsets once wrapped in int32)."""
+    m, n, k = 65536, 49152, 128
+    (xq, xs), (wq, ws) = fp8_rows(1, m, k), fp8_rows(n, k)
+    output = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    f.f8f8bf16_rowwise_grouped_mm(xq, wq.T, xs, ws, torch.tensor([n], dtype=torch.int32, device="cuda"), output)
+    for row in (0, 43690, 43691, m - 1):
+        expected = scaled(xq[0, row : row + 1], xs[0, row : row + 1], wq, ws)
+        testing.assert_rel_close(output[row : row + 1], expected, 1e-2, what=f"row {row}")
+
+
+@pytest.mark.parametrize("form", ["2D x 3D", "3D x 3D"])
+@pytest.mark.parametrize(("groups", "k"), [(0, 16), (2, 0)], ids=str)
+def test_grouped_mm_empty(form, groups, k):
+    """No group, or K = 0: zeros (rows past the offsets included), through the kernel and torch.ops alike."""
+    m, n = 6, 8
+    (wq, ws) = fp8_rows(groups, n, k)
+    if form == "2D x 3D":
+        (xq, xs), offsets = fp8_rows(m, k), ends([m // max(groups, 1)] * groups)
+        shape = (m, n)
+    else:
+        (xq, xs), offsets = fp8_rows(groups, m, k), None
+        shape = (groups, m, n)
+    for run in (kernel(f.f8f8bf16_rowwise_grouped_mm_op), f.f8f8bf16_rowwise_grouped_mm_op):
+        output = testing.empty_poisoned(*shape, dtype=torch.bfloat16, device=DEVICE)
+        assert run(xq, wq.mT, xs, ws, offsets, output) is output and (output == 0).all()

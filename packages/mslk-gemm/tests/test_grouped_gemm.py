@@ -41,6 +41,8 @@ CASES = [
     (50, [7, 3], 33, 32),  # sizes sum to 10 of 50 rows: the rest is zero
     (0, [0, 0], 16, 32),
     (420, [260, 140], 300, 32),  # groups of several rows and columns of tiles (the tile order's bands)
+    (9, [4, 5], 24, 0),  # K = 0: zeros
+    (9, [], 24, 32),  # no group: every row is past their (empty) sum
 ]
 
 

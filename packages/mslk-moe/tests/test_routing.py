@@ -132,6 +132,7 @@ def test_quantized_variants_quantize_rowwise():
     [
         (lambda: index_shuffling(torch.rand(4, 8, dtype=torch.float16)), "bfloat16 or float32"),
         (lambda: index_shuffling(torch.rand(4, 8), top_k=9), r"top_k must be in \[1, E=8\]"),
+        (lambda: index_shuffling(torch.rand(4, 0)), r"top_k must be in \[1, E=0\]"),  # no expert to route to
         (lambda: index_shuffling(torch.rand(4, 8), 6, 3), "expert_index_start <= expert_index_end"),
         (lambda: index_shuffling(torch.rand(4, 8), valid_token_count=torch.ones(2)), "one integer"),
         (
@@ -306,6 +307,26 @@ def _routing(t, e, top_k, device):
 @pytest.mark.parametrize("with_count", [False, True])
 def test_gather_and_scatter_kernels(t, d, top_k, with_count):
     _check_gather_scatter(t, d, top_k, with_count, [torch.float32, torch.float16])
+
+
+@pytest.mark.parametrize(("tokens", "experts"), [(5, 3), (0, 3), (5, 0)], ids=str)
+def test_gather_indices_outside_x_or_scores_give_zero_rows(tokens, experts):
+    """Indices past x's tokens or the scores' experts (also where there are none): zero rows, kernel and
+    reference alike (the kernel reads nothing there)."""
+    from mslk.moe import gather_scatter as gs
+
+    x = testing.randn(tokens, 40, device=DEVICE)
+    scores = testing.randn(tokens, experts, device=DEVICE)
+    token_indices = torch.tensor([0, tokens, -1, 1, 2], dtype=torch.int32, device=DEVICE)
+    expert_indices = torch.tensor([0, 1, 2, experts, -1], dtype=torch.int32, device=DEVICE)
+    readable = (token_indices >= 0) & (token_indices < tokens) & (expert_indices >= 0) & (expert_indices < experts)
+    op = gs.gather_scale_dense_tokens_op
+    for gather in (op.get_backend("triton").impl, op.reference):
+        out = gather(x, token_indices, expert_indices, scores)
+        assert (out[~readable] == 0).all() and out.shape == (5, 40)
+        rows = token_indices[readable].long()
+        expected = x[rows] * scores[rows, expert_indices[readable].long()][:, None]
+        testing.assert_rel_close(out[readable], expected)
 
 
 @pytest.mark.gpu

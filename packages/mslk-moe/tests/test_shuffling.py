@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mslk.core import testing
-from mslk.moe import shuffling
+from mslk.moe import scatter_add_padded_tokens, shuffling
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,5 +60,9 @@ def test_bad_input():
         shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32), 2, 1)
     with pytest.raises(ValueError, match="integer token_counts"):
         shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="needs at least one rank"):
+        shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(0, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="needs at least one rank"):
+        scatter_add_padded_tokens(torch.rand(0, 4, 8), torch.ones(3).int(), torch.zeros(4).int(), torch.rand(4, 8))
     with pytest.raises(ValueError, match="tokens on cpu, token_counts on meta"):
         shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32, device="meta"))

@@ -136,6 +136,7 @@ def test_nvfp4_reference():
         (lambda: fp4.triton_quantize_mx4_unpack(torch.ones(2, 64), ebits=3), "only E2M1"),
         (lambda: fp4.triton_quantize_mx4_unpack(torch.ones(2, 64), rounding_mode=7), "rounding_mode must be one of"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 40)), "multiple of the group size 16"),
+        (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 0)), "positive multiple of the group size 16"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 32), torch.ones(2)), "global_scale must be one float32"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 32), use_e8m0_scale=True), "MXFP4-16"),
     ],

@@ -176,3 +176,15 @@ def test_gpu_dispatch_and_use_triton_false():
     testing.assert_fp8_equal(xq, ref_xq)
     xq, scale = quantize_fp8_row(a, output_device=torch.device("cpu"))
     assert xq.device.type == "cpu" and scale.device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_gpu_transposed_rows_past_two_to_the_31():
+    """Rows of x.t() for x [65536, 65536]: element k of a row is k · 65536 elements in, past 2**31 from k = 32768
+    on (the column offset once wrapped in int32). Rows at both ends against the reference, bit for bit."""
+    x = testing.randn(65536, 65536, dtype=torch.bfloat16, device="cuda")
+    xq, scale = triton_quantize_fp8_row(x.t())
+    for rows in (slice(0, 2), slice(-2, None)):
+        ref_xq, ref_scale = quantize_fp8_row_op.reference(x.t()[rows].contiguous())
+        torch.testing.assert_close(scale[rows], ref_scale, rtol=0, atol=0)
+        testing.assert_fp8_equal(xq[rows], ref_xq)

@@ -45,11 +45,16 @@ def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count
 
 def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
     tokens, experts = token_indices.long(), expert_indices.long()
+    # Rows past the count, and indices outside x or scores (the kernel reads nothing there): zero rows.
+    readable = (tokens >= 0) & (tokens < x.shape[0]) & (experts >= 0) & (experts < scores.shape[1])
     valid = valid_rows(tokens.shape[0], valid_token_count, x.device)
-    if valid is not None:  # rows past the count read row 0 and come out zero
-        tokens, experts = tokens.where(valid, 0), experts.where(valid, 0)
+    if valid is not None:
+        readable &= valid
+    if not x.shape[0] or not scores.shape[1]:
+        return x.new_zeros(tokens.shape[0], x.shape[1])
+    tokens, experts = tokens.where(readable, 0), experts.where(readable, 0)  # row 0 read in their place
     out = x[tokens].float() * scores[tokens, experts].float()[:, None]
-    return (out if valid is None else torch.where(valid[:, None], out, 0.0)).to(x.dtype)
+    return torch.where(readable[:, None], out, 0.0).to(x.dtype)
 
 
 def _gather_samples(device):
@@ -130,7 +135,7 @@ def gather_scale_dense_tokens(
 ) -> torch.Tensor:
     """Rows of x [T, D] in expert order, each scaled by its routing score (spec M-03): out [a, D] with
     `out[i] = x[token_indices[i]] · scores[token_indices[i], expert_indices[i]]` (fp32 math, x's dtype);
-    rows at or past valid_token_count are zero."""
+    rows at or past valid_token_count, and rows whose indices fall outside x or scores, are zero."""
     return torch.ops.mslk.gather_scale_dense_tokens(x, token_indices, expert_indices, scores, valid_token_count)
 
 
@@ -354,7 +359,9 @@ def _validate_scatter_padded(in_tokens, token_counts, token_indices, out_tokens)
     if in_tokens.dtype != out_tokens.dtype:
         raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
     ranks = in_tokens.shape[0]
-    if token_counts.dim() != 1 or token_counts.dtype.is_floating_point or token_counts.numel() % max(ranks, 1):
+    if ranks == 0:
+        raise ValueError(f"{where}: in_tokens [EP, T_K, D] needs at least one rank, got {tuple(in_tokens.shape)}")
+    if token_counts.dim() != 1 or token_counts.dtype.is_floating_point or token_counts.numel() % ranks:
         raise ValueError(
             f"{where}: token_counts must be integer [E] with E a multiple of EP={ranks}, got "
             f"{tuple(token_counts.shape)} {token_counts.dtype}"
@@ -381,7 +388,7 @@ def _padded_source_rows(in_tokens: torch.Tensor, token_counts: torch.Tensor) -> 
 def _scatter_padded(in_tokens, token_counts, token_indices, out_tokens):
     source = _padded_source_rows(in_tokens, token_counts)
     valid = source >= 0
-    values = in_tokens.reshape(-1, in_tokens.shape[-1])[source.clamp(min=0)].float()
+    values = in_tokens.flatten(0, 1)[source.clamp(min=0)].float()
     values = torch.where(valid[:, None], values, 0.0)  # padding rows add zero, whatever they hold
     total = out_tokens.float().index_add_(0, torch.where(valid, token_indices.long(), 0), values)
     out_tokens.copy_(total)
@@ -420,7 +427,7 @@ scatter_add_padded_tokens_op = registry.Op(
 )
 def _scatter_padded_triton(in_tokens, token_counts, token_indices, out_tokens):
     source = _padded_source_rows(in_tokens, token_counts)
-    _run_scatter_add(out_tokens, in_tokens.reshape(-1, in_tokens.shape[-1]), token_indices, None, source)
+    _run_scatter_add(out_tokens, in_tokens.flatten(0, 1), token_indices, None, source)
 
 
 def scatter_add_padded_tokens(

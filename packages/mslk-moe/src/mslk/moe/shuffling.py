@@ -33,7 +33,7 @@ def _validate(routing_scores, expert_index_start=None, expert_index_end=None, va
             f"{routing_scores.dtype}"
         )
     experts = routing_scores.shape[1]
-    if not 1 <= top_k <= max(experts, 1):
+    if not 1 <= top_k <= experts:
         raise ValueError(f"{where}: top_k must be in [1, E={experts}], got {top_k}")
     start, end = _bounds(routing_scores, expert_index_start, expert_index_end)
     if not 0 <= start <= end <= experts:
@@ -332,6 +332,8 @@ def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
             f"{where}: expected tokens [T, D] and integer token_counts [EP, E], got {tuple(tokens.shape)} and "
             f"{tuple(token_counts.shape)} {token_counts.dtype}"
         )
+    if token_counts.shape[0] == 0:
+        raise ValueError(f"{where}: token_counts [EP, E] needs at least one rank, got {tuple(token_counts.shape)}")
     experts = token_counts.shape[1]
     start = 0 if expert_start is None else expert_start
     end = experts if expert_end is None else expert_end

@@ -251,6 +251,8 @@ class Inputs:
                 f"should have dtype torch.int32\n  query.dtype: {q.dtype}\n  key.dtype  : {k.dtype}\n"
                 f"  value.dtype: {v.dtype}"
             )
+        if q.shape[-1] == 0:  # no scores (and the default scale 1/sqrt(K) is undefined)
+            raise ValueError(f"Query/Key need a head dim of at least 1\n{_shapes(q, k, v)}")
         if q.dim() == 3 and not (
             bias is None or isinstance(bias, torch.Tensor) or type(bias) is ab.LowerTriangularMask
         ):

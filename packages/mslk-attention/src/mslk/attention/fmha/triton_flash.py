@@ -105,11 +105,18 @@ def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_s
     s = _dot(q, k.T, None, IEEE) * qk_scale
     if HAS_BIAS:
         bias = tl.load(
-            bias_ptr + rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
+            bias_ptr + rows.to(tl.int64)[:, None] * stride_bm + cols.to(tl.int64)[None, :] * stride_bn,
             mask=(rows < q_len)[:, None] & (cols < k_len)[None, :], other=0.0,
         )  # fmt: skip
         s += bias.to(tl.float32) * 1.4426950408889634
     return s
+
+
+@triton.jit
+def _head_offset(batch, g, h, stride_b, stride_g, stride_h):
+    """Elements from a tensor's start to (batch element, group, head)'s rows, in int64: each product can pass
+    2**31 (a [B, H, Mq, Mk] bias at H=16 Mq=Mk=16384, head-major Q of a million tokens)."""
+    return tl.cast(batch, tl.int64) * stride_b + tl.cast(g, tl.int64) * stride_g + tl.cast(h, tl.int64) * stride_h
 
 
 @triton.jit
@@ -227,13 +234,13 @@ def _flash_forward_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the sequence
         dk = tl.arange(0, BLOCK_K)
         dv = tl.arange(0, BLOCK_KV)
-        q_base = q_ptr + tl.cast(batch, tl.int64) * stride_qb + g * stride_qg + h * stride_qh
+        q_base = q_ptr + _head_offset(batch, g, h, stride_qb, stride_qg, stride_qh)
         q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk, K, UPCAST)
-        k_base = k_ptr + tl.cast(batch, tl.int64) * stride_kb + g * stride_kg + h * stride_kh
-        v_base = v_ptr + tl.cast(batch, tl.int64) * stride_vb + g * stride_vg + h * stride_vh
+        k_base = k_ptr + _head_offset(batch, g, h, stride_kb, stride_kg, stride_kh)
+        v_base = v_ptr + _head_offset(batch, g, h, stride_vb, stride_vg, stride_vh)
         bias_base = bias_ptr  # None without a bias
         if HAS_BIAS:
-            bias_base = bias_ptr + tl.cast(batch, tl.int64) * stride_bb + g * stride_bg + h * stride_bh
+            bias_base = bias_ptr + _head_offset(batch, g, h, stride_bb, stride_bg, stride_bh)
 
         shift = k_len - q_len if BOTTOM_RIGHT else 0
         first_row = pid_m * BLOCK_M
@@ -258,13 +265,13 @@ def _flash_forward_kernel(
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        out_base = out_ptr + tl.cast(batch, tl.int64) * stride_ob + g * stride_og + h * stride_oh
+        out_base = out_ptr + _head_offset(batch, g, h, stride_ob, stride_og, stride_oh)
         tl.store(
             out_base + (q_start + rows).to(tl.int64)[:, None] * stride_om + dv[None, :],
             out.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None] & (dv < Kv)[None, :],
         )  # fmt: skip
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-        lse_base = lse_ptr + tl.cast(batch, tl.int64) * stride_lb + g * stride_lg + h * stride_lh
+        lse_base = lse_ptr + _head_offset(batch, g, h, stride_lb, stride_lg, stride_lh)
         tl.store(lse_base + q_start + rows, lse, mask=rows < q_len)
 
 
@@ -274,18 +281,20 @@ def _delta_kernel(out_ptr, do_ptr, delta_ptr, G, H, Mq, Kv,
                   stride_gb, stride_gm, stride_gg, stride_gh,
                   stride_db, stride_dg, stride_dh,
                   BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
-    """delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq], one read of each (the backward's dS = P ∘ (dP − delta))."""
-    pid_bgh = tl.program_id(1)
+    """delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq], one read of each (the backward's dS = P ∘ (dP − delta)).
+    One grid axis (the others take at most 65535 programs): blocks of BLOCK_M rows, head by head."""
+    blocks = tl.cdiv(Mq, BLOCK_M)
+    pid_bgh = tl.program_id(0) // blocks
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) % blocks * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_KV)
     mask = (rows < Mq)[:, None] & (cols < Kv)[None, :]
-    o = tl.load(out_ptr + b.to(tl.int64) * stride_ob + g * stride_og + h * stride_oh
+    o = tl.load(out_ptr + _head_offset(b, g, h, stride_ob, stride_og, stride_oh)
                 + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)  # fmt: skip
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_gb + g * stride_gg + h * stride_gh
+    do = tl.load(do_ptr + _head_offset(b, g, h, stride_gb, stride_gg, stride_gh)
                  + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(delta_ptr + b.to(tl.int64) * stride_db + g * stride_dg + h * stride_dh + rows, delta, mask=rows < Mq)
+    tl.store(delta_ptr + _head_offset(b, g, h, stride_db, stride_dg, stride_dh) + rows, delta, mask=rows < Mq)
 
 
 @triton.jit
@@ -377,20 +386,20 @@ def _flash_backward_kernel(
     shift = k_len - q_len if BOTTOM_RIGHT else 0
     dk_range = tl.arange(0, BLOCK_K)
     dv_range = tl.arange(0, BLOCK_KV)
-    q_base = q_ptr + batch * stride_qb + g * stride_qg + h * stride_qh
-    do_base = do_ptr + batch * stride_ob + g * stride_og + h * stride_oh
-    k_base = k_ptr + batch * stride_kb + g * stride_kg + h * stride_kh
-    v_base = v_ptr + batch * stride_vb + g * stride_vg + h * stride_vh
-    dq_base = dq_ptr + batch * stride_gqb + g * stride_gqg + h * stride_gqh
-    stat_base = batch * stride_lb + g * stride_lg + h * stride_lh + q_start  # LSE and delta share a layout
+    q_base = q_ptr + _head_offset(batch, g, h, stride_qb, stride_qg, stride_qh)
+    do_base = do_ptr + _head_offset(batch, g, h, stride_ob, stride_og, stride_oh)
+    k_base = k_ptr + _head_offset(batch, g, h, stride_kb, stride_kg, stride_kh)
+    v_base = v_ptr + _head_offset(batch, g, h, stride_vb, stride_vg, stride_vh)
+    dq_base = dq_ptr + _head_offset(batch, g, h, stride_gqb, stride_gqg, stride_gqh)
+    stat_base = _head_offset(batch, g, h, stride_lb, stride_lg, stride_lh) + q_start  # LSE and delta share a layout
     head = (batch * G + g) * H + h  # keys the dropout's numbers
     head_col = g * H + h  # the head's column block in the [B·M, G·H·K] views of the descriptors
     bias_base = bias_ptr  # None without a bias
     db_base = dbias_ptr
     if HAS_BIAS:
-        bias_base = bias_ptr + batch * stride_bb + g * stride_bg + h * stride_bh
+        bias_base = bias_ptr + _head_offset(batch, g, h, stride_bb, stride_bg, stride_bh)
     if BIAS_GRAD:
-        db_base = dbias_ptr + batch * stride_dbb + g * stride_dbg + h * stride_dbh
+        db_base = dbias_ptr + _head_offset(batch, g, h, stride_dbb, stride_dbg, stride_dbh)
     if DQ_PASS:
         if pid * BLOCK_M < q_len:
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -448,11 +457,11 @@ def _flash_backward_kernel(
                     dv_range, K, Kv, Mk, qk_scale, sm_scale, shift, window_left, window_right, seed, head, p_drop,
                     part != 1, DROPOUT, HAS_BIAS, BIAS_GRAD, ATOMIC_DQ, IEEE, UPCAST, TMA, BLOCK_M, BLOCK_K, BLOCK_KV,
                 )  # fmt: skip
-            dk_base = dk_ptr + batch * stride_gkb + g * stride_gkg + h * stride_gkh
+            dk_base = dk_ptr + _head_offset(batch, g, h, stride_gkb, stride_gkg, stride_gkh)
             tl.store(dk_base + (k_start + cols).to(tl.int64)[:, None] * stride_gkm + dk_range[None, :],
                      (dk * sm_scale).to(dk_ptr.dtype.element_ty),
                      mask=(cols < k_len)[:, None] & (dk_range < K)[None, :])  # fmt: skip
-            dv_base = dv_ptr + batch * stride_gvb + g * stride_gvg + h * stride_gvh
+            dv_base = dv_ptr + _head_offset(batch, g, h, stride_gvb, stride_gvg, stride_gvh)
             tl.store(dv_base + (k_start + cols).to(tl.int64)[:, None] * stride_gvm + dv_range[None, :],
                      dv.to(dv_ptr.dtype.element_ty),
                      mask=(cols < k_len)[:, None] & (dv_range < Kv)[None, :])  # fmt: skip
@@ -460,9 +469,13 @@ def _flash_backward_kernel(
 
 @triton.jit
 def _dropout_mask_kernel(mask_ptr, seed, G, H, Mq, Mk, p_drop, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    head = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One grid axis (the others take at most 65535 programs): [BLOCK_M, BLOCK_N] tiles, row by row, head by head."""
+    col_blocks = tl.cdiv(Mk, BLOCK_N)
+    per_head = tl.cdiv(Mq, BLOCK_M) * col_blocks
+    pid = tl.program_id(0)
+    head = pid // per_head
+    rows = pid % per_head // col_blocks * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid % col_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
     kept = _kept(seed, head, rows, cols, Mk, p_drop)
     ptrs = mask_ptr + (head.to(tl.int64) * Mq + rows.to(tl.int64)[:, None]) * Mk + cols[None, :]
     tl.store(ptrs, kept, mask=(rows < Mq)[:, None] & (cols < Mk)[None, :])
@@ -473,7 +486,7 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
     kernels draw for a dropout seed: what tests reproduce the dropped attention with."""
     mask = torch.empty((batch, groups, heads, mq, mk), dtype=torch.bool, device=device)
     if mask.numel():
-        grid = (launch.cdiv(mq, 16), launch.cdiv(mk, 16), batch * groups * heads)
+        grid = (launch.cdiv(mq, 16) * launch.cdiv(mk, 16) * batch * groups * heads,)
         _dropout_mask_kernel[grid](mask, seed, groups, heads, mq, mk, p, BLOCK_M=16, BLOCK_N=16)
     return mask
 
@@ -743,7 +756,7 @@ def _delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     delta = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=out.device)
     block_kv = launch.next_power_of_2(max(dim_v, 16))
     block_m = 64 if out.is_cuda else 16
-    _delta_kernel[(launch.cdiv(mq, block_m), batch * groups * heads)](
+    _delta_kernel[(launch.cdiv(mq, block_m) * batch * groups * heads,)](
         out, do, delta, groups, heads, mq, dim_v, *_strides(out, do), *delta.stride()[:3],
         BLOCK_M=block_m, BLOCK_KV=block_kv,
     )  # fmt: skip

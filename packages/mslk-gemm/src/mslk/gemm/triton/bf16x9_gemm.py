@@ -67,7 +67,7 @@ def _split_kernel(
     mask = (rows < R)[:, None] & (cols < KP)[None, :]
     tl.store(out, hi, mask=mask)
     tl.store(out + stride_part, mid, mask=mask)
-    tl.store(out + 2 * stride_part, lo, mask=mask)
+    tl.store(out + 2 * tl.cast(stride_part, tl.int64), lo, mask=mask)  # 2·R·KP can pass 2**31 when R·KP does not
 
 
 @triton.jit

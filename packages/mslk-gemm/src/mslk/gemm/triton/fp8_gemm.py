@@ -114,7 +114,7 @@ def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
 def _rowwise_reference(XQ, WQ, x_scale, w_scale, bias, out_dtype):
     """fp32: dequantized XQ · WQᵀ with both scales, plus bias, cast to out_dtype."""
     out = torch.matmul(XQ.float(), WQ.float().transpose(-1, -2))
-    out = out * x_scale.float().reshape(*XQ.shape[:-1], 1) * w_scale.float().reshape(*WQ.shape[:-2], 1, -1)
+    out = out * x_scale.float().reshape(*XQ.shape[:-1], 1) * w_scale.float().reshape(*WQ.shape[:-2], 1, WQ.shape[-2])
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
@@ -156,11 +156,16 @@ def _rowwise_tile(
     b_ptrs = b_ptr + batch.to(tl.int64) * stride_bb + tl.where(cols < N, cols, 0).to(tl.int64)[:, None] * stride_bn
     a_ptrs += ks[None, :]
     b_ptrs += ks[None, :]
+    if a_desc is not None:
+        # The tile's first rows in the descriptors' stacked views; TMA coordinates are int32 (a batch of 2**31
+        # elements or more makes its stride, and the product, int64).
+        a_row = (batch * (stride_ab // stride_am)).to(tl.int32) + pid_m * BLOCK_M
+        b_row = (batch * (stride_bb // stride_bn)).to(tl.int32) + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
         if a_desc is not None:  # rows/cols past M/N read the next batch's (never stored) or zeros
-            a = a_desc.load([batch * (stride_ab // stride_am) + pid_m * BLOCK_M, k * BLOCK_K])
-            b = b_desc.load([batch * (stride_bb // stride_bn) + pid_n * BLOCK_N, k * BLOCK_K])
+            a = a_desc.load([a_row, k * BLOCK_K])
+            b = b_desc.load([b_row, k * BLOCK_K])
         else:
             a, b = load_k_step(a_ptrs, b_ptrs, ks, K - k * BLOCK_K, EVEN_K)
         if FAST_ACCUM:
@@ -237,7 +242,7 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     """out [B, M, N] = rowwise FP8 GEMM of XQ [B, M, K] and WQ [B or 1, N, K] (scales [B, M] and [B or 1, N])."""
     batches, m, k = XQ.shape
     n = WQ.shape[1]
-    if m == 0 or n == 0:
+    if out.numel() == 0:
         return out
     if k == 0:
         return out.copy_(torch.zeros_like(out, dtype=torch.float32) + (0 if bias is None else bias.float()))
@@ -370,7 +375,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] in this platform's FP8 with rowwise fp32 dequantization scales (amax / FP8_MAX): the inputs of
     the samples, tests and benches (mslk-gemm works without mslk.quantize's quantize_fp8_row)."""
     fp8 = arch.fp8_dtype(x.device)
-    scale = x.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(fp8).max
+    amax = x.float().abs().amax(-1) if x.shape[-1] else torch.zeros(x.shape[:-1], device=x.device)  # K = 0 too
+    scale = amax.clamp(min=1e-12) / torch.finfo(fp8).max
     return (x.float() / scale[..., None]).to(fp8), scale
 
 

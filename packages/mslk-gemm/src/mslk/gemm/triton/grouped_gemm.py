@@ -164,10 +164,10 @@ def _grouped_gemm_kernel(
             if scatter_ptr is not None:  # row i adds into out[indices[i]]; indices outside out are skipped
                 out_rows = tl.load(scatter_ptr + a_rows).to(tl.int64)
                 mask &= ((out_rows >= 0) & (out_rows < OUT_ROWS))[:, None]
-                out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_on
+                out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols.to(tl.int64)[None, :] * stride_on
             else:
                 row_offsets = tl.cast(gw, tl.int64) * stride_og + (row0 + rows).to(tl.int64) * stride_om
-                out_ptrs = out_ptr + row_offsets[:, None] + cols[None, :] * stride_on
+                out_ptrs = out_ptr + row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_on
             if ACCUMULATE:  # atomics: the scatter's rows may repeat; a plain tile's add needs no load into registers
                 tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
             else:
@@ -238,9 +238,14 @@ def _run_grouped(
 def _descriptors(a: torch.Tensor, b: torch.Tensor, grouping, cfg: dict) -> tuple:
     """TMA descriptors of a [R, K] and of b [G, N, K] as [G·N, K] (K-major STACKED and PADDED operands), else Nones.
     H200, bf16 G=8 x 2048 rows, N=4096, K=7168: 665 TFLOP/s against 572 with pointer loads."""
-    if grouping == K_GROUPED or b.dim() != 3 or b.stride(0) != b.shape[1] * b.stride(1):
+    if grouping == K_GROUPED or b.dim() != 3 or b.stride(0) != b.shape[1] * b.stride(1) or a.shape[1] == 0:
         return None, None
     return tma_descriptors(a, b.view(-1, b.shape[2]), cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
+
+
+def _per_group(scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """A scale of G equal parts ([G, N], flat or not) as [G, N]; also for G = 0, where reshape(0, -1) fails."""
+    return scale.reshape(groups, scale.numel() // max(groups, 1))
 
 
 def _weights(w: torch.Tensor) -> torch.Tensor:
@@ -541,7 +546,7 @@ def _fp8_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
         k_contiguous(XQ), _weights(WQ), out, M_sizes, a_scale=x_scale.reshape(-1).contiguous(),
-        b_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(), scales=ROWWISE,
+        b_scale=_per_group(w_scale, WQ.shape[0]).contiguous(), scales=ROWWISE,
     )  # fmt: skip
 
 
@@ -699,7 +704,7 @@ def _run_entry(out, x, w, m_sizes, x_scale, w_scale, bias, token_weights, use_fa
     w = _weights(_entry_weights(w, m_sizes))
     return _run_grouped(
         k_contiguous(x), w, out, m_sizes, a_scale=None if x_scale is None else x_scale.reshape(-1),
-        b_scale=None if w_scale is None else w_scale.reshape(w.shape[0], -1),
+        b_scale=None if w_scale is None else _per_group(w_scale, w.shape[0]),
         scales=NO_SCALES if x_scale is None else ROWWISE, bias=None if bias is None else bias.contiguous(),
         token_weights=None if token_weights is None else token_weights.contiguous(),
         scatter=None if indices is None else indices.contiguous(), zero_fill=indices is None,

@@ -23,6 +23,7 @@ from mslk.gemm.triton.grouped_gemm import (
     _check_sizes,
     _group_bounds,
     _k_grouped_reference,
+    _per_group,
     _run_grouped,
     _stacked_reference,
     _weights,
@@ -168,7 +169,8 @@ def _padded_reference(x, w, valid, x_scale=None, w_scale=None):
     """fp32 [G, M, N]: x[g, :valid[g]] · w[g]ᵀ (scaled), rows past valid[g] zero."""
     groups, m = x.shape[:2]
     bounds = [(g * m, min(max(v, 0), m)) for g, v in enumerate(valid)]
-    return _stacked_reference(x.reshape(groups * m, -1), w, bounds, x_scale, w_scale).view(groups, m, -1)
+    out = _stacked_reference(x.reshape(groups * m, x.shape[-1]), w, bounds, x_scale, w_scale)
+    return out.view(groups, m, w.shape[-2])
 
 
 def _check_padded(where: str, X, W, zero_start_index_M) -> None:
@@ -187,7 +189,7 @@ def _run_padded(X, W, out, valid, **scales):
     # (empty_like would keep a column-major out's strides, which the [G·M, N] view below cannot take)
     result = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     _run_grouped(
-        k_contiguous(X.reshape(groups * m, k)), _weights(W), result.view(groups * m, -1), valid,
+        k_contiguous(X.reshape(groups * m, k)), _weights(W), result.view(groups * m, out.shape[-1]), valid,
         grouping=PADDED, rows=m, **scales,
     )  # fmt: skip
     return out if result is out else out.copy_(result)
@@ -260,7 +262,7 @@ def _fp8_dynamic_triton(XQ, WQ, x_scale, w_scale, zero_start_index_M, zeroing_ou
     out = torch.empty((*XQ.shape[:2], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_padded(
         XQ, WQ, out, zero_start_index_M.contiguous(), a_scale=x_scale.reshape(-1).contiguous(),
-        b_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(), scales=ROWWISE, zero_fill=zeroing_output_tensor,
+        b_scale=_per_group(w_scale, WQ.shape[0]).contiguous(), scales=ROWWISE, zero_fill=zeroing_output_tensor,
     )  # fmt: skip
 
 
@@ -363,21 +365,21 @@ def _grouped_mm_triton(XQ, WQ, x_scale, w_scale, offsets, output):
     rowwise = {"scales": ROWWISE, "fast_accum": True}
     if form == (2, 3):
         _run_grouped(
-            k_contiguous(XQ), _weights(WQ.mT), output, offsets, ends=True, a_scale=xs, b_scale=ws.view(groups, -1),
+            k_contiguous(XQ), _weights(WQ.mT), output, offsets, ends=True, a_scale=xs, b_scale=_per_group(ws, groups),
             **rowwise,
         )  # fmt: skip
     elif form == (3, 2):  # the transposed problem: outᵀ [ΣN, M] = WQᵀ [ΣN, K] · XQ[g]ᵀ, groups along WQᵀ's rows
         _run_grouped(
             k_contiguous(WQ.T), _weights(XQ), output.T, offsets, ends=True, a_scale=ws,
-            b_scale=xs.view(groups, -1), **rowwise,
+            b_scale=_per_group(xs, groups), **rowwise,
         )  # fmt: skip
     elif form == (2, 2):  # K grouped: out[g] = XQ[:, K of g] · WQ[K of g, :] with scales per (group, row/col)
         _run_grouped(
             k_contiguous(XQ), _weights(WQ.T), output, offsets, grouping=K_GROUPED, ends=True, a_scale=xs,
-            b_scale=ws.view(groups, -1), zero_fill=False, **rowwise,
+            b_scale=_per_group(ws, groups), zero_fill=False, **rowwise,
         )  # fmt: skip
     else:
-        _run_padded(XQ, _weights(WQ.mT), output, None, a_scale=xs, b_scale=ws.view(groups, -1), **rowwise)
+        _run_padded(XQ, _weights(WQ.mT), output, None, a_scale=xs, b_scale=_per_group(ws, groups), **rowwise)
     return output
 
 

@@ -985,7 +985,7 @@ def _f8_grouped_triton(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
         k_contiguous(XQ), WQ, w_scale_group.contiguous(), None, M_sizes.contiguous(), out, table=True,
-        x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(WQ.shape[0], -1).contiguous(),
+        x_scale=x_scale.reshape(-1).contiguous(), w_scale=w_scale.reshape(WQ.shape[:2]).contiguous(),
     )  # fmt: skip
 
 

@@ -35,9 +35,10 @@ from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference modul
 
 def _check(where: str, x: torch.Tensor, group_size: int) -> None:
     check_float_input(where, "input", x)
-    if x.dim() < 1 or x.shape[-1] % group_size:
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
         raise ValueError(
-            f"{where}: the last dimension must be a multiple of the group size {group_size}, got shape {tuple(x.shape)}"
+            f"{where}: the last dimension must be a positive multiple of the group size {group_size}, got shape "
+            f"{tuple(x.shape)}"
         )
 
 
@@ -141,7 +142,9 @@ def _quantize_mx4_kernel(
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
-    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=(rows < M) & (cols < K), other=0.0)
+    x = tl.load(
+        x_ptr + rows.to(tl.int64) * stride_xm + cols.to(tl.int64) * stride_xk, mask=(rows < M) & (cols < K), other=0.0
+    )
     g = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // GROUP, GROUP])
     amax = tl.reduce(tl.abs(g), 2, max_nan)  # [BLOCK_M, BLOCK_K // GROUP]
     amax = tl.where(amax == 0.0, 1.1754943508222875e-38, amax)  # zero groups count as 2^-126
@@ -306,7 +309,7 @@ def _quantize_nvfp4_kernel(
     blocks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]  # [1, BLOCK_K // 16]
     cols = blocks[:, :, None] * 16 + tl.arange(0, 8)[None, None, :]  # the low half of each block
     in_range = (rows < M) & (blocks < K // 16)
-    x_ptrs = x_ptr + rows[:, :, None].to(tl.int64) * stride_xm + cols * stride_xk
+    x_ptrs = x_ptr + rows[:, :, None].to(tl.int64) * stride_xm + cols.to(tl.int64) * stride_xk
     low = tl.load(x_ptrs, mask=in_range[:, :, None], other=0.0).to(tl.float32)
     high = tl.load(x_ptrs + 8 * stride_xk, mask=in_range[:, :, None], other=0.0).to(tl.float32)
     scale_rows, has_scale, segment = _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS)
@@ -506,7 +509,7 @@ def _row_abs_max_kernel(x_ptr, out_ptr, M, K, stride_m, stride_k, BLOCK_M: tl.co
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask = (rows < M) & (k0 + cols < K)
-        x = tl.load(x_ptr + rows.to(tl.int64) * stride_m + (k0 + cols) * stride_k, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows.to(tl.int64) * stride_m + (k0 + cols).to(tl.int64) * stride_k, mask=mask, other=0.0)
         amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
     tl.store(out_ptr + tl.reshape(rows, [BLOCK_M]), amax, mask=tl.reshape(rows < M, [BLOCK_M]))
 

@@ -150,12 +150,16 @@ def _quantize_row_kernel(
     cols = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
 
     if SINGLE_PASS:
-        x = tl.load(a_rows + cols * stride_a_k, mask=readable[:, None] & (cols < K), other=0.0).to(tl.float32)
+        x = tl.load(a_rows + cols.to(tl.int64) * stride_a_k, mask=readable[:, None] & (cols < K), other=0.0).to(
+            tl.float32
+        )
         amax = tl.reduce(tl.abs(x), 1, max_nan)  # [BLOCK_M]
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
+            x = tl.load(
+                a_rows + (k0 + cols).to(tl.int64) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0
+            )
             amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
     factor, scale = row_factor_and_scale(amax, eps, scale_ub_ptr, QMAX, HAS_UB)
     tl.store(scale_ptr + rows, scale, mask=in_range)
@@ -166,7 +170,9 @@ def _quantize_row_kernel(
         tl.store(xq_rows + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (cols < K_OUT))
     else:
         for k0 in range(0, K_OUT, BLOCK_K):
-            x = tl.load(a_rows + (k0 + cols) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0)
+            x = tl.load(
+                a_rows + (k0 + cols).to(tl.int64) * stride_a_k, mask=readable[:, None] & (k0 + cols < K), other=0.0
+            )
             q = tl.where(k0 + cols < K, to_levels(x.to(tl.float32), factor, QMAX), 0.0)
             tl.store(xq_rows + k0 + cols, q.to(xq_ptr.dtype.element_ty), mask=in_range[:, None] & (k0 + cols < K_OUT))
 
@@ -335,7 +341,9 @@ def _quantize_fp8_block_kernel(
         rows = pid_m * TILE_M + tl.arange(0, TILE_M)[:, None]  # [TILE_M, 1]
         cols = pid_k * TILE_K + tl.arange(0, TILE_K)[None, :]  # [1, TILE_K]
         mask = (rows < M) & (cols < K)
-        x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols.to(tl.int64) * stride_xk, mask=mask, other=0.0).to(
+            tl.float32
+        )
         x4 = tl.reshape(x, [TILE_M // BM, BM, TILE_K // BK, BK])
         amax = tl.reduce(tl.reduce(tl.abs(x4), 3, max_nan), 1, max_nan)  # [TILE_M // BM, TILE_K // BK]
         amax = max_nan(amax, eps)
@@ -356,7 +364,7 @@ def _quantize_fp8_block_kernel(
         for m0 in range(pid_m * BM, tl.minimum(pid_m * BM + BM, M), TILE_M):
             rows = m0 + tl.arange(0, TILE_M)[:, None]
             mask = (rows < M) & (rows < pid_m * BM + BM) & (cols < K)
-            x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=mask, other=0.0)
+            x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols.to(tl.int64) * stride_xk, mask=mask, other=0.0)
             amax = max_nan(amax, tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan))
         amax = max_nan(tl.reduce(amax, 0, max_nan), eps)
         if HAS_UB:
@@ -366,7 +374,7 @@ def _quantize_fp8_block_kernel(
         for m0 in range(pid_m * BM, tl.minimum(pid_m * BM + BM, M), TILE_M):
             rows = m0 + tl.arange(0, TILE_M)[:, None]
             mask = (rows < M) & (rows < pid_m * BM + BM) & (cols < K)
-            x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols * stride_xk, mask=mask, other=0.0)
+            x = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + cols.to(tl.int64) * stride_xk, mask=mask, other=0.0)
             q = tl.clamp(x.to(tl.float32) * factor, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(xq_ptr + rows.to(tl.int64) * stride_qm + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
