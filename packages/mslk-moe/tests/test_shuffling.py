@@ -53,6 +53,11 @@ def test_no_experts_kept_and_no_ranks():
     out, counts = shuffling.combine_shuffling(torch.rand(4, 3), torch.ones(2, 3, dtype=torch.int32), 1, 1)
     assert (out == 0).all() and counts.tolist() == [0]
     assert (shuffling.split_shuffling(torch.rand(4, 3), torch.zeros(0, 3, dtype=torch.int32)) == 0).all()
+    for padded in (False, True):
+        out, counts = shuffling.combine_shuffling(
+            torch.rand(4, 3), torch.zeros(0, 3, dtype=torch.int32), is_padded=padded
+        )
+        assert (out == 0).all() and counts.tolist() == [0, 0, 0, 0]  # 3 experts, then the total
 
 
 def test_bad_input():
@@ -60,8 +65,6 @@ def test_bad_input():
         shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32), 2, 1)
     with pytest.raises(ValueError, match="integer token_counts"):
         shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3))
-    with pytest.raises(ValueError, match="needs at least one rank"):
-        shuffling.combine_shuffling(torch.rand(4, 8), torch.ones(0, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="needs at least one rank"):
         scatter_add_padded_tokens(torch.rand(0, 4, 8), torch.ones(3).int(), torch.zeros(4).int(), torch.rand(4, 8))
     with pytest.raises(ValueError, match="tokens on cpu, token_counts on meta"):

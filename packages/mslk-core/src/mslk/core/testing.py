@@ -179,7 +179,7 @@ def _flat(result: Any) -> list[Any]:
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`value` with fn applied to each tensor in it (lists and tuples too)."""
+    """`value` with fn applied to each tensor in it (in lists, tuples and dicts too)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)):

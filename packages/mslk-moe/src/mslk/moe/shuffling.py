@@ -308,7 +308,7 @@ def _chunks(tokens, token_counts, expert_start, expert_end, is_padded):
     counts = token_counts.to(torch.int64)
     within_rank = torch.cumsum(counts, 1) - counts  # offset of expert e inside rank r's tokens
     if is_padded:
-        rank_start = torch.arange(ranks, device=counts.device) * (tokens.shape[0] // ranks)
+        rank_start = torch.arange(ranks, device=counts.device) * (tokens.shape[0] // max(ranks, 1))  # EP = 0 too
     else:
         totals = counts.sum(1)
         rank_start = torch.cumsum(totals, 0) - totals
@@ -332,8 +332,6 @@ def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
             f"{where}: expected tokens [T, D] and integer token_counts [EP, E], got {tuple(tokens.shape)} and "
             f"{tuple(token_counts.shape)} {token_counts.dtype}"
         )
-    if token_counts.shape[0] == 0:
-        raise ValueError(f"{where}: token_counts [EP, E] needs at least one rank, got {tuple(token_counts.shape)}")
     experts = token_counts.shape[1]
     start = 0 if expert_start is None else expert_start
     end = experts if expert_end is None else expert_end
