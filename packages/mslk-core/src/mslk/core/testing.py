@@ -197,7 +197,7 @@ def _copy(value: Any, device: torch.device | str) -> Any:
 def _outputs(op: Op, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[list[Any], list[torch.Tensor]]:
     """(fn's results, the tensors given for the arguments the op's schema says it writes into) after the call."""
     results = _flat(fn(*args, **kwargs))
-    named = {**dict(zip(op.arg_names, args, strict=False)), **kwargs}  # args may stop before the defaults
+    named = op.inputs(args, kwargs)  # args may stop before the defaults
     return results, [named[name] for name in op.mutated_args if named.get(name) is not None]
 
 
@@ -226,8 +226,7 @@ def check_against_reference(op: Op, sample: Sample) -> list[str]:
     """Run `op` through torch.ops on a copy of the sample (on its device) and the reference on CPU copies,
     comparing the results and the tensors the op writes into; also check that the fake kernel predicts each
     result's shape and dtype. Returns what went wrong."""
-    args, kwargs = _map_tensors(sample.args, torch.clone), _map_tensors(sample.kwargs, torch.clone)
-    results, written = _outputs(op, op.torch_op, args, kwargs)
+    results, written = _outputs(op, op.torch_op, *_replaced(sample))
     problems = _compare(op, results + written, _reference_outputs(op, sample))
     return problems + _fake_problems(op, sample, results)
 
