@@ -193,6 +193,38 @@ def test_backward_through_memory_efficient_attention_and_gqa():
         testing.assert_rel_close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("operand", ["query", "key", "value"])
+def test_operands_not_contiguous_along_the_head_dim(operand):
+    """A column-major Q, K or V (head dim not the fastest), and the gradient of `out.sum()` (expanded: all strides
+    0): the kernels read rows of unit stride, so these are copied first; they were read as unit-stride rows."""
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    q, k, v, bias = _inputs("B03", "BMHK", (2, 37, 45, 1, 3, 64), dtype, DEVICE)
+    given = {"query": q, "key": k, "value": v}
+    given[operand] = given[operand].mT.contiguous().mT.requires_grad_()
+    assert given[operand].stride(-1) != 1
+    out = fmha.memory_efficient_attention(*given.values(), bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+    out.sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in given.values()]
+    ref, _ = attention_reference(*leaves, bias)
+    ref.sum().backward()
+    testing.assert_rel_close(out, ref, TOLERANCE[dtype])
+    testing.assert_rel_close(given[operand].grad, leaves[list(given).index(operand)].grad, 10 * TOLERANCE[dtype])
+
+
+def test_offsets_past_int32_take_the_wide_path(monkeypatch, backward_mode):
+    """Kernels compute head offsets in int32 unless a tensor's elements reach 2**31 past its start (`_past_int32`,
+    checked on meta tensors); the int64 path gives the same results here (the GPU tests past 2**31 elements take
+    it for real)."""
+    meta = {"device": "meta"}
+    assert triton_flash._past_int32(None, torch.empty(2, 3, **meta), torch.empty(1, 16, 16384, 16384, **meta))
+    assert triton_flash._past_int32(torch.empty(2**31 + 1, **meta))
+    assert not triton_flash._past_int32(torch.empty(2**31, **meta), torch.empty(1, **meta).expand(2**40))
+    q, k, v, bias = _inputs("T", "BMGHK", (2, 20, 20, 2, 2, 16), torch.float32, DEVICE)
+    monkeypatch.setattr(triton_flash, "_past_int32", lambda *tensors: True)
+    _check(q, k, v, bias, torch.float32)
+    _check_backward(q, k, v, bias, 1e-5)
+
+
 def test_flat_rows_of_the_2d_descriptors():
     """The backward's 2D TMA descriptors read [B, M, G, H, K] as [B·M, G·H·K]: contiguous tensors and Q/K/V
     unbound from one packed [B, M, 3, H, K] tensor qualify; a [B, H, M, K] tensor transposed to BMHK and

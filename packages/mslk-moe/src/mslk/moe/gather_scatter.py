@@ -44,14 +44,14 @@ def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count
 
 
 def _gather(x, token_indices, expert_indices, scores, valid_token_count=None):
+    if not x.shape[0] or not scores.shape[1]:  # no row is readable
+        return x.new_zeros(token_indices.shape[0], x.shape[1])
     tokens, experts = token_indices.long(), expert_indices.long()
     # Rows past the count, and indices outside x or scores (the kernel reads nothing there): zero rows.
     readable = (tokens >= 0) & (tokens < x.shape[0]) & (experts >= 0) & (experts < scores.shape[1])
     valid = valid_rows(tokens.shape[0], valid_token_count, x.device)
     if valid is not None:
         readable &= valid
-    if not x.shape[0] or not scores.shape[1]:
-        return x.new_zeros(tokens.shape[0], x.shape[1])
     tokens, experts = tokens.where(readable, 0), experts.where(readable, 0)  # row 0 read in their place
     out = x[tokens].float() * scores[tokens, experts].float()[:, None]
     return torch.where(readable[:, None], out, 0.0).to(x.dtype)
