@@ -5,7 +5,8 @@ One program computes a block of BLOCK_M queries of one (sequence, group, head) w
 sliding-window masks (top-left or bottom-right aligned) bound the key range of the block, so no tile is spent on
 masked keys. Varlen batches (block-diagonal masks, padded or gappy keys) read their sequences' bounds from the
 mask's seqstart / seqlen tensors on the device. BMGHK and stride-0 expanded K/V (grouped-query attention) are
-read through their strides, never copied; a tensor bias (any strides, broadcast ones too) is added to the
+read through their strides, never copied (only an operand not contiguous along the head dim is: a column-major
+view, the expanded gradient of `out.sum()`); a tensor bias (any strides, broadcast ones too) is added to the
 scores, and the backward gives its gradient. Dropout draws Philox numbers keyed by a seed from torch's CPU
 generator and each weight's position, so the backward replays them (`dropout_mask` gives the mask). fp32
 inputs use IEEE fp32 products (no TF32), which the backends inside PyTorch do not offer on every GPU. Output
