@@ -414,6 +414,14 @@ def _torch_op_dispatched(q, k, v, b=None, p=0.0, scale=None) -> torch.Tensor:
     return _memory_efficient_attention_forward(_torch_op_inputs(q, k, v, b, p, scale))
 
 
+def _torch_op_triton(q, k, v, b=None, p=0.0, scale=None) -> torch.Tensor:
+    return _memory_efficient_attention_forward(_torch_op_inputs(q, k, v, b, p, scale), triton_flash.FwOp)
+
+
+def _torch_op_triton_supports(q, k, v, b=None, p=0.0, scale=None) -> list[str]:
+    return triton_flash.FwOp.not_supported_reasons(_torch_op_inputs(q, k, v, b, p, scale))
+
+
 def _torch_op_fake(q, k, v, b=None, p=0.0, scale=None) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))  # value's head dim, which may differ from query's
 
@@ -442,6 +450,9 @@ def _register_torch_op(schema: str, with_bias: bool) -> registry.Op:
         reference_devices=("cpu", "cuda"),
     )
     op.backend("fmha", devices=("cuda",))(_torch_op_dispatched)
+    # MSLK's Triton kernel alone, to pin (`backend="triton"`), and what the conformance tests run under the
+    # Triton interpreter on CPU (the fmha dispatcher runs the reference there).
+    op.backend("triton", available=registry.triton_missing, supports=_torch_op_triton_supports)(_torch_op_triton)
     return op
 
 
