@@ -4,6 +4,8 @@ the LSE layouts. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marke
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mslk.attention import fmha
 from mslk.attention.fmha import attn_bias_utils, common, triton_flash
@@ -209,6 +211,63 @@ def test_operands_not_contiguous_along_the_head_dim(operand):
     ref.sum().backward()
     testing.assert_rel_close(out, ref, TOLERANCE[dtype])
     testing.assert_rel_close(given[operand].grad, leaves[list(given).index(operand)].grad, 10 * TOLERANCE[dtype])
+
+
+_RELAYOUTS = {
+    "contiguous": lambda t: t,
+    "column-major": lambda t: t.mT.contiguous().mT,
+    "padded rows": testing.padded_rows,
+    "heads first": lambda t: t.movedim(1, -2).contiguous().movedim(-2, 1),  # [B, (G,) H, M, K] storage
+}
+
+
+def _close_where_finite(got, want, tol, what):
+    """Relative error over the reference's finite elements (the oracle's gradient of a query without keys is NaN),
+    against at least 0.01 per element (the inputs are of order 1): a gradient that is 0 in exact arithmetic (one key
+    per query) is rounding noise in any kernel."""
+    finite = torch.isfinite(want)
+    diff = (got.double()[finite] - want[finite]).norm().item()
+    norm = max(want[finite].norm().item(), 0.01 * finite.sum().item() ** 0.5)
+    assert diff <= tol * norm, f"{what}: relative error {diff / norm:.3g} > {tol}"
+
+
+@settings(deadline=None, max_examples=20 if DEVICE == "cpu" else 60, derandomize=True)
+@given(data=st.data())
+def test_random_masks_layouts_and_gradients(data):
+    """Random masks, sizes, head dims, memory layouts of Q, K and V (stride-0 GQA too), scales and output gradients
+    (random, column-major, or the expanded one of `out.sum()`) through memory_efficient_attention pinned to the
+    Triton ops, forward and backward against float64 autograd of the oracle."""
+    draw = data.draw
+    bias_id, fmt = draw(st.sampled_from(BACKWARD_IDS)), draw(st.sampled_from(["BMHK", "BMGHK"]))
+    sizes = (
+        draw(st.integers(1, 3)), draw(st.sampled_from([1, 6, 17, 40])), draw(st.sampled_from([1, 7, 17, 45])),
+        draw(st.integers(1, 2)) if fmt == "BMGHK" else 1, draw(st.integers(1, 3)), draw(st.sampled_from([8, 24, 32])),
+    )  # fmt: skip
+    dtype = torch.float32 if DEVICE == "cpu" else draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    try:
+        q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, DEVICE, kv=draw(st.sampled_from([None, 16])))
+    except ValueError:
+        return  # no such mask for these sizes (e.g. more queries than keys bottom-right)
+    if fmt == "BMGHK" and draw(st.booleans()):  # GQA: one K/V head per group, expanded with stride 0
+        k, v = (t[..., :1, :].expand(t.shape) for t in (k, v))
+    else:
+        k, v = (_RELAYOUTS[draw(st.sampled_from(list(_RELAYOUTS)))](t) for t in (k, v))
+    q = _RELAYOUTS[draw(st.sampled_from(list(_RELAYOUTS)))](q)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    scale, gradient = draw(st.sampled_from([None, 0.3])), draw(st.sampled_from(["random", "column-major", "sum"]))
+    out = fmha.memory_efficient_attention(q, k, v, bias, scale=scale, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*leaves, bias, scale)
+    _close_where_finite(out, ref.detach(), TOLERANCE[dtype], "out")
+    grad = testing.randn(*out.shape, dtype=dtype, device=DEVICE)
+    if gradient == "sum":  # what autograd passes for out.sum(): one element, all strides 0
+        grad = torch.ones((), dtype=dtype, device=DEVICE).expand(out.shape)
+    elif gradient == "column-major":
+        grad = grad.mT.contiguous().mT
+    out.backward(grad)
+    ref.backward(grad.double())
+    for name, got, want in zip(("dq", "dk", "dv"), (q, k, v), leaves, strict=True):
+        _close_where_finite(got.grad, want.grad, 10 * TOLERANCE[dtype], name)
 
 
 def test_offsets_past_int32_take_the_wide_path(monkeypatch, backward_mode):
