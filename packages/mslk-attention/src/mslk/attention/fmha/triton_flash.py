@@ -584,7 +584,7 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
 
 
 def _past_int32(*tensors: torch.Tensor | None) -> bool:
-    """Whether an element of one of these tensors lies 2**31 or more elements past its start (the kernels' WIDE)."""
+    """Whether an element of one of these tensors lies 2**31 or more elements past its start (the backward's WIDE)."""
     return any(
         t is not None and sum(max(n - 1, 0) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) >= 2**31
         for t in tensors
