@@ -311,6 +311,27 @@ def test_main_exit_code_1_on_an_error_row(gpu, timings, capsys):
     assert "ZeroDivisionError" in out and "main_fine" in out
 
 
+def test_shape_filter_and_no_baselines(timings):
+    """`--shape` keeps the shapes whose text contains one of its parts; `--no-baselines` leaves MSLK's rows alone
+    (A/B runs of two source trees)."""
+    shapes = [{"M": 16, "K": 64}, {"M": 16, "K": 128}, {"M": 4096, "K": 64}]
+    spec = make_spec("filtered", shapes=shapes, baselines={"b": lambda i: 2.0})
+    rows = bench.run([spec], "cpu", shape_filter=["M=16 K=128", "M=4096"])
+    assert [(r.shape, r.impl) for r in rows] == [(s, impl) for s in shapes[1:] for impl in ("mslk", "b")]
+    rows = bench.run([spec], "cpu", baselines=False)
+    assert [r.impl for r in rows] == ["mslk"] * 3 and all(r.ratio is None for r in rows)
+
+
+def test_cli_passes_shape_and_no_baselines(monkeypatch):
+    from mslk.core import cli
+
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda *args: seen.append(args) or 0)
+    assert cli.main(["bench", "--op", "x", "--shape", "K=64", "--shape", "M=1 ", "--no-baselines"]) == 0
+    assert cli.main(["bench"]) == 0
+    assert seen == [("x", None, ["K=64", "M=1 "], False), (None, None, (), True)]
+
+
 @pytest.mark.gpu
 def test_runner_on_the_gpu(monkeypatch):
     """T3 smoke: the real runner times a device copy (1 GiB read + 1 GiB written) against torch.clone."""

@@ -131,14 +131,14 @@ def _timed_row(spec: BenchSpec, shape: dict, impl: str, fn: Callable[[Any], Any]
     return row
 
 
-def _run_shape(spec: BenchSpec, shape: dict, device: torch.device) -> list[Row]:
+def _run_shape(spec: BenchSpec, shape: dict, device: torch.device, baselines: bool) -> list[Row]:
     try:
         inputs = spec.make_inputs(shape, device)
     except Exception as exc:
         return [Row(spec.name, shape, MSLK, error=f"make_inputs: {_error_text(exc)}")]
     # Every implementation runs on the same inputs in the same run, so the ratio compares like with like.
     mslk = _timed_row(spec, shape, MSLK, spec.run, inputs)
-    others = [_timed_row(spec, shape, name, fn, inputs) for name, fn in spec.baselines.items()]
+    others = [_timed_row(spec, shape, name, fn, inputs) for name, fn in spec.baselines.items() if baselines]
     if others:
         first = others[0]
         mslk.baseline, mslk.baseline_ms = first.impl, first.ms
@@ -147,11 +147,24 @@ def _run_shape(spec: BenchSpec, shape: dict, device: torch.device) -> list[Row]:
     return [mslk, *others]
 
 
-def run(bench_specs: Sequence[BenchSpec], device: torch.device | str | None = None) -> list[Row]:
-    """Time MSLK and every baseline of every spec and shape; failures become rows with `error` set."""
+def run(
+    bench_specs: Sequence[BenchSpec],
+    device: torch.device | str | None = None,
+    shape_filter: Sequence[str] = (),
+    baselines: bool = True,
+) -> list[Row]:
+    """Time MSLK and every baseline (none when `baselines` is False) of every spec and shape (only those whose
+    text, e.g. "M=16 N=8192 K=8192", contains one of `shape_filter` when given); failures become rows with
+    `error` set."""
     device = torch.device("cuda" if device is None else device)
     # Inputs live only inside _run_shape, so one shape's tensors are freed before the next shape's are built.
-    return [row for spec in bench_specs for shape in spec.shapes for row in _run_shape(spec, dict(shape), device)]
+    return [
+        row
+        for spec in bench_specs
+        for shape in spec.shapes
+        if not shape_filter or any(part in _shape_text(shape) for part in shape_filter)
+        for row in _run_shape(spec, dict(shape), device, baselines)
+    ]
 
 
 def _shape_text(shape: Mapping[str, Any]) -> str:
@@ -224,8 +237,11 @@ NO_GPU_MESSAGE = "mslk bench: no GPU here (torch.cuda.is_available() is False); 
 NO_SPECS_MESSAGE = "no bench specs are registered: install a domain package (pip install mslk-gemm ...)"
 
 
-def main(op_filter: str | None = None, json_path: str | None = None) -> int:
-    """`mslk bench [--op NAME] [--json PATH]`.
+def main(
+    op_filter: str | None = None, json_path: str | None = None, shape_filter: Sequence[str] = (), baselines: bool = True
+) -> int:
+    """`mslk bench [--op NAME] [--shape TEXT ...] [--no-baselines] [--json PATH]`; the last two serve A/B runs of two
+    source trees (one process each, PYTHONPATH picking the tree), MSLK's rows alone.
 
     Exit code: 0 when every row ran (also with no GPU or no specs), 1 when a row has an error, 2 when
     `op_filter` matches no spec.
@@ -243,7 +259,7 @@ def main(op_filter: str | None = None, json_path: str | None = None) -> int:
             for spec in SPECS.values():
                 print(f"  {spec.name}  ({spec.op}{', ' + spec.domain if spec.domain else ''})", file=out)
         return 0 if op_filter is None else 2
-    rows = run(selected)
+    rows = run(selected, shape_filter=shape_filter, baselines=baselines)
     info = environment()
     print(
         f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "

@@ -133,7 +133,7 @@ def cmd_check(_: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from mslk.core import bench
 
-    return bench.main(args.op, args.json)
+    return bench.main(args.op, args.json, args.shape or (), not args.no_baselines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ).set_defaults(run=cmd_check)
     bench_parser = sub.add_parser("bench", help="run benchmarks on the GPU (side by side with torch baselines)")
     bench_parser.add_argument("--op", help="only the bench specs of this op (or spec name)")
+    bench_parser.add_argument(
+        "--shape", action="append", help="only the shapes whose text (e.g. 'M=16 N=8192') contains this (repeatable)"
+    )
+    bench_parser.add_argument("--no-baselines", action="store_true", help="MSLK's rows only (A/B of two trees)")
     bench_parser.add_argument("--json", help="also write the results to this JSON file")
     bench_parser.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)
