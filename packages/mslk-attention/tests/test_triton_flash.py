@@ -201,16 +201,16 @@ def test_operands_not_contiguous_along_the_head_dim(operand):
     0): the kernels read rows of unit stride, so these are copied first; they were read as unit-stride rows."""
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     q, k, v, bias = _inputs("B03", "BMHK", (2, 37, 45, 1, 3, 64), dtype, DEVICE)
-    given = {"query": q, "key": k, "value": v}
-    given[operand] = given[operand].mT.contiguous().mT.requires_grad_()
-    assert given[operand].stride(-1) != 1
-    out = fmha.memory_efficient_attention(*given.values(), bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+    operands = {"query": q, "key": k, "value": v}
+    operands[operand] = operands[operand].mT.contiguous().mT.requires_grad_()
+    assert operands[operand].stride(-1) != 1
+    out = fmha.memory_efficient_attention(*operands.values(), bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
     out.sum().backward()
-    leaves = [t.detach().double().requires_grad_() for t in given.values()]
+    leaves = [t.detach().double().requires_grad_() for t in operands.values()]
     ref, _ = attention_reference(*leaves, bias)
     ref.sum().backward()
     testing.assert_rel_close(out, ref, TOLERANCE[dtype])
-    testing.assert_rel_close(given[operand].grad, leaves[list(given).index(operand)].grad, 10 * TOLERANCE[dtype])
+    testing.assert_rel_close(operands[operand].grad, leaves[list(operands).index(operand)].grad, 10 * TOLERANCE[dtype])
 
 
 _RELAYOUTS = {
@@ -271,16 +271,15 @@ def test_random_masks_layouts_and_gradients(data):
 
 
 def test_offsets_past_int32_take_the_wide_path(monkeypatch, backward_mode):
-    """Kernels compute head offsets in int32 unless a tensor's elements reach 2**31 past its start (`_past_int32`,
-    checked on meta tensors); the int64 path gives the same results here (the GPU tests past 2**31 elements take
-    it for real)."""
+    """The backward computes head offsets in int32 unless a tensor's elements reach 2**31 past its start
+    (`_past_int32`, checked on meta tensors); its int64 path gives the same gradients here (the GPU tests past 2**31
+    elements take it for real)."""
     meta = {"device": "meta"}
     assert triton_flash._past_int32(None, torch.empty(2, 3, **meta), torch.empty(1, 16, 16384, 16384, **meta))
     assert triton_flash._past_int32(torch.empty(2**31 + 1, **meta))
     assert not triton_flash._past_int32(torch.empty(2**31, **meta), torch.empty(1, **meta).expand(2**40))
     q, k, v, bias = _inputs("T", "BMGHK", (2, 20, 20, 2, 2, 16), torch.float32, DEVICE)
     monkeypatch.setattr(triton_flash, "_past_int32", lambda *tensors: True)
-    _check(q, k, v, bias, torch.float32)
     _check_backward(q, k, v, bias, 1e-5)
 
 
