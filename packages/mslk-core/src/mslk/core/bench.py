@@ -138,7 +138,7 @@ def _run_shape(spec: BenchSpec, shape: dict, device: torch.device, baselines: bo
         return [Row(spec.name, shape, MSLK, error=f"make_inputs: {_error_text(exc)}")]
     # Every implementation runs on the same inputs in the same run, so the ratio compares like with like.
     mslk = _timed_row(spec, shape, MSLK, spec.run, inputs)
-    others = [_timed_row(spec, shape, name, fn, inputs) for name, fn in spec.baselines.items() if baselines]
+    others = [_timed_row(spec, shape, name, fn, inputs) for name, fn in (spec.baselines if baselines else {}).items()]
     if others:
         first = others[0]
         mslk.baseline, mslk.baseline_ms = first.impl, first.ms

@@ -733,6 +733,7 @@ class BwOp(AttentionBwOpBase):
             db_args = _bias_args(db)
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             seqlen_k = None if varlen is None else varlen.seqlen_k
+            wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
             for dq_pass in (True, False) if deterministic else (False,):
                 block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
                 descriptors = (None, None, None)
@@ -755,7 +756,7 @@ class BwOp(AttentionBwOpBase):
                     VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                     BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                     UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-                    WIDE=_past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db),
+                    WIDE=wide,
                     TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
                     num_stages=stages,
