@@ -254,6 +254,35 @@ def _group_rows(ptr, k, stride_g, cols, N, groups, SPAN: tl.constexpr, GROUP_SIZ
 
 
 @triton.jit
+def _wait_for_wgmmas():
+    """Wait until every warpgroup MMA issued so far is done (PTX; Hopper's wgmma only). The K loop's products take
+    the dequantized weights from registers, and Triton 3.6 lets the last one run on into the next step, whose
+    dequantization may then overwrite the registers it still reads (a race: wrong outputs on the H200). Waiting
+    at the end of each step still lets a step's products run back to back."""
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0;\nwgmma.wait_group.sync.aligned 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _step_group_rows(s_ptr, z_ptr, k, stride_g, cols, N, groups, SHUFFLED: tl.constexpr, TABLE: tl.constexpr,
+                     SPAN: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr):  # fmt: skip
+    """The group rows of the K step from k: scales and zeros of its first dot (lo) and, preshuffled, of its second
+    (hi, k + SPAN). Rows the format lacks are the first dot's scales, never read (a loop cannot carry None)."""
+    s_lo = _group_rows(s_ptr, k, stride_g, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    z_lo = s_lo
+    if not TABLE:
+        z_lo = _group_rows(z_ptr, k, stride_g, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    s_hi = s_lo
+    z_hi = s_lo
+    if SHUFFLED:
+        s_hi = _group_rows(s_ptr, k + SPAN, stride_g, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+        if not TABLE:
+            z_hi = _group_rows(z_ptr, k + SPAN, stride_g, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+    return s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
 def _load_masked(ptrs, row_mask, col_mask):
     """ptrs [R, C] loaded where row_mask [R, 1] and col_mask [1, C] allow (None: everywhere), zeros elsewhere."""
     if row_mask is None:
@@ -286,6 +315,7 @@ def _int4_k_loop(
     acc, x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, stride_xm, stride_wn, stride_sg, x_rows, x_mask, first_row,
     cols, first_col, N, K, groups, first_step, steps, SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr,
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, WGMMA: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BM] += Wdq[cols, k] · X[x_rows, k]ᵀ over the K steps [first_step, first_step + steps): the
     dequantized weights are the dot's first operand, which wgmma takes from registers (no shared-memory round trip),
@@ -297,23 +327,28 @@ def _int4_k_loop(
     Plain weights: one dot per step, a byte per pair (k, k + 1). Preshuffled: one dot per half step of 64 k, both
     halves from the low and high nibbles of the same 64 bytes (w_ptr addresses int16 words for bf16, whose two
     bytes give the bf16 pairs (k, k + 1) and (k + 64, k + 65); bytes for the FP8 table). A dot's k are cut into
-    sub-blocks of KSUB that lie in one group each (KSUB divides the group size)."""
+    sub-blocks of KSUB that lie in one group each (KSUB divides the group size).
+
+    SCALES_AHEAD: each step's group rows are loaded one step ahead into registers; else in their step, which the
+    compiler pipelines through shared memory (`_scales_ahead` says which is faster where). WGMMA: Hopper's
+    warpgroup MMAs multiply, and each step ends waiting for them (`_wait_for_wgmmas`).
+
+    The loop counts from 0 up to `steps`, which the dense kernel assumes positive: where the loop might run zero
+    times, ptxas serialized every wgmma (its warning C7515: a path defining the accumulator by moves up to the
+    last wait)."""
     HALF: tl.constexpr = _K_STEP // 2
     SPAN: tl.constexpr = HALF if SHUFFLED else _K_STEP  # k per dot
     sub = tl.arange(0, SPAN // KSUB)[None, :, None]
     x_row_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_row_ptrs = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1]
-    # Group rows go one step ahead in registers: too narrow for the shared-memory pipeline, they would stall it.
-    k = first_step * _K_STEP
-    s_lo = _group_rows(s_ptr, k, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-    if not TABLE:
-        z_lo = _group_rows(z_ptr, k, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-    if SHUFFLED:
-        s_hi = _group_rows(s_ptr, k + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-        if not TABLE:
-            z_hi = _group_rows(z_ptr, k + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-    for step in range(first_step, first_step + steps):  # software-pipelined with the launch's num_stages
-        k0 = step * _K_STEP
+    if SCALES_AHEAD:
+        s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, first_step * _K_STEP, stride_sg, cols, N, groups,
+                                                  SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
+    for step in range(0, steps):  # software-pipelined with the launch's num_stages
+        k0 = (first_step + step) * _K_STEP
+        if not SCALES_AHEAD:
+            s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, k0, stride_sg, cols, N, groups, SHUFFLED, TABLE,
+                                                      SPAN, GROUP_SIZE, KSUB)  # fmt: skip
         if SHUFFLED:  # K % 128 == 0: no masks
             if x_desc is not None:
                 x_lo, x_hi = x_desc.load([first_row, k0]), x_desc.load([first_row, k0 + HALF])
@@ -340,9 +375,6 @@ def _int4_k_loop(
                 w_hi = _dequant_pairs(t >> 4, s_hi.to(tl.bfloat16), z_hi.to(tl.bfloat16), ASM, UPCAST)
             acc = tl.dot(w_lo, x_lo.T, acc)
             acc = tl.dot(w_hi, x_hi.T, acc)
-            s_hi = _group_rows(s_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-            if not TABLE:
-                z_hi = _group_rows(z_ptr, k0 + _K_STEP + HALF, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
         else:  # plain bytes [BN, sub-blocks, KSUB/2]
             if w_desc is not None:
                 b = w_desc.load([first_col, k0 // 2]).reshape(cols.shape[0], SPAN // KSUB, KSUB // 2)
@@ -358,9 +390,11 @@ def _int4_k_loop(
                     x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
             w = _dequant_pairs(b, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST, True)
             acc = tl.dot(w, _activations(x, False, UPCAST).T, acc)
-        s_lo = _group_rows(s_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
-        if not TABLE:
-            z_lo = _group_rows(z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups, SPAN, GROUP_SIZE, KSUB)
+        if SCALES_AHEAD:
+            s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups,
+                                                      SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
+        if WGMMA:
+            _wait_for_wgmmas()
     return acc
 
 
@@ -371,7 +405,8 @@ def _int4_gemm_kernel(
     stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_cs, stride_cb, stride_cm,
     SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    KSUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
     SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
@@ -387,12 +422,13 @@ def _int4_gemm_kernel(
         x_rows, x_mask = tl.where(rows < M, rows, 0), None
     first = split * steps_per_split
     steps = tl.minimum(steps_per_split, tl.cdiv(K, _K_STEP) - first)
+    tl.assume(steps > 0)  # K > 0 and splits = ⌈steps / steps_per_split⌉ (_int4_k_loop: C7515)
     b64 = batch.to(tl.int64)
     acc = _int4_k_loop(
         tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb, x_desc,
         w_desc, s_ptr + b64 * stride_sb, z_ptr + b64 * stride_sb, stride_xm, stride_wn, stride_sg, x_rows, x_mask,
         batch * M + pid_m * BLOCK_M, cols, batch * N + pid_n * BLOCK_N, N, K, groups, first, steps, SHUFFLED, TABLE,
-        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB,
+        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA,
     )  # fmt: skip
     if not SPLIT:
         if X_SCALE:
@@ -446,7 +482,7 @@ def _int4_grouped_kernel(
     x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K,
     groups, stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
     TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
     persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
@@ -471,7 +507,7 @@ def _int4_grouped_kernel(
                 tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, x_desc, w_desc,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
-                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB,
+                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB, False, WGMMA,
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -527,6 +563,21 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
     splits = max(1, min(per_sm * sms // count, steps // min_steps))
     per_split = launch.cdiv(steps, splits)
     return {**cfg, "splits": launch.cdiv(steps, per_split), "steps_per_split": per_split}
+
+
+def _scales_ahead(shuffled: bool, num_warps: int) -> bool:
+    """_int4_k_loop's SCALES_AHEAD: but for preshuffled weights on two warpgroups, whose four group-row tensors
+    would stay in registers (H200, us, N = K = 8192, ahead / in step: plain M = 64 / 1024 / 8192 29.4 / 258 / 2125
+    against 39.0 / 286 / 2200; preshuffled 28.2 / 357 / 2785 against 38.9 / 330 / 2610; FP8 tables at M = 64 34.5
+    against 38.2, at 1024 / 8192 233 / 1702 against 221 / 1668; RESULTS.md, thirteenth session)."""
+    return not (shuffled and num_warps >= 8)
+
+
+def _wgmma(device: torch.device, num_warps: int) -> bool:
+    """_int4_k_loop's WGMMA: Triton multiplies with warpgroup MMAs (NVIDIA Hopper, whole warpgroups)."""
+    return (
+        device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
+    )
 
 
 def _device_flags(t: torch.Tensor) -> dict:
@@ -593,7 +644,8 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
         *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
         SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
-        KSUB=_sub_block(size, shuffled), **_device_flags(X), **cfg,
+        KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
+        WGMMA=_wgmma(X.device, cfg["num_warps"]), **_device_flags(X), **cfg,
     )  # fmt: skip
     if split:
         splitk_reduce(c.view(splits, batches * m, n), out.view(batches * m, n), x_scale, w_scale)
@@ -618,11 +670,13 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     w = _weights_view(W, True, table)
     x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, True)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
+    warps = 4 if block_m <= 64 else 8
     _int4_grouped_kernel[(programs,)](
         X, w, x_desc, w_desc, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
         w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
         0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8, num_stages=4, **_device_flags(X),
+        WGMMA=_wgmma(X.device, warps), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=4,
+        **_device_flags(X),
     )  # fmt: skip
     return out
 
