@@ -575,9 +575,7 @@ def _scales_ahead(shuffled: bool, num_warps: int) -> bool:
 
 def _wgmma(device: torch.device, num_warps: int) -> bool:
     """_int4_k_loop's WGMMA: Triton multiplies with warpgroup MMAs (NVIDIA Hopper, whole warpgroups)."""
-    return (
-        device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
-    )
+    return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
 
 
 def _device_flags(t: torch.Tensor) -> dict:
