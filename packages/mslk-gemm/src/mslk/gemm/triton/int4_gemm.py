@@ -255,10 +255,10 @@ def _group_rows(ptr, k, stride_g, cols, N, groups, SPAN: tl.constexpr, GROUP_SIZ
 
 @triton.jit
 def _wait_for_wgmmas():
-    """Wait until every warpgroup MMA issued so far is done (PTX; Hopper's wgmma only). The K loop's products take
-    the dequantized weights from registers, and Triton 3.6 lets the last one run on into the next step, whose
-    dequantization may then overwrite the registers it still reads (a race: wrong outputs on the H200). Waiting
-    at the end of each step still lets a step's products run back to back."""
+    """Wait until every warpgroup MMA issued so far is done (PTX; Hopper's wgmma only). The K loop's products read
+    the dequantized weights from registers while they run. Triton 3.6 splits a step's product into pieces and lets
+    the last run on into the next step, whose dequantization rewrites the registers it reads: a race, wrong outputs
+    on the H200. Waiting at the end of each step still lets a step's pieces run back to back."""
     tl.inline_asm_elementwise(
         "mov.u32 $0, 0;\nwgmma.wait_group.sync.aligned 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -482,11 +482,14 @@ def _int4_grouped_kernel(
     x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K,
     groups, stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
     TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
-    WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
     persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
-    rows past ΣM_sizes come out zero. x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·]."""
+    rows past ΣM_sizes come out zero. Its K loop runs without `_wait_for_wgmmas`, which cost it 14-32% on the H200:
+    a step's two products are two dots there, the first waited for (its result feeds the second), none split, and
+    in the code compiled for sm_90a no register of the second, which runs on into the next step, is rewritten
+    before that wait (SASS read with Triton 3.7; GPU tests with 3.6; docs/offline-compile.md). x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·]."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_row = 0  # of the current group in X and out
@@ -507,7 +510,7 @@ def _int4_grouped_kernel(
                 tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, x_desc, w_desc,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
-                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB, False, WGMMA,
+                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB, True, False,
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -668,13 +671,11 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     w = _weights_view(W, True, table)
     x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, True)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
-    warps = 4 if block_m <= 64 else 8
     _int4_grouped_kernel[(programs,)](
         X, w, x_desc, w_desc, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
         w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
         0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),
-        WGMMA=_wgmma(X.device, warps), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=4,
-        **_device_flags(X),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8, num_stages=4, **_device_flags(X),
     )  # fmt: skip
     return out
 
