@@ -315,7 +315,7 @@ def _int4_k_loop(
     acc, x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, stride_xm, stride_wn, stride_sg, x_rows, x_mask, first_row,
     cols, first_col, N, K, groups, first_step, steps, SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr,
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, WGMMA: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BM] += Wdq[cols, k] · X[x_rows, k]ᵀ over the K steps [first_step, first_step + steps): the
     dequantized weights are the dot's first operand, which wgmma takes from registers (no shared-memory round trip),
@@ -330,8 +330,8 @@ def _int4_k_loop(
     sub-blocks of KSUB that lie in one group each (KSUB divides the group size).
 
     SCALES_AHEAD: each step's group rows are loaded one step ahead into registers; else in their step, which the
-    compiler pipelines through shared memory (`_scales_ahead` says which is faster where). WGMMA: Hopper's
-    warpgroup MMAs multiply, and each step ends waiting for them (`_wait_for_wgmmas`).
+    compiler pipelines through shared memory (`_scales_ahead` says which is faster where). WGMMA_WAIT: each step
+    ends waiting for its warpgroup MMAs (`_wait_for_wgmmas`).
 
     The loop counts from 0 up to `steps`, which the dense kernel assumes positive: where the loop might run zero
     times, ptxas serialized every wgmma (its warning C7515: a path defining the accumulator by moves up to the
@@ -393,7 +393,7 @@ def _int4_k_loop(
         if SCALES_AHEAD:
             s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups,
                                                       SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
-        if WGMMA:
+        if WGMMA_WAIT:
             _wait_for_wgmmas()
     return acc
 
@@ -405,7 +405,7 @@ def _int4_gemm_kernel(
     stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_cs, stride_cb, stride_cm,
     SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
@@ -428,7 +428,7 @@ def _int4_gemm_kernel(
         tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb, x_desc,
         w_desc, s_ptr + b64 * stride_sb, z_ptr + b64 * stride_sb, stride_xm, stride_wn, stride_sg, x_rows, x_mask,
         batch * M + pid_m * BLOCK_M, cols, batch * N + pid_n * BLOCK_N, N, K, groups, first, steps, SHUFFLED, TABLE,
-        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA,
+        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA_WAIT,
     )  # fmt: skip
     if not SPLIT:
         if X_SCALE:
@@ -486,10 +486,12 @@ def _int4_grouped_kernel(
 ):  # fmt: skip
     """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
     persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
-    rows past ΣM_sizes come out zero. Its K loop runs without `_wait_for_wgmmas`, which cost it 14-32% on the H200:
-    a step's two products are two dots there, the first waited for (its result feeds the second), none split, and
-    in the code compiled for sm_90a no register of the second, which runs on into the next step, is rewritten
-    before that wait (SASS read with Triton 3.7; GPU tests with 3.6; docs/offline-compile.md). x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·]."""
+    rows past ΣM_sizes come out zero. x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·].
+
+    Its K loop runs without `_wait_for_wgmmas`, which cost it 14-32% on the H200: a step's two products are two
+    dots, the first waited for (its result feeds the second), none split, and in the code compiled for sm_90a no
+    register of the second, which runs on into the next step, is rewritten before that wait (the SASS read under
+    Triton 3.7, docs/offline-compile.md; the GPU tests pass under 3.6)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_row = 0  # of the current group in X and out
@@ -576,8 +578,8 @@ def _scales_ahead(shuffled: bool, num_warps: int) -> bool:
     return not (shuffled and num_warps >= 8)
 
 
-def _wgmma(device: torch.device, num_warps: int) -> bool:
-    """_int4_k_loop's WGMMA: Triton multiplies with warpgroup MMAs (NVIDIA Hopper, whole warpgroups)."""
+def _wgmma_wait(device: torch.device, num_warps: int) -> bool:
+    """_int4_gemm_kernel's WGMMA_WAIT: where Triton multiplies with warpgroup MMAs (NVIDIA Hopper, whole warpgroups)."""
     return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
 
 
@@ -646,7 +648,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
         SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
         KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
-        WGMMA=_wgmma(X.device, cfg["num_warps"]), **_device_flags(X), **cfg,
+        WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), **_device_flags(X), **cfg,
     )  # fmt: skip
     if split:
         splitk_reduce(c.view(splits, batches * m, n), out.view(batches * m, n), x_scale, w_scale)
