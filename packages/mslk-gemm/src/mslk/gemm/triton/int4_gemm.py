@@ -546,9 +546,10 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
     at least 16 steps. Preshuffled weights and M up to 64: 64 weight rows by 16 activation rows or 128 by 64, about
     4 programs per SM, on one warpgroup, but on 2 warps for bf16 and M <= 16 (with TMA loads 23.9 / 25.3 us against
     26.1 / 26.6 at M = 1 / 16; FP8 tables not measured there). Larger M: the dequantization per flop falls as
-    1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3 stages (2 for preshuffled bf16 weights, whose third
-    would pass the 227 KiB of shared memory), K split only when there are fewer tiles than SMs; 128 x 128 where FP8
-    activations are widened to bf16 (256 rows would spill)."""
+    1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3 stages, K split only when there are fewer tiles than
+    SMs; 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill), and for preshuffled bf16
+    weights on 3 stages (thirteenth session's sweep, us at M = 1024 / 8192: 244 / 2020 against 327 / 2624 for the
+    256-row tiles on 2 stages, 376 / 2746 on 4 stages; 256 rows on 3 stages 267 / 2096)."""
 
     def tiles(bm, bn, warps, stages, group_m=8):
         return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
@@ -560,10 +561,12 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
         per_sm, min_steps = (8, 8) if m <= 16 else (4, 16)
     elif m <= 64:
         cfg, per_sm = tiles(16, 64, 4 if table else 2, 3, 1) if m <= 16 else tiles(64, 128, 4, 3, 1), 4
+    elif shuffled and not table:
+        cfg = tiles(128, 128, 8, 3)
     elif m <= 256 or upcast_x:
         cfg = tiles(128, 128, 8, 4)
     else:
-        cfg = tiles(256, 128, 8, 2 if shuffled and not table else 3)
+        cfg = tiles(256, 128, 8, 3)
     count = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]) * batches
     splits = max(1, min(per_sm * sms // count, steps // min_steps))
     per_split = launch.cdiv(steps, splits)
