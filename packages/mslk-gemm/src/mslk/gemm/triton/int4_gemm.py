@@ -576,8 +576,9 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
 def _scales_ahead(shuffled: bool, num_warps: int) -> bool:
     """_int4_k_loop's SCALES_AHEAD: but for preshuffled weights on two warpgroups, whose four group-row tensors
     would stay in registers (H200, us, N = K = 8192, ahead / in step: plain M = 64 / 1024 / 8192 29.4 / 258 / 2125
-    against 39.0 / 286 / 2200; preshuffled 28.2 / 357 / 2785 against 38.9 / 330 / 2610; FP8 tables at M = 64 34.5
-    against 38.2, at 1024 / 8192 233 / 1702 against 221 / 1668; RESULTS.md, thirteenth session)."""
+    against 39.0 / 286 / 2200; preshuffled 28.2 / 357 / 2785 against 38.9 / 330 / 2610, on 256-row tiles then; FP8
+    tables at M = 64 34.5 against 38.2, at 1024 / 8192 233 / 1702 against 221 / 1668; RESULTS.md, thirteenth
+    session)."""
     return not (shuffled and num_warps >= 8)
 
 
