@@ -256,9 +256,9 @@ def _group_rows(ptr, k, stride_g, cols, N, groups, SPAN: tl.constexpr, GROUP_SIZ
 @triton.jit
 def _wait_for_wgmmas():
     """Wait until every warpgroup MMA issued so far is done (PTX; Hopper's wgmma only). The K loop's products read
-    the dequantized weights from registers while they run. Triton 3.6 splits a step's product into pieces and lets
-    the last run on into the next step, whose dequantization rewrites the registers it reads: a race, wrong outputs
-    on the H200. Waiting at the end of each step still lets a step's pieces run back to back."""
+    the dequantized weights from registers while they run. Triton (3.6 and 3.7) splits a step's product into pieces
+    and lets the last run on into the next step, whose dequantization rewrites the registers it reads: a race, wrong
+    outputs on the H200. Waiting at the end of each step still lets a step's pieces run back to back."""
     tl.inline_asm_elementwise(
         "mov.u32 $0, 0;\nwgmma.wait_group.sync.aligned 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -512,7 +512,8 @@ def _int4_grouped_kernel(
                 tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, x_desc, w_desc,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
-                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB, True, False,
+                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB,
+                True, False,  # group rows ahead; no wait (the docstring says why)
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -574,11 +575,11 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
 
 
 def _scales_ahead(shuffled: bool, num_warps: int) -> bool:
-    """_int4_k_loop's SCALES_AHEAD: but for preshuffled weights on two warpgroups, whose four group-row tensors
-    would stay in registers (H200, us, N = K = 8192, ahead / in step: plain M = 64 / 1024 / 8192 29.4 / 258 / 2125
-    against 39.0 / 286 / 2200; preshuffled 28.2 / 357 / 2785 against 38.9 / 330 / 2610, on 256-row tiles then; FP8
-    tables at M = 64 34.5 against 38.2, at 1024 / 8192 233 / 1702 against 221 / 1668; RESULTS.md, thirteenth
-    session)."""
+    """_int4_k_loop's SCALES_AHEAD: yes, but for preshuffled weights on two warpgroups, whose four group-row
+    tensors would stay in registers (H200, us, N = K = 8192, ahead / in step: plain M = 64 / 1024 / 8192 29.4 / 258
+    / 2125 against 39.0 / 286 / 2200; preshuffled 28.2 / 357 / 2785 against 38.9 / 330 / 2610, on 256-row tiles
+    then; FP8 tables at M = 64 34.5 against 38.2, at 1024 / 8192 233 / 1702 against 221 / 1668; RESULTS.md,
+    thirteenth session)."""
     return not (shuffled and num_warps >= 8)
 
 
