@@ -5,10 +5,10 @@ before that is a race (wrong outputs, no error).
 python tools/wgmma_hazards.py KERNEL.sass     print each race; exit 1 when there is one
 
 KERNEL.sass is `nvdisasm -c` output (docs/offline-compile.md says how to compile a kernel for sm_90a without a
-GPU). Only the innermost loop holding warpgroup MMAs is read, twice around: a product still running at the
-loop's end may be rewritten early in the next turn, which is how Triton 3.6's split register-A products raced in
-the INT4 GEMMs (RESULTS.md, thirteenth session). A heuristic: a predicated write counts as a write, and register
-widths come from the opcode's suffixes.
+GPU). Each loop holding warpgroup MMAs is read, twice around: a product still running at the loop's end may be
+rewritten early in the next turn, which is how Triton's split register-A products raced in the INT4 GEMMs
+(RESULTS.md, thirteenth session). A heuristic: a predicated write counts as a write, and register widths come
+from the opcode's suffixes.
 """
 
 from __future__ import annotations
@@ -44,18 +44,15 @@ def instructions(sass: str) -> tuple[list[str], dict[str, int]]:
     return found, labels
 
 
-def innermost_mma_loop(found: list[str], labels: dict[str, int]) -> list[str] | None:
-    """The shortest backward branch's body that holds a warpgroup MMA (None: none does)."""
+def mma_loops(found: list[str], labels: dict[str, int]) -> list[list[str]]:
+    """The bodies of the backward branches that hold a warpgroup MMA, innermost (shortest) first."""
     loops = []
     for end, text in enumerate(found):
         branch = _BRANCH.search(text)
         start = labels.get(branch.group(1)) if branch else None
         if start is not None and start <= end and any(_MMA.match(t) for t in found[start:end]):
             loops.append((end - start, start, end))
-    if not loops:
-        return None
-    _, start, end = min(loops)
-    return found[start : end + 1]
+    return [found[start : end + 1] for _, start, end in sorted(loops)]
 
 
 def _written(text: str) -> set[int]:
@@ -102,16 +99,15 @@ def races(loop: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print(__doc__.strip().splitlines()[3], file=sys.stderr)
+        print(next(line for line in __doc__.splitlines() if line.startswith("python")), file=sys.stderr)
         return 2
     with open(argv[0]) as f:
-        found, labels = instructions(f.read())
-    loop = innermost_mma_loop(found, labels)
-    if loop is None:
+        loops = mma_loops(*instructions(f.read()))
+    if not loops:
         print("no loop with warpgroup MMAs")
         return 0
-    found = races(loop)
-    print("\n".join(found) if found else f"no race in a loop of {len(loop)} instructions")
+    found = [race for loop in loops for race in races(loop)]
+    print("\n".join(found) if found else f"no race in {len(loops)} loop(s) with warpgroup MMAs")
     return 1 if found else 0
 
 

@@ -29,8 +29,8 @@ STEP = [
 
 
 def races(text: str) -> list[str]:
-    found, labels = wgmma_hazards.instructions(text)
-    return wgmma_hazards.races(wgmma_hazards.innermost_mma_loop(found, labels))
+    (loop, *_) = wgmma_hazards.mma_loops(*wgmma_hazards.instructions(text))
+    return wgmma_hazards.races(loop)
 
 
 def test_a_product_running_into_the_next_turn_is_a_race():
@@ -61,3 +61,5 @@ def test_main_exit_status(tmp_path, capsys):
     no_loop = tmp_path / "none.sass"
     no_loop.write_text("        /*0000*/  EXIT ;")
     assert wgmma_hazards.main([str(no_loop)]) == 0
+    assert wgmma_hazards.main([]) == 2
+    assert capsys.readouterr().err.startswith("python tools/wgmma_hazards.py KERNEL.sass")
