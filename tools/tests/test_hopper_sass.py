@@ -1,0 +1,149 @@
+"""The Triton kernels that multiply with register operands (the INT4 GEMMs' dequantized weights, attention's P and
+dS), compiled for Hopper (sm_90a) on this machine, GPU or not, have no warpgroup-MMA register race
+(tools/wgmma_hazards.py) and no serialized warpgroup MMAs (ptxas C7515 / C7513): both came and went with compiler
+details (RESULTS.md, thirteenth session), and CI's Triton is not the GPU machine's."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+TOOLS = Path(__file__).resolve().parents[1]
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+# Runs in a fresh interpreter without TRITON_INTERPRET (which would make the kernels interpreted at import): a fake
+# active driver reports sm_90, each launch stops after its compile, and each compiled kernel's SASS is written out.
+COMPILE = r"""
+import os, subprocess, sys
+import torch
+import triton.runtime.driver as driver
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import CompiledKernel
+
+class Hopper:
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_active_torch_device(self): return torch.device("cpu")
+    def is_active(self): return True
+
+class Compiled(Exception):
+    pass
+
+def stop(kernel, *args, **kwargs):
+    raise Compiled(kernel)
+
+CompiledKernel.launch_metadata = stop
+driver.set_active(Hopper())
+
+
+def int4_calls():
+    from mslk.gemm.triton import int4_gemm as g
+
+    # What the host code decides for CUDA tensors on an H100 / H200.
+    g._device_flags = lambda t: {"ASM": True, "UPCAST": False}
+    g._wgmma_wait = lambda device, warps: warps >= 4
+    g._programs = lambda device: 132
+    n = k = 2048
+    w = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8)
+    s = torch.rand(k // 128, n).bfloat16()
+    table = g.random_fp8_table(n, k, group_size=128)
+    calls = {
+        "plain_m64": lambda: g._run_int4_rows(torch.randn(64, k).bfloat16(), w, s, s, shuffled=False),
+        "plain_m1024": lambda: g._run_int4_rows(torch.randn(1024, k).bfloat16(), w, s, s, shuffled=False),
+        "shuffled_m1024": lambda: g._run_int4_rows(torch.randn(1024, k).bfloat16(), w, s, s, shuffled=True),
+        "table_m1024": lambda: g._run_int4_rows(torch.randn(1024, k).to(torch.float8_e4m3fn), w, table, None,
+                                                shuffled=True, table=True, x_scale=torch.rand(1024),
+                                                w_scale=torch.rand(n)),
+        "grouped": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
+                                          s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
+                                          torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16()),
+    }
+    return calls
+
+
+def attention_calls():
+    torch.Tensor.is_cuda = property(lambda self: True)  # the host code's CUDA branch: TMA, bf16 products
+    from mslk.core import arch
+    arch.is_cuda = lambda *args: True
+    arch.capability = lambda *args: (9, 0)
+    arch.sm_count = lambda *args: 132
+    from mslk.attention.fmha import attn_bias, triton_flash as tf
+    from mslk.attention.fmha.common import Context, Inputs
+    tf._delta = lambda out, do: torch.empty(out.shape[0], out.shape[2], out.shape[3], out.shape[1])  # not launched
+    b, m, h = 2, 1024, 4
+    calls = {}
+    for dim in (64, 128):
+        q, k, v, do = (torch.randn(b, m, h, dim).bfloat16() for _ in range(4))
+        inp = Inputs(q, k, v, attn_bias=attn_bias.LowerTriangularMask())
+        ctx = Context(lse=torch.randn(b, h, m), out=torch.randn(b, m, h, dim).bfloat16())
+        calls[f"attention_fwd_k{dim}"] = lambda inp=inp: tf.FwOp.apply(inp, False)
+        calls[f"attention_bwd_k{dim}"] = lambda ctx=ctx, inp=inp, do=do: tf.BwOp.apply(ctx, inp, do)
+    return calls
+
+
+out, bin_dir, suite = sys.argv[1:4]
+calls = int4_calls() if suite == "int4" else attention_calls()
+for name, call in calls.items():
+    try:
+        call()
+        raise SystemExit(f"{name}: no kernel was compiled")
+    except Compiled as done:
+        kernel = done.args[0]
+    with open(os.path.join(out, name + ".ptx"), "w") as f:
+        f.write(kernel.asm["ptx"])
+    with open(os.path.join(out, name + ".cubin"), "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", os.path.join(out, name + ".cubin")],
+                          capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(out, name + ".sass"), "w") as f:
+        f.write(sass)
+"""  # fmt: skip
+
+SUITES = {
+    "int4": ("mslk.gemm", ["plain_m64", "plain_m1024", "shuffled_m1024", "table_m1024", "grouped"]),
+    "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
+}
+KERNELS = [(suite, kernel) for suite, (_, kernels) in SUITES.items() for kernel in kernels]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """suite -> the folder of its kernels' PTX and SASS (compiled on first use)."""
+    if not (BIN / "nvdisasm").exists() or not (BIN / "ptxas").exists():
+        pytest.skip(f"no nvdisasm / ptxas in {BIN}")
+    folders = {}
+
+    def get(suite):
+        if suite not in folders:
+            pytest.importorskip(SUITES[suite][0])
+            out = tmp_path_factory.mktemp(suite)
+            env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+            args = [sys.executable, "-c", COMPILE, str(out), str(BIN), suite]
+            done = subprocess.run(args, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-3000:]
+            folders[suite] = out
+        return folders[suite]
+
+    return get
+
+
+@pytest.mark.parametrize(("suite", "kernel"), KERNELS)
+def test_no_register_race(compiled, suite, kernel):
+    sass = compiled(suite) / f"{kernel}.sass"
+    done = subprocess.run([sys.executable, str(TOOLS / "wgmma_hazards.py"), str(sass)], capture_output=True, text=True)
+    assert done.returncode == 0 and "no race in" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize(("suite", "kernel"), KERNELS)
+def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
+    ptx = compiled(suite) / f"{kernel}.ptx"
+    done = subprocess.run(
+        [str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "C7515" not in done.stderr and "C7513" not in done.stderr, done.stderr[-3000:]
