@@ -1,7 +1,8 @@
-"""The Triton kernels that multiply with register operands (the INT4 GEMMs' dequantized weights, attention's P and
-dS), compiled for Hopper (sm_90a) on this machine, GPU or not, have no warpgroup-MMA register race
-(tools/wgmma_hazards.py) and no serialized warpgroup MMAs (ptxas C7515 / C7513): both came and went with compiler
-details (RESULTS.md, thirteenth session), and CI's Triton is not the GPU machine's."""
+"""MSLK's Triton kernels on warpgroup MMAs (the INT4 GEMMs, which multiply dequantized weights from registers, the
+attention (P and dS from registers), the FP8 and grouped GEMMs), compiled for Hopper (sm_90a) on this machine, GPU
+or not, have no warpgroup-MMA register race (tools/wgmma_hazards.py) and no serialized warpgroup MMAs (ptxas C7515
+/ C7513): both came and went with compiler details (RESULTS.md, thirteenth session), and CI's Triton is not the
+GPU machine's."""
 
 import os
 import subprocess
@@ -86,8 +87,30 @@ def attention_calls():
     return calls
 
 
+def gemm_calls():
+    torch.Tensor.is_cuda = property(lambda self: True)  # the host code's CUDA branch: TMA, bf16 products
+    from mslk.core import arch
+    arch.is_cuda = lambda *args: True
+    arch.capability = lambda *args: (9, 0)
+    arch.sm_count = lambda *args: 132
+    from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm, grouped_gemm
+    fp8 = torch.float8_e4m3fn
+    x, w = torch.randn(2048, 2048), torch.randn(8, 1024, 2048)
+    sizes = torch.full((8,), 256, dtype=torch.int32)
+    return {
+        "fp8_rowwise": lambda: fp8_gemm._rowwise_into(x.to(fp8), w[0].to(fp8), torch.rand(2048), torch.rand(1024),
+                                                     None, True, torch.empty(2048, 1024).bfloat16()),
+        "grouped_bf16": lambda: grouped_gemm._run_grouped(x.bfloat16(), w.bfloat16(),
+                                                          torch.empty(2048, 1024).bfloat16(), sizes),
+        "grouped_fp8": lambda: grouped_gemm._fp8_triton(x.to(fp8), w.to(fp8), torch.rand(2048), torch.rand(8, 1024),
+                                                        sizes),
+        "blockwise_fp8": lambda: fp8_blockwise_gemm._blockwise_triton(x.to(fp8), x.to(fp8), torch.rand(16, 16),
+                                                                      torch.rand(16, 16)),
+    }
+
+
 out, bin_dir, suite = sys.argv[1:4]
-calls = int4_calls() if suite == "int4" else attention_calls()
+calls = {"int4": int4_calls, "attention": attention_calls, "gemm": gemm_calls}[suite]()
 for name, call in calls.items():
     try:
         call()
@@ -107,6 +130,7 @@ for name, call in calls.items():
 SUITES = {
     "int4": ("mslk.gemm", ["plain_m64", "plain_m1024", "shuffled_m1024", "table_m1024", "grouped"]),
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
+    "gemm": ("mslk.gemm", ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8"]),
 }
 KERNELS = [(suite, kernel) for suite, (_, kernels) in SUITES.items() for kernel in kernels]
 
