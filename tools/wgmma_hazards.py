@@ -86,7 +86,7 @@ def races(loop: list[str]) -> list[str]:
             depbar = _DEPBAR.search(text)
             if depbar:
                 keep = int(depbar.group(1), 16)
-                groups = groups[len(groups) - keep :] if keep else []
+                groups = groups[max(len(groups) - keep, 0) :] if keep else []
                 continue
             written = _written(text)
             for product in (p for group in [*groups, open_group] for p in group):

@@ -51,6 +51,13 @@ def test_wide_writes_and_products_from_shared_memory():
     assert len(found) == 1 and found[0].startswith("'IMAD.WIDE R86")
 
 
+def test_a_wait_that_leaves_more_groups_running_than_there_are():
+    body = ["WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR24], R24, gsb0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x2", "MOV R89, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]  # fmt: skip
+    found = races(sass(*body))
+    assert len(found) == 1 and found[0].startswith("'MOV R89")
+
+
 def test_main_exit_status(tmp_path, capsys):
     racy, safe = tmp_path / "racy.sass", tmp_path / "safe.sass"
     racy.write_text(sass(*STEP))
