@@ -52,8 +52,11 @@ def test_wide_writes_and_products_from_shared_memory():
 
 
 def test_a_wait_that_leaves_more_groups_running_than_there_are():
+    # three groups running, a wait that lets five run: the first product still reads R88-R91
     body = ["WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR24], R24, gsb0",
-            "WARPGROUP.DEPBAR.LE gsb0, 0x2", "MOV R89, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]  # fmt: skip
+            "HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR24], R24, gsb0",
+            "HGMMA.64x128x16.F32.BF16 R24, R96, gdesc[UR24], R24, gsb0",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x5", "MOV R89, RZ", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]  # fmt: skip
     found = races(sass(*body))
     assert len(found) == 1 and found[0].startswith("'MOV R89")
 
