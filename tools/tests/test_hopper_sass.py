@@ -1,8 +1,7 @@
-"""MSLK's Triton kernels on warpgroup MMAs (the INT4 GEMMs, which multiply dequantized weights from registers, the
-attention (P and dS from registers), the FP8 and grouped GEMMs), compiled for Hopper (sm_90a) on this machine, GPU
-or not, have no warpgroup-MMA register race (tools/wgmma_hazards.py) and no serialized warpgroup MMAs (ptxas C7515
-/ C7513): both came and went with compiler details (RESULTS.md, thirteenth session), and CI's Triton is not the
-GPU machine's."""
+"""MSLK's Triton kernels on Hopper's warpgroup MMAs, compiled for sm_90a on this machine (GPU or not): no register
+race of a warpgroup MMA (tools/wgmma_hazards.py; the INT4 GEMMs and the attention multiply operands held in
+registers) and no serialized warpgroup MMAs (ptxas C7515 / C7513). Both came and went with compiler details
+(RESULTS.md, thirteenth session), and CI's Triton is not the GPU machine's."""
 
 import os
 import subprocess
