@@ -41,6 +41,14 @@ CompiledKernel.launch_metadata = stop
 driver.set_active(Hopper())
 
 
+def cuda_host_branch():  # what host code decides for CUDA tensors on an H100 / H200 (TMA, bf16 products)
+    torch.Tensor.is_cuda = property(lambda self: True)
+    from mslk.core import arch
+    arch.is_cuda = lambda *args: True
+    arch.capability = lambda *args: (9, 0)
+    arch.sm_count = lambda *args: 132
+
+
 def int4_calls():
     from mslk.gemm.triton import int4_gemm as g
 
@@ -67,11 +75,7 @@ def int4_calls():
 
 
 def attention_calls():
-    torch.Tensor.is_cuda = property(lambda self: True)  # the host code's CUDA branch: TMA, bf16 products
-    from mslk.core import arch
-    arch.is_cuda = lambda *args: True
-    arch.capability = lambda *args: (9, 0)
-    arch.sm_count = lambda *args: 132
+    cuda_host_branch()
     from mslk.attention.fmha import attn_bias, triton_flash as tf
     from mslk.attention.fmha.common import Context, Inputs
     tf._delta = lambda out, do: torch.empty(out.shape[0], out.shape[2], out.shape[3], out.shape[1])  # not launched
@@ -87,11 +91,7 @@ def attention_calls():
 
 
 def gemm_calls():
-    torch.Tensor.is_cuda = property(lambda self: True)  # the host code's CUDA branch: TMA, bf16 products
-    from mslk.core import arch
-    arch.is_cuda = lambda *args: True
-    arch.capability = lambda *args: (9, 0)
-    arch.sm_count = lambda *args: 132
+    cuda_host_branch()
     from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm, grouped_gemm
     fp8 = torch.float8_e4m3fn
     x, w = torch.randn(2048, 2048), torch.randn(8, 1024, 2048)
