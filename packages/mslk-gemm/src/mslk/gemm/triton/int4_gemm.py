@@ -42,6 +42,7 @@ from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, ti
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
+SPLIT_ARRIVALS = "INT4 GEMM split-K arrivals"  # launch.kept_zeros: per output tile, the splits done so far
 
 
 # ------------------------------------------------------------------------------------------ group scales
@@ -177,23 +178,28 @@ fma.rn.bf16x2 $0, v, $2, $3;
 }""")
 
 
-def _bytes_ptx() -> str:
+def _bytes_ptx(scaled: bool) -> str:
     """_DEQUANT_PTX for four bytes of the plain layout at once ($4; byte j holds k = 2j low, 2j + 1 high): a PRMT
     puts byte j at bits 0-7 and byte j of $4 >> 4 at bits 16-23, so both nibbles of the pair land where the magic
-    expects them; pair j goes to $j, scaled by ($5 + j, $9 + j)."""
-    lines = [".reg .b32 hi, v, one, bias;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;"]
+    expects them; pair j goes to $j, scaled by ($5 + j, $9 + j). Unscaled: the magic's bf16 pairs 136 + q alone."""
+    if scaled:
+        lines = [".reg .b32 hi, v, one, bias;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;"]
+    else:
+        lines = [".reg .b32 hi, v;"]
     lines.append("shr.b32 hi, $4, 4;")
     for j in range(4):
-        lines += [
-            f"prmt.b32 v, $4, hi, 0x{4 + j:x}{4 + j:x}{j:x}{j:x};",
-            "lop3.b32 v, v, 0x000F000F, 0x43084308, 0x6a;",
-            "fma.rn.bf16x2 v, v, one, bias;",
-            f"fma.rn.bf16x2 ${j}, v, ${5 + j}, ${9 + j};",
-        ]
+        pair = f"prmt.b32 v, $4, hi, 0x{4 + j:x}{4 + j:x}{j:x}{j:x};"
+        magic = "lop3.b32 {}, v, 0x000F000F, 0x43084308, 0x6a;"
+        if scaled:
+            fmas = ["fma.rn.bf16x2 v, v, one, bias;", f"fma.rn.bf16x2 ${j}, v, ${5 + j}, ${9 + j};"]
+            lines += [pair, magic.format("v"), *fmas]
+        else:
+            lines += [pair, magic.format(f"${j}")]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_DEQUANT_BYTES_PTX = tl.constexpr(_bytes_ptx())
+_DEQUANT_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=True))
+_BIASED_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=False))
 
 
 @triton.jit
@@ -208,15 +214,22 @@ def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.c
     """q · s + z rounded to bf16 for the signed nibbles at bits 0-3 (k = 2j) and 16-19 (k = 2j + 1) of each int32
     of t [BN, S, W] (other bits ignored), or BYTES: t holds the plain layout's bytes (int8, low nibble k = 2j);
     s and z bf16 [BN, S, 1] -> [BN, 2·S·W] in k order; fp32 when UPCAST (the interpreter multiplies bf16 dot
-    operands as raw integers)."""
+    operands as raw integers). s = z = None: the biased values 136 + q, exact in bf16, for `_post_scaled`."""
     rows: tl.constexpr = t.shape[0]
     width: tl.constexpr = 2 * t.shape[1] * t.shape[2]
     if ASM:
         if BYTES:  # four bytes per asm block: 4.25 instructions a pair instead of about 6
-            pairs = tl.inline_asm_elementwise(
-                _DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32,
-                is_pure=True, pack=4,
-            )  # fmt: skip
+            if s is None:
+                pairs = tl.inline_asm_elementwise(
+                    _BIASED_BYTES_PTX, "=r,=r,=r,=r,r", [t], dtype=tl.int32, is_pure=True, pack=4
+                )
+            else:
+                pairs = tl.inline_asm_elementwise(
+                    _DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [t, _bf16x2(s), _bf16x2(z)],
+                    dtype=tl.int32, is_pure=True, pack=4,
+                )  # fmt: skip
+        elif s is None:
+            pairs = (t & 0x000F000F) ^ 0x43084308
         else:
             pairs = tl.inline_asm_elementwise(
                 _DEQUANT_PTX, "=r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32, is_pure=True, pack=1
@@ -228,12 +241,24 @@ def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.c
             t = t.to(tl.uint8, bitcast=True).to(tl.int32) * 0x1001  # low nibble to bits 0-3, high to 16-19
         biased = (t & 0x000F000F) ^ 0x43084308  # the same magic numbers: the bf16 136 + q in each half
         halves = tl.join(biased.to(tl.int16), (biased >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
-        q = halves.to(tl.float32) - 136.0
-        w = (q * s.to(tl.float32)[:, :, :, None] + z.to(tl.float32)[:, :, :, None]).to(tl.bfloat16)
-        w = w.reshape(rows, width)
+        if s is None:
+            w = halves.reshape(rows, width)
+        else:
+            q = halves.to(tl.float32) - 136.0
+            w = (q * s.to(tl.float32)[:, :, :, None] + z.to(tl.float32)[:, :, :, None]).to(tl.bfloat16)
+            w = w.reshape(rows, width)
         if UPCAST:
             w = w.to(tl.float32)
     return w
+
+
+@triton.jit
+def _post_scaled(acc, products, sums, s, z):
+    """acc + Σ_k (q · s + z) · x over one group's k, from the products of the biased weights (136 + q) with the
+    activations and of ones with them (their sums): s · products + (z − 136 s) · sums, in fp32 (s, z [BN, 1, 1])."""
+    s = s.reshape(s.shape[0], 1).to(tl.float32)
+    z = z.reshape(z.shape[0], 1).to(tl.float32)
+    return acc + products * s + sums * (z - 136.0 * s)
 
 
 @triton.jit
@@ -315,7 +340,7 @@ def _int4_k_loop(
     acc, x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, stride_xm, stride_wn, stride_sg, x_rows, x_mask, first_row,
     cols, first_col, N, K, groups, first_step, steps, SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr,
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, POST_SCALE: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BM] += Wdq[cols, k] · X[x_rows, k]ᵀ over the K steps [first_step, first_step + steps): the
     dequantized weights are the dot's first operand, which wgmma takes from registers (no shared-memory round trip),
@@ -331,7 +356,9 @@ def _int4_k_loop(
 
     SCALES_AHEAD: each step's group rows are loaded one step ahead into registers; else in their step, which the
     compiler pipelines through shared memory (`_scales_ahead` says which is faster where). WGMMA_WAIT: each step
-    ends waiting for its warpgroup MMAs (`_wait_for_wgmmas`).
+    ends waiting for its warpgroup MMAs (`_wait_for_wgmmas`). POST_SCALE (bf16 formats, steps within one group):
+    the dots multiply the biased values 136 + q, and the group's scale and zero apply to their fp32 products
+    (`_post_scaled`): fewer instructions a weight where the tile is narrow (decode), exact dequantization.
 
     The loop counts from 0 up to `steps`, which the dense kernel assumes positive: where the loop might run zero
     times, ptxas serialized every wgmma (its warning C7515: a path defining the accumulator by moves up to the
@@ -341,6 +368,7 @@ def _int4_k_loop(
     sub = tl.arange(0, SPAN // KSUB)[None, :, None]
     x_row_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_row_ptrs = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1]
+    ones = tl.full((cols.shape[0], SPAN), 1.0, tl.float32 if UPCAST else tl.bfloat16)  # POST_SCALE's sums
     if SCALES_AHEAD:
         s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, first_step * _K_STEP, stride_sg, cols, N, groups,
                                                   SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
@@ -371,10 +399,18 @@ def _int4_k_loop(
                     t = tl.load(w_row_ptrs + k0 // 4 + sub * (KSUB // 2) + tl.arange(0, KSUB // 2)[None, None, :])
                 t = t.to(tl.uint16, bitcast=True).to(tl.int32)
                 t = (t | (t << 8)) & 0x00FF00FF
-                w_lo = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
-                w_hi = _dequant_pairs(t >> 4, s_hi.to(tl.bfloat16), z_hi.to(tl.bfloat16), ASM, UPCAST)
-            acc = tl.dot(w_lo, x_lo.T, acc)
-            acc = tl.dot(w_hi, x_hi.T, acc)
+                if POST_SCALE:
+                    w_lo = _dequant_pairs(t, None, None, ASM, UPCAST)
+                    w_hi = _dequant_pairs(t >> 4, None, None, ASM, UPCAST)
+                else:
+                    w_lo = _dequant_pairs(t, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST)
+                    w_hi = _dequant_pairs(t >> 4, s_hi.to(tl.bfloat16), z_hi.to(tl.bfloat16), ASM, UPCAST)
+            if POST_SCALE:  # both halves lie in one group
+                products = tl.dot(w_hi, x_hi.T, tl.dot(w_lo, x_lo.T))
+                acc = _post_scaled(acc, products, tl.dot(ones, x_hi.T, tl.dot(ones, x_lo.T)), s_lo, z_lo)
+            else:
+                acc = tl.dot(w_lo, x_lo.T, acc)
+                acc = tl.dot(w_hi, x_hi.T, acc)
         else:  # plain bytes [BN, sub-blocks, KSUB/2]
             if w_desc is not None:
                 b = w_desc.load([first_col, k0 // 2]).reshape(cols.shape[0], SPAN // KSUB, KSUB // 2)
@@ -388,8 +424,12 @@ def _int4_k_loop(
                 else:  # past K: zero activations (and finite weights)
                     b = tl.load(w_row_ptrs + byte, mask=byte < K // 2, other=0)
                     x = _load_masked(x_row_ptrs + ks, x_mask, ks < K)
-            w = _dequant_pairs(b, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST, True)
-            acc = tl.dot(w, _activations(x, False, UPCAST).T, acc)
+            x_t = _activations(x, False, UPCAST).T
+            if POST_SCALE:
+                products = tl.dot(_dequant_pairs(b, None, None, ASM, UPCAST, True), x_t)
+                acc = _post_scaled(acc, products, tl.dot(ones, x_t), s_lo, z_lo)
+            else:
+                acc = tl.dot(_dequant_pairs(b, s_lo.to(tl.bfloat16), z_lo.to(tl.bfloat16), ASM, UPCAST, True), x_t, acc)
         if SCALES_AHEAD:
             s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, k0 + _K_STEP, stride_sg, cols, N, groups,
                                                       SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
@@ -399,19 +439,33 @@ def _int4_k_loop(
 
 
 @triton.jit
+def _store_tile(out, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om,
+                X_SCALE: tl.constexpr, W_SCALE: tl.constexpr):  # fmt: skip
+    """out [BM, BN] (fp32 sums) times the rowwise scales, as bf16 at out_ptr's rows and cols."""
+    if X_SCALE:
+        out *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    if W_SCALE:
+        out *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _int4_gemm_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, c_ptr, x_scale_ptr, w_scale_ptr,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, ws_ptr, arrivals_ptr, x_scale_ptr, w_scale_ptr,
     M, N, K, groups, steps_per_split,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_cs, stride_cb, stride_cm,
-    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_ob, stride_om,
+    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLITS: tl.constexpr,
     MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, POST_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
-    SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
-    past M are not read (decode tiles are mostly such rows), else they read row 0 (no masks in the loop). x_desc /
-    w_desc (or None): TMA descriptors of X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16)."""
+    """out[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one of SPLITS splits of K (program ids: tile, split,
+    batch). Split K: each split writes its fp32 sums to the workspace [SPLITS, B, M, N] and counts its arrival in
+    arrivals [B, tiles] (zeros, left zero); the tile's last split to arrive adds the workspace's sums in split order
+    (deterministic) and writes out, so no second kernel runs. MASK_ROWS: rows past M are not read (decode tiles are
+    mostly such rows), else they read row 0 (no masks in the loop). x_desc / w_desc (or None): TMA descriptors of
+    X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16)."""
     tile, split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -428,15 +482,26 @@ def _int4_gemm_kernel(
         tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr + b64 * stride_xb, w_ptr + b64 * stride_wb, x_desc,
         w_desc, s_ptr + b64 * stride_sb, z_ptr + b64 * stride_sb, stride_xm, stride_wn, stride_sg, x_rows, x_mask,
         batch * M + pid_m * BLOCK_M, cols, batch * N + pid_n * BLOCK_N, N, K, groups, first, steps, SHUFFLED, TABLE,
-        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA_WAIT,
+        ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA_WAIT, POST_SCALE,
     )  # fmt: skip
-    if not SPLIT:
-        if X_SCALE:
-            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[None, :]
-        if W_SCALE:
-            acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[:, None]
-    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + b64 * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
-    tl.store(c_ptrs + cols[None, :], acc.T.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    out_ptr += b64 * stride_ob
+    if SPLITS == 1:
+        _store_tile(acc.T, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om, X_SCALE, W_SCALE)
+    else:
+        batch_sums = ws_ptr + b64 * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]  # split 0's
+        split_stride = tl.num_programs(2).to(tl.int64) * M * N
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(batch_sums + split * split_stride, acc.T, mask=mask)
+        tl.debug_barrier()  # every thread's sums come before the arrival
+        arrivals = arrivals_ptr + batch * tl.num_programs(0) + tile
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):  # unrolled: loads in flight together, four at a time (registers)
+                if s % 4 == 0 and s > 0:
+                    tl.debug_barrier()  # keeps the next four loads from moving up
+                total += tl.load(batch_sums + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals, 0, sem="relaxed")  # zero again for the next kernel
+            _store_tile(total, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om, X_SCALE, W_SCALE)
 
 
 @triton.jit
@@ -513,7 +578,7 @@ def _int4_grouped_kernel(
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
                 tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB,
-                True, False,  # group rows ahead; no wait (the docstring says why)
+                True, False, False,  # group rows ahead; no wait (the docstring says why); scales before the dots
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -588,6 +653,13 @@ def _wgmma_wait(device: torch.device, num_warps: int) -> bool:
     return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
 
 
+def _post_scale(table: bool, size: int, num_warps: int) -> bool:
+    """_int4_k_loop's POST_SCALE: for the bf16 formats with groups of whole K steps, on the decode tiles (mma.sync
+    warps; the products' scaling costs 2 FMAs per output element a step, so it pays where tiles are narrow). H200,
+    bf16i4bf16_rowwise 16 x 8192 x 8192: see RESULTS.md, fourteenth session."""
+    return not table and size % K_STEP == 0 and num_warps < 4
+
+
 def _device_flags(t: torch.Tensor) -> dict:
     """ASM: NVIDIA PTX for the dequantization; UPCAST: fp32 dot operands under the interpreter."""
     return {"ASM": t.is_cuda and torch.version.hip is None, "UPCAST": not t.is_cuda}
@@ -643,20 +715,20 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     w = _weights_view(W, shuffled, table)
     x_desc, w_desc = _descriptors(X, w, cfg["BLOCK_M"], cfg["BLOCK_N"], shuffled)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
-    split = splits > 1
-    c = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device) if split else out
-    c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
-    grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
-    _int4_gemm_kernel[grid](
-        X, w, x_desc, w_desc, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
+    tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"])
+    ws = arrivals = None
+    if splits > 1:
+        ws = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device)
+        arrivals = launch.kept_zeros(X.device, SPLIT_ARRIVALS, tiles * batches)
+    _int4_gemm_kernel[(tiles, splits, batches)](
+        X, w, x_desc, w_desc, scale, zero, out, ws, arrivals, x_scale, w_scale, m, n, k, groups, per_split,
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
-        *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
-        SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
-        KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
-        WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), **_device_flags(X), **cfg,
+        out.stride(0), out.stride(1), SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None,
+        W_SCALE=w_scale is not None, SPLITS=splits, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0,
+        GROUP_SIZE=size, KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
+        WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(table, size, cfg["num_warps"]),
+        **_device_flags(X), **cfg,
     )  # fmt: skip
-    if split:
-        splitk_reduce(c.view(splits, batches * m, n), out.view(batches * m, n), x_scale, w_scale)
     return out
 
 
