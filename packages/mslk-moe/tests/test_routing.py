@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mslk.core import launch, testing
+from mslk.core import testing
 from mslk.moe import (
+    common,
     gather_scale_dense_tokens,
     gather_scale_quant_dense_tokens,
     index_shuffling,
@@ -224,7 +225,7 @@ def _check_shuffling(t, e, top_k, dtype, ranged, with_count):
         out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, top_k)
         for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), name  # the unused tail too
-        assert launch.kept_zeros(scores.device, shuffling.BARRIER, 2)[0] == 0
+        assert common.kept_zeros(scores.device, shuffling.BARRIER, 2)[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -382,7 +383,19 @@ def test_scatter_add_with_rows_sharing_tokens(tokens, rows, hot):
         got = out.clone()
         _triton(gs, "scatter_add_dense_tokens_op")(got, values, index)
         testing.assert_rel_close(got, expected, 1e-6)
-    assert not launch.kept_zeros(out.device, gs.SCATTER_LOCKS, 1).any()
+    assert not common.kept_zeros(out.device, gs.SCATTER_LOCKS, 1).any()
+
+
+def test_kept_zeros_grow_and_stay():
+    """A larger request gets a larger buffer; the older ones stay allocated (graphs may hold them)."""
+    device = torch.device("cpu")
+    first = common.kept_zeros(device, "test", 10)
+    assert common.kept_zeros(device, "test", 10) is first and first.numel() >= 10
+    assert common.kept_zeros(device, "another use", 10) is not first
+    grown = common.kept_zeros(device, "test", first.numel() + 1)
+    kept = common._kept[(device, 0, "test")]
+    assert grown.numel() >= 2 * first.numel() and kept[-1] is grown and kept[-2] is first
+    assert not grown.any()
 
 
 def test_out_of_range_indices_are_skipped_by_the_kernels():

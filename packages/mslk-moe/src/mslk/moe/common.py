@@ -1,4 +1,5 @@
-"""Pieces shared by the MoE ops: the optional `valid_token_count` (a one-element device tensor) and its mask."""
+"""Pieces shared by the MoE ops: the optional `valid_token_count` (a one-element device tensor) and its mask;
+zeroed int32 buffers that kernels leave zeroed, kept from call to call."""
 
 from __future__ import annotations
 
@@ -18,3 +19,26 @@ def valid_rows(n: int, valid_token_count: torch.Tensor | None, device) -> torch.
     if valid_token_count is None:
         return None
     return torch.arange(n, device=device) < valid_token_count.reshape(()).to(device)
+
+
+# Int32 buffers that are all zero between kernels (spin locks, barrier counters: the kernels using them leave them
+# zero), kept from call to call so that a call needs no memset launch. One per device, stream and use: kernels of
+# one stream run one after another, so no two kernels use a buffer at the same time (a grid barrier's counter
+# must not be shared). A kept buffer is never freed (the last one is used): kernels still running may hold its
+# address. They grow by doubling, so they add up to at most twice the largest.
+_kept: dict[tuple[torch.device, int, str], list[torch.Tensor]] = {}
+
+
+def kept_zeros(device: torch.device, use: str, numel: int) -> torch.Tensor:
+    """At least `numel` zeros on device for `use` on the current stream, which `use` must leave zero. While a
+    CUDA graph is being captured: a new buffer, not kept (allocated during the capture, it belongs to the
+    graph's memory pool and the graph zeroes it on each replay), so that graphs share none with other work."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(numel, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device).stream_id
+    kept = _kept.setdefault((device, stream, use), [])
+    if not kept or kept[-1].numel() < numel:
+        kept.append(torch.zeros(max(numel, 2 * kept[-1].numel() if kept else 1024), dtype=torch.int32, device=device))
+    return kept[-1]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
-from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
 from mslk.quantize.triton.common import check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
@@ -312,7 +312,7 @@ def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None,
     # At most a row per token (top-1 routing) takes the locks: uncontended, they cost H200 about 1% against
     # 4.5% for counting first. More rows than tokens (top-k) means tokens with several rows, which would wait
     # on each other's locks: there, counting and atomic adds are faster (T=2048 D=5120 top-8: 2111 GB/s vs 1978).
-    locks = launch.kept_zeros(out_tokens.device, SCATTER_LOCKS, tokens) if rows <= tokens else None
+    locks = kept_zeros(out_tokens.device, SCATTER_LOCKS, tokens) if rows <= tokens else None
     multiplicity = None
     if locks is None:
         multiplicity = torch.zeros(tokens, dtype=torch.int32, device=out_tokens.device)

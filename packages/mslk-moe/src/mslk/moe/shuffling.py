@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
-from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
 
 
 def _bounds(routing_scores, expert_index_start, expert_index_end) -> tuple[int, int]:
@@ -261,7 +261,7 @@ def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_inde
     rows = max(1, min(launch.next_power_of_2(programs), 512 * warps // bins))
     workspace = torch.empty(tokens * top_k + programs * local, **ints)
     _index_shuffling_kernel[(programs,)](
-        routing_scores, workspace, workspace[tokens * top_k :], launch.kept_zeros(device, BARRIER, 2),
+        routing_scores, workspace, workspace[tokens * top_k :], kept_zeros(device, BARRIER, 2),
         counts if valid_token_count is None else valid_token_count, counts, expert_indices, token_indices, tokens,
         experts, start, *routing_scores.stride(), blocks_per_program, E_LOCAL=local,
         HAS_COUNT=valid_token_count is not None, TOP_K=top_k, BLOCK_T=block_t, PLACE_T=place_t, E_PAD=e_pad,

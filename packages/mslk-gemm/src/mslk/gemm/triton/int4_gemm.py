@@ -42,7 +42,6 @@ from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, ti
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
-SPLIT_ARRIVALS = "INT4 GEMM split-K arrivals"  # launch.kept_zeros: per output tile, the splits done so far
 
 
 # ------------------------------------------------------------------------------------------ group scales
@@ -439,33 +438,19 @@ def _int4_k_loop(
 
 
 @triton.jit
-def _store_tile(out, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om,
-                X_SCALE: tl.constexpr, W_SCALE: tl.constexpr):  # fmt: skip
-    """out [BM, BN] (fp32 sums) times the rowwise scales, as bf16 at out_ptr's rows and cols."""
-    if X_SCALE:
-        out *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
-    if W_SCALE:
-        out *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
 def _int4_gemm_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, ws_ptr, arrivals_ptr, x_scale_ptr, w_scale_ptr,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, c_ptr, x_scale_ptr, w_scale_ptr,
     M, N, K, groups, steps_per_split,
-    stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_ob, stride_om,
-    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLITS: tl.constexpr,
+    stride_xb, stride_xm, stride_wb, stride_wn, stride_sb, stride_sg, stride_cs, stride_cb, stride_cm,
+    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
     KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, POST_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """out[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one of SPLITS splits of K (program ids: tile, split,
-    batch). Split K: each split writes its fp32 sums to the workspace [SPLITS, B, M, N] and counts its arrival in
-    arrivals [B, tiles] (zeros, left zero); the tile's last split to arrive adds the workspace's sums in split order
-    (deterministic) and writes out, so no second kernel runs. MASK_ROWS: rows past M are not read (decode tiles are
-    mostly such rows), else they read row 0 (no masks in the loop). x_desc / w_desc (or None): TMA descriptors of
-    X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16)."""
+    """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
+    SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
+    past M are not read (decode tiles are mostly such rows), else they read row 0 (no masks in the loop). x_desc /
+    w_desc (or None): TMA descriptors of X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16)."""
     tile, split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -484,24 +469,13 @@ def _int4_gemm_kernel(
         batch * M + pid_m * BLOCK_M, cols, batch * N + pid_n * BLOCK_N, N, K, groups, first, steps, SHUFFLED, TABLE,
         ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB, SCALES_AHEAD, WGMMA_WAIT, POST_SCALE,
     )  # fmt: skip
-    out_ptr += b64 * stride_ob
-    if SPLITS == 1:
-        _store_tile(acc.T, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om, X_SCALE, W_SCALE)
-    else:
-        batch_sums = ws_ptr + b64 * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]  # split 0's
-        split_stride = tl.num_programs(2).to(tl.int64) * M * N
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(batch_sums + split * split_stride, acc.T, mask=mask)
-        tl.debug_barrier()  # every thread's sums come before the arrival
-        arrivals = arrivals_ptr + batch * tl.num_programs(0) + tile
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLITS):  # unrolled: loads in flight together, four at a time (registers)
-                if s % 4 == 0 and s > 0:
-                    tl.debug_barrier()  # keeps the next four loads from moving up
-                total += tl.load(batch_sums + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals, 0, sem="relaxed")  # zero again for the next kernel
-            _store_tile(total, out_ptr, x_scale_ptr, w_scale_ptr, rows, cols, M, N, stride_om, X_SCALE, W_SCALE)
+    if not SPLIT:
+        if X_SCALE:
+            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[None, :]
+        if W_SCALE:
+            acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[:, None]
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + b64 * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+    tl.store(c_ptrs + cols[None, :], acc.T.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -602,15 +576,18 @@ def _sub_block(size: int, shuffled: bool) -> int | None:
 
 
 @functools.cache
-def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled: bool, table: bool) -> dict:
+def _config(
+    m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuffled: bool, table: bool, scales_after: bool
+) -> dict:
     """Tiles by shape class for Hopper, measured on the H200 at N = K = 8192 (RESULTS.md, fifth and eighth sessions).
 
     The tile is [BLOCK_N weight rows, BLOCK_M activation rows] (the output transposed). Decode streams the weights
     and is bound by latency, so it wants many programs in flight: with plain weights and M <= 32, 64 weight rows
     by 16 or 32 activation rows (rows past M are not loaded) on 2 warps (mma.sync; a wgmma warpgroup measured 15%
-    slower at M = 16, 25% at M = 32), K split to about 8 programs per SM of at least 8 steps (M <= 16), else 4 of
-    at least 16 steps. Preshuffled weights and M up to 64: 64 weight rows by 16 activation rows or 128 by 64, about
-    4 programs per SM, on one warpgroup, but on 2 warps for bf16 and M <= 16 (with TMA loads 23.9 / 25.3 us against
+    slower at M = 16, 25% at M = 32), K split to about 8 programs per SM of at least 8 steps (M <= 16; 6 where the
+    scales apply after the products, `_post_scale`), else 4 of at least 16 steps. Preshuffled weights and M up to
+    64: 64 weight rows by 16 activation rows or 128 by 64, about 4 programs per SM, on one warpgroup, but on 2 warps
+    for bf16 and M <= 16 (with TMA loads 23.9 / 25.3 us against
     26.1 / 26.6 at M = 1 / 16; FP8 tables not measured there). Larger M: the dequantization per flop falls as
     1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3 stages, K split only when there are fewer tiles than
     SMs; 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill), and for preshuffled bf16
@@ -624,7 +601,7 @@ def _config(m: int, n: int, k: int, batches: int, sms: int, upcast_x: bool, shuf
     per_sm, min_steps = 1, 16  # programs per SM that K splits aim for, and the fewest steps in a split
     if m <= 32 and not shuffled:
         cfg = tiles(16 if m <= 16 else 32, 64, 2, 3, 1)
-        per_sm, min_steps = (8, 8) if m <= 16 else (4, 16)
+        per_sm, min_steps = ((6 if scales_after else 8), 8) if m <= 16 else (4, 16)
     elif m <= 64:
         cfg, per_sm = tiles(16, 64, 4 if table else 2, 3, 1) if m <= 16 else tiles(64, 128, 4, 3, 1), 4
     elif shuffled and not table:
@@ -653,11 +630,17 @@ def _wgmma_wait(device: torch.device, num_warps: int) -> bool:
     return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] == 9 and num_warps >= 4
 
 
-def _post_scale(table: bool, size: int, num_warps: int) -> bool:
-    """_int4_k_loop's POST_SCALE: for the bf16 formats with groups of whole K steps, on the decode tiles (mma.sync
-    warps; the products' scaling costs 2 FMAs per output element a step, so it pays where tiles are narrow). H200,
-    bf16i4bf16_rowwise 16 x 8192 x 8192: see RESULTS.md, fourteenth session."""
-    return not table and size % K_STEP == 0 and num_warps < 4
+def _scales_after(table: bool, size: int) -> bool:
+    """Whether _int4_k_loop's POST_SCALE can serve the format: bf16 scales and zeros, groups of whole K steps."""
+    return not table and size % K_STEP == 0
+
+
+def _post_scale(scales_after: bool, cfg: dict) -> bool:
+    """POST_SCALE on the tiles of 16 activation rows on mma.sync warps (decode), where the products' scaling (two
+    FMAs per output element a step) costs less than scaling the weights. H200, N = K = 8192, graphs, us (RESULTS.md,
+    fourteenth session): plain M = 1 / 16 20.3 / 20.8 -> 19.5 / 20.2 with K split for 6 programs per SM (8 before;
+    8 with POST_SCALE 22.4 / 23.4); preshuffled 24.9 / 25.5 -> 23.0 / 23.7; plain M = 32 29.1 -> 31.5: not there."""
+    return scales_after and cfg["BLOCK_M"] == 16 and cfg["num_warps"] < 4
 
 
 def _device_flags(t: torch.Tensor) -> dict:
@@ -710,25 +693,27 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
     upcast_x = X.element_size() == 1 and not table
-    cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table))
+    scales_after = _scales_after(table, size)
+    cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table, scales_after))
     splits, per_split = cfg.pop("splits"), cfg.pop("steps_per_split")
     w = _weights_view(W, shuffled, table)
     x_desc, w_desc = _descriptors(X, w, cfg["BLOCK_M"], cfg["BLOCK_N"], shuffled)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
-    tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"])
-    ws = arrivals = None
-    if splits > 1:
-        ws = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device)
-        arrivals = launch.kept_zeros(X.device, SPLIT_ARRIVALS, tiles * batches)
-    _int4_gemm_kernel[(tiles, splits, batches)](
-        X, w, x_desc, w_desc, scale, zero, out, ws, arrivals, x_scale, w_scale, m, n, k, groups, per_split,
+    split = splits > 1
+    c = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device) if split else out
+    c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
+    grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
+    _int4_gemm_kernel[grid](
+        X, w, x_desc, w_desc, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
-        out.stride(0), out.stride(1), SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None,
-        W_SCALE=w_scale is not None, SPLITS=splits, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0,
-        GROUP_SIZE=size, KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
-        WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(table, size, cfg["num_warps"]),
+        *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
+        SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
+        KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
+        WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(scales_after, cfg),
         **_device_flags(X), **cfg,
     )  # fmt: skip
+    if split:
+        splitk_reduce(c.view(splits, batches * m, n), out.view(batches * m, n), x_scale, w_scale)
     return out
 
 
