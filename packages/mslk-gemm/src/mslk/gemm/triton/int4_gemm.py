@@ -36,6 +36,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
@@ -445,12 +446,17 @@ def _int4_gemm_kernel(
     SHUFFLED: tl.constexpr, TABLE: tl.constexpr, X_SCALE: tl.constexpr, W_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     MASK_ROWS: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
     KSUB: tl.constexpr, SCALES_AHEAD: tl.constexpr, WGMMA_WAIT: tl.constexpr, POST_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C[batch, m, n] of one [BLOCK_M, BLOCK_N] tile over one split of K (program ids: tile, split, batch).
     SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
     past M are not read (decode tiles are mostly such rows), else they read row 0 (no masks in the loop). x_desc /
-    w_desc (or None): TMA descriptors of X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16)."""
+    w_desc (or None): TMA descriptors of X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16).
+    DEPENDENT_LAUNCH: launched as a dependent of the kernel before it (`splitk_reduce`), waited for before any
+    memory access; the kernel after it may start once every program has."""
+    if DEPENDENT_LAUNCH:
+        gdc_wait()
+        gdc_launch_dependents()
     tile, split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -482,13 +488,16 @@ def _int4_gemm_kernel(
 def splitk_reduce_kernel(
     ws_ptr, out_ptr, row_scale_ptr, col_scale_ptr, scalar_ptr, scalar, R, N,
     SPLITS: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, SCALAR_PTR: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[r, n] = (Σ_s ws[s, r, n]) · row_scale[r] · col_scale[n] · scalar (· scalar_ptr[0]), for the
     workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs), added in split
     order in its own dtype: deterministic. out [R, N] contiguous; each program takes BLOCK of its R·N elements.
     The splits are unrolled so that all their loads are in flight at once (a loop waits for each in turn: 9 us
     instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
+    if DEPENDENT:  # launched early (dependent launch): the workspace is complete only past this wait
+        gdc_wait()
+        gdc_launch_dependents()
     total = tl.cast(R, tl.int64) * N
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total
@@ -506,14 +515,25 @@ def splitk_reduce_kernel(
 
 
 def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_tensor=None) -> torch.Tensor:
-    """out [R, N] from the split-K workspace ws [splits, R, N], both contiguous; see splitk_reduce_kernel."""
+    """out [R, N] from the split-K workspace ws [splits, R, N], both contiguous; see splitk_reduce_kernel. Where
+    the GPU has dependent launches, the kernel is launched as one: its programs take their places while the kernel
+    before it (which wrote ws) ends and wait for it on the GPU, not for a new launch; and it lets the kernel after
+    it do the same."""
     splits, r, n = ws.shape
     block = 512
+    dependent = dependent_launch(ws.device)
     splitk_reduce_kernel[(launch.cdiv(r * n, block),)](
         ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, SPLITS=splits, ROW_SCALE=row_scale is not None,
-        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, BLOCK=block, num_warps=4,
+        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, DEPENDENT=dependent, BLOCK=block,
+        num_warps=4, launch_pdl=dependent,
     )  # fmt: skip
     return out
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on device can be launched as dependents of the kernel before them (programmatic dependent
+    launch, `griddepcontrol`: NVIDIA Hopper and later)."""
+    return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] >= 9
 
 
 @triton.jit
@@ -703,6 +723,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     c = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device) if split else out
     c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
+    dependent = dependent_launch(X.device)
     _int4_gemm_kernel[grid](
         X, w, x_desc, w_desc, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
@@ -710,6 +731,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
         KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
         WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(scales_after, cfg),
+        DEPENDENT_LAUNCH=dependent, launch_pdl=dependent,
         **_device_flags(X), **cfg,
     )  # fmt: skip
     if split:
