@@ -6,6 +6,8 @@ T1 (CPU, interpreter) and T2 (GPU): the Triton kernels against X · Wdqᵀ in fl
 every group size, split K, batches, ragged groups, poisoned allocations and strided activations.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -419,12 +421,26 @@ def test_grouped_gpu(groups, rows, n, k):
 
 @pytest.mark.gpu
 def test_decode_records_into_a_cuda_graph():
-    """Split K included: the workspace is allocated while capturing and the reduction is recorded too."""
+    """Split K included: the workspace is allocated while capturing and the reduction is recorded too. Three calls,
+    each reading the output of the one before, eager and replayed: each kernel launched as a dependent (the split-K
+    reduction, and the next call's GEMM) must see all the writes of the kernel before it."""
     x, w, scale, zero = bf16_inputs(m=16, n=8192, k=8192, gs=128, device="cuda")
-    g.bf16i4bf16_rowwise(x, w, scale, zero)
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=False)
+
+    def chain(x):
+        outs = [x]
+        for _ in range(3):
+            outs.append(g.bf16i4bf16_rowwise(outs[-1], w, scale, zero))
+        return outs
+
+    def check(outs):
+        for before, out in itertools.pairwise(outs):
+            testing.assert_rel_close(out, oracle(before, wdq), 1e-2)
+
+    check(chain(x))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = g.bf16i4bf16_rowwise(x, w, scale, zero)
+        outs = chain(x)
     x.copy_(testing.randn(16, 8192, dtype=torch.bfloat16, device="cuda"))
     graph.replay()
-    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
+    check(outs)

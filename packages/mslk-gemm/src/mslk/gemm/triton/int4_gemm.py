@@ -497,7 +497,6 @@ def splitk_reduce_kernel(
     instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
     if DEPENDENT:  # launched early (dependent launch): the workspace is complete only past this wait
         gdc_wait()
-        gdc_launch_dependents()
     total = tl.cast(R, tl.int64) * N
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total
@@ -512,6 +511,8 @@ def splitk_reduce_kernel(
     if SCALAR_PTR:
         out *= tl.load(scalar_ptr)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if DEPENDENT:  # only now: programs of the next kernel taking places early slowed it (RESULTS.md)
+        gdc_launch_dependents()
 
 
 def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_tensor=None) -> torch.Tensor:
