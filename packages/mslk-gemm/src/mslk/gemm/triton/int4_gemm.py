@@ -23,10 +23,12 @@ computing the output transposed (weights as the first operand, which stays in re
 scale and zero applied before the dot by FMAs on bf16 pairs, or, for the FP8 table, in FP8: q · scale is exact in
 fp32, so rounding it to e4m3 gives the table's entry. On NVIDIA GPUs a nibble pair becomes its bf16 pair in three
 PTX instructions (0x4300 | u is the bf16 128 + u; two bf16x2 FMAs), plus a PRMT per pair where four plain bytes
-go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic runs as Triton ops. The tiles come
-through TMA descriptors where TMA can read X and W (zeros past their edges), else through pointers. Small M
-(decode) splits K over more programs: each writes fp32 partial sums to a workspace and a second kernel adds them
-in split order (deterministic) into bf16.
+go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic runs as Triton ops. Decode tiles
+(16 activation rows) skip both FMAs: they multiply the bf16 128 + u themselves and apply scale and zero to the
+fp32 products, once per output element a step. The tiles come through TMA descriptors where TMA can read X and
+W (zeros past their edges), else through pointers. Small M (decode) splits K over more programs: each writes fp32
+partial sums to a workspace and a second kernel, launched as a dependent of the first where the GPU can (Hopper),
+adds them in split order (deterministic) into bf16.
 """
 
 from __future__ import annotations
@@ -452,8 +454,8 @@ def _int4_gemm_kernel(
     SPLIT: C is the fp32 workspace [splits, B, M, N] and the rowwise scales wait for the reduction. MASK_ROWS: rows
     past M are not read (decode tiles are mostly such rows), else they read row 0 (no masks in the loop). x_desc /
     w_desc (or None): TMA descriptors of X [B·M, K] and W [B·N, K/2] (int16 words [B·N, K/4] for preshuffled bf16).
-    DEPENDENT_LAUNCH: launched as a dependent of the kernel before it (`splitk_reduce`), waited for before any
-    memory access; the kernel after it may start once every program has."""
+    DEPENDENT_LAUNCH: launched as a dependent of the kernel before it, which it waits for before any memory access;
+    the kernel after it (the split-K reduction, `splitk_reduce`) may take its places once every program has begun."""
     if DEPENDENT_LAUNCH:
         gdc_wait()
         gdc_launch_dependents()
@@ -608,12 +610,12 @@ def _config(
     slower at M = 16, 25% at M = 32), K split to about 8 programs per SM of at least 8 steps (M <= 16; 6 where the
     scales apply after the products, `_post_scale`), else 4 of at least 16 steps. Preshuffled weights and M up to
     64: 64 weight rows by 16 activation rows or 128 by 64, about 4 programs per SM, on one warpgroup, but on 2 warps
-    for bf16 and M <= 16 (with TMA loads 23.9 / 25.3 us against
-    26.1 / 26.6 at M = 1 / 16; FP8 tables not measured there). Larger M: the dequantization per flop falls as
-    1 / BLOCK_M, so 128 weight rows by 256 activation rows on 3 stages, K split only when there are fewer tiles than
-    SMs; 128 x 128 where FP8 activations are widened to bf16 (256 rows would spill), and for preshuffled bf16
-    weights on 3 stages (thirteenth session's sweep, us at M = 1024 / 8192: 244 / 2020 against 327 / 2624 for the
-    256-row tiles on 2 stages, 376 / 2746 on 4 stages; 256 rows on 3 stages 267 / 2096)."""
+    for bf16 and M <= 16 (with TMA loads 23.9 / 25.3 us against 26.1 / 26.6 at M = 1 / 16; FP8 tables not measured
+    there). Larger M: the dequantization per flop falls as 1 / BLOCK_M, so 128 weight rows by 256 activation rows
+    on 3 stages, K split only when there are fewer tiles than SMs; 128 x 128 where FP8 activations are widened to
+    bf16 (256 rows would spill), and for preshuffled bf16 weights on 3 stages (thirteenth session's sweep, us at
+    M = 1024 / 8192: 244 / 2020 against 327 / 2624 for the 256-row tiles on 2 stages, 376 / 2746 on 4 stages;
+    256 rows on 3 stages 267 / 2096)."""
 
     def tiles(bm, bn, warps, stages, group_m=8):
         return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}
