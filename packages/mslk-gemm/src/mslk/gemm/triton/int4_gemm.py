@@ -457,8 +457,7 @@ def _int4_gemm_kernel(
     DEPENDENT_LAUNCH: launched as a dependent of the kernel before it, which it waits for before any memory access;
     the kernel after it (the split-K reduction, `splitk_reduce`) may take its places once every program has begun."""
     if DEPENDENT_LAUNCH:
-        gdc_wait()
-        gdc_launch_dependents()
+        begin_as_dependent()
     tile, split, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -531,6 +530,14 @@ def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_te
         num_warps=4, launch_pdl=dependent,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def begin_as_dependent():
+    """The start of a GEMM kernel launched as a dependent: wait for the kernel before it (and its writes), then let
+    the one after it (a split-K reduction) launch."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 def dependent_launch(device: torch.device) -> bool:

@@ -4,8 +4,9 @@
 
 with one tensorwise dequantization scale: a Python float (i8i8bf16) or a one-element fp32 device tensor
 (i8i8bf16_dynamic: read by the kernel, so CUDA graphs capture it). One Triton kernel, int8 tensor-core dots into
-int32. `split_k` splits K over more programs, whose int32 partial sums a second kernel adds into bf16: integer sums
-are exact, so every split gives the same bits; split_k=1 lets the kernel choose (it splits decode shapes).
+int32. `split_k` splits K over more programs, whose int32 partial sums a second kernel (a dependent launch on
+Hopper) adds into bf16: integer sums are exact, so every split gives the same bits; split_k=1 lets the kernel
+choose (it splits decode shapes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
-from mslk.gemm.triton.int4_gemm import splitk_reduce
+from mslk.gemm.triton.int4_gemm import begin_as_dependent, dependent_launch, splitk_reduce
 
 
 def _validate(where: str, XQ, WQ, split_k) -> None:
@@ -43,11 +44,14 @@ def _reference(XQ, WQ, scale) -> torch.Tensor:
 @triton.jit
 def _i8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, scale_ptr, scale, M, N, K, steps_per_split, stride_am, stride_bn, stride_cs, stride_cm,
-    SCALE_PTR: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_PTR: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C = A · Bᵀ over one split of K (program ids: tile, split), int32 sums; SPLIT: C is the int32 workspace
-    [splits, M, N], else bf16 of the sums times scale (and scale_ptr[0])."""
+    [splits, M, N], else bf16 of the sums times scale (and scale_ptr[0]). DEPENDENT_LAUNCH: launched as a dependent
+    (`begin_as_dependent`)."""
+    if DEPENDENT_LAUNCH:
+        begin_as_dependent()
     tile, split = tl.program_id(0), tl.program_id(1)
     pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,9 +108,11 @@ def _run(XQ, WQ, scale: float, scale_tensor, split_k: int) -> torch.Tensor:
     split = splits > 1
     c = torch.empty((splits, m, n), dtype=torch.int32, device=XQ.device) if split else out
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits)
+    dependent = dependent_launch(XQ.device)
     _i8_gemm_kernel[grid](
         a, b, c, scale_tensor, scale, m, n, k, per_split, a.stride(0), b.stride(0), c.stride(0) if split else 0,
-        c.stride(-2), SCALE_PTR=scale_tensor is not None, SPLIT=split, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+        c.stride(-2), SCALE_PTR=scale_tensor is not None, SPLIT=split, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **cfg,
     )  # fmt: skip
     if split:
         splitk_reduce(c, out, scalar=scale, scalar_tensor=scale_tensor)
