@@ -88,9 +88,11 @@ def races(loop: list[str]) -> list[str]:
                 keep = int(depbar.group(1), 16)
                 groups = groups[max(len(groups) - keep, 0) :] if keep else []
                 continue
+            if turn == 0:  # the first turn only sets up the products still running at the loop's end
+                continue
             written = _written(text)
             for product in (p for group in [*groups, open_group] for p in group):
-                if written & product.registers and turn == 1:
+                if written & product.registers:
                     found.append(
                         f"'{text}' (loop line {line}) rewrites a register of '{product.text}' (line {product.line})"
                     )

@@ -212,6 +212,12 @@ def _bf16x2(v):
 
 
 @triton.jit
+def _biased(t):
+    """The bf16 pairs 136 + q (int32) of the nibbles at bits 0-3 and 16-19 of t: _DEQUANT_PTX's magic numbers."""
+    return (t & 0x000F000F) ^ 0x43084308
+
+
+@triton.jit
 def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.constexpr = False):
     """q · s + z rounded to bf16 for the signed nibbles at bits 0-3 (k = 2j) and 16-19 (k = 2j + 1) of each int32
     of t [BN, S, W] (other bits ignored), or BYTES: t holds the plain layout's bytes (int8, low nibble k = 2j);
@@ -231,7 +237,7 @@ def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.c
                     dtype=tl.int32, is_pure=True, pack=4,
                 )  # fmt: skip
         elif s is None:
-            pairs = (t & 0x000F000F) ^ 0x43084308
+            pairs = _biased(t)
         else:
             pairs = tl.inline_asm_elementwise(
                 _DEQUANT_PTX, "=r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32, is_pure=True, pack=1
@@ -241,7 +247,7 @@ def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.c
     else:
         if BYTES:
             t = t.to(tl.uint8, bitcast=True).to(tl.int32) * 0x1001  # low nibble to bits 0-3, high to 16-19
-        biased = (t & 0x000F000F) ^ 0x43084308  # the same magic numbers: the bf16 136 + q in each half
+        biased = _biased(t)
         halves = tl.join(biased.to(tl.int16), (biased >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
         if s is None:
             w = halves.reshape(rows, width)
@@ -370,7 +376,8 @@ def _int4_k_loop(
     sub = tl.arange(0, SPAN // KSUB)[None, :, None]
     x_row_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_row_ptrs = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[:, None, None] * stride_wn  # [BN, 1, 1]
-    ones = tl.full((cols.shape[0], SPAN), 1.0, tl.float32 if UPCAST else tl.bfloat16)  # POST_SCALE's sums
+    if POST_SCALE:  # the operand whose products are the activations' sums
+        ones = tl.full((cols.shape[0], SPAN), 1.0, tl.float32 if UPCAST else tl.bfloat16)
     if SCALES_AHEAD:
         s_lo, z_lo, s_hi, z_hi = _step_group_rows(s_ptr, z_ptr, first_step * _K_STEP, stride_sg, cols, N, groups,
                                                   SHUFFLED, TABLE, SPAN, GROUP_SIZE, KSUB)  # fmt: skip
