@@ -83,13 +83,14 @@ def test_block_scaled_gpu(m, n, k):
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "row_pad"),
     [(129, 257, 384, 128, 0), (1000, 777, 208, 128, 0), (300, 520, 1024, 256, 0), (4096, 4096, 4096, 128, 0),
-     (200, 136, 512, 128, 32)],
+     (200, 136, 512, 128, 32), (300, 264, 1408, 128, 0)],
     ids=str,
 )  # fmt: skip
 def test_hopper_kernel_gpu(m, n, k, block, row_pad):
     """The Gluon kernel (sm_90), called directly (dispatch takes it for K >= 4096 only): ragged M and N, K not a
     multiple of 128 (TMA pads with zeros), 256-blocks (two K steps per scale), XQ rows strided inside a wider
-    tensor; every output element written (poisoned output)."""
+    tensor, K steps fewer than, a multiple of and not a multiple of the kernel's UNROLL; every output element
+    written (poisoned output)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     wide_q, wide_s = g.quantize_blocks(testing.randn(m, k + row_pad, device="cuda"), block, block)

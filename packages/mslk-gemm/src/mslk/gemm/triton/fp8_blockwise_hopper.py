@@ -4,10 +4,10 @@
 
 for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile and K block), K-major operands that
 TMA can read. Each K step's product has to be scaled before it joins the accumulator, and Triton's compiler waits
-for every wgmma before that multiply (the tensor cores idle meanwhile). Here K steps go in pairs: both steps'
-wgmmas start, each into a fresh product, and the first product is scaled and added while the second runs.
-Operands come through a ring of TMA stages; a stage is refilled once both warpgroups are past the wgmma that
-read it.
+for every wgmma before that multiply (the tensor cores idle meanwhile). Here two products take turns: step j + 1's
+wgmma starts before step j's product is waited for, scaled and added, and the loop goes UNROLL steps at a time,
+so no wgmma is in flight only at its back edge. Operands come through a ring of TMA stages; a stage is refilled
+once both warpgroups are past the wgmma that read it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float
 STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory
 GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring programs share B in L2
 NUM_WARPS = 8  # two warpgroups, 64 rows of the tile each
+# K steps per loop iteration (even: the two products alternate). The tensor cores wait once per iteration, at the
+# back edge, where no wgmma may be in flight (see the kernel). H200, us, 8192^3 / 4096 x 7168 x 4096 (RESULTS.md,
+# fifteenth session): 2 steps 1072-1104 / 246-252, 4 steps 1043-1074 / 248-254, 8 steps 1020-1038 / 237-244.
+UNROLL = 8
 # Dispatch takes this kernel from this K up. On the H200 its GPU time beats the Triton kernel's at every shape
 # measured (989 against 875 TFLOP/s at 8192^3, 957 / 804 at 4096 x 7168 x 4096, 872 / 742 at 2048 x 7168 x 2048),
 # but its launch costs more host time, and an eager call at 2048 x 7168 x 2048 took 0.132 ms against 0.091.
@@ -74,11 +78,31 @@ def _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SC
 
 
 @gluon.jit
+def _next_step(
+    a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, acc, current, following, scale,
+    LAST: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Step `step`, whose product `current` is in flight: start step + 1's into `following` unless LAST, then wait
+    for `current`, scale it and add it. Returns (acc, current, following)."""
+    if not LAST:
+        following = _issue_step(a_bufs, b_bufs, ready, step + 1, following, STAGES)
+    current = _retire_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, current, 0 if LAST else 1,
+                           STAGES)  # fmt: skip
+    acc += current * scale
+    if not LAST:
+        # A wait that returns at once, on acc: it keeps the multiply-adds ahead of the next step's wgmma. Left
+        # free, the compiler sinks them below it, and that wgmma has to write a copy of the product they still read
+        # (the registers spill from UNROLL = 4 on).
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+    return acc, current, following
+
+
+@gluon.jit
 def _blockwise_wgmma_kernel(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
     stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
     A_SCALE_ROWS: gl.constexpr, B_SCALE_ROWS: gl.constexpr, STEPS_PER_SCALE: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """C [M, N] (bf16, row stride stride_cm) of A [M, K] and B [N, K] (TMA descriptors of [BM, BK] and [BN, BK]
     tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS a multiple
@@ -111,26 +135,26 @@ def _blockwise_wgmma_kernel(
     a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
     b_scales = b_scale_ptr + (off_n // B_SCALE_ROWS) * stride_sb_rows
     acc = gl.zeros([BM, BN], gl.float32, mma_layout)
-    # Steps go in pairs: both products are started, the first is added while the second runs, then the second.
-    # Each product is restarted in its own registers once added (use_acc=False ignores their values), and no
-    # wgmma is in flight across the loop's back edge: copying an in-flight product's registers there (a product
-    # carried from one iteration to the next) makes ptxas serialize every wgmma (C7514).
+    # No wgmma is in flight across the loop's back edge: copying an in-flight product's registers there (a product
+    # carried from one iteration to the next) makes ptxas serialize every wgmma (C7514). Each product is restarted
+    # in its own registers once added (use_acc=False ignores their values).
     part0 = gl.zeros([BM, BN], gl.float32, mma_layout)
     part1 = gl.zeros([BM, BN], gl.float32, mma_layout)
-    for pair in range(steps // 2):
-        step = 2 * pair
-        scale0 = _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
-        scale1 = _step_scale(a_scales, b_scales, step + 1, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
-        started0 = _issue_step(a_bufs, b_bufs, ready, step, part0, STAGES)
-        started1 = _issue_step(a_bufs, b_bufs, ready, step + 1, part1, STAGES)
-        part0 = _retire_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, started0, 1, STAGES)
-        acc += part0 * scale0
-        part1 = _retire_step(a_desc, b_desc, a_bufs, b_bufs, ready, step + 1, steps, off_m, off_n, started1, 0, STAGES)
-        acc += part1 * scale1
-    if steps % 2 == 1:
-        scale0 = _step_scale(a_scales, b_scales, steps - 1, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
-        last = _issue_step(a_bufs, b_bufs, ready, steps - 1, part0, STAGES)
-        acc += warpgroup_mma_wait(0, deps=(last,)) * scale0
+    for first in range(0, steps - steps % UNROLL, UNROLL):
+        part0 = _issue_step(a_bufs, b_bufs, ready, first, part0, STAGES)
+        for j in gl.static_range(UNROLL):
+            scale = _step_scale(a_scales, b_scales, first + j, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
+            if j % 2 == 0:
+                acc, part0, part1 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, first + j, steps, off_m, off_n,
+                                               acc, part0, part1, scale, j + 1 == UNROLL, STAGES)  # fmt: skip
+            else:
+                acc, part1, part0 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, first + j, steps, off_m, off_n,
+                                               acc, part1, part0, scale, j + 1 == UNROLL, STAGES)  # fmt: skip
+    for step in range(steps - steps % UNROLL, steps):
+        scale = _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
+        part0 = _issue_step(a_bufs, b_bufs, ready, step, part0, STAGES)
+        acc, part0, part1 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, acc, part0,
+                                       part1, scale, True, STAGES)  # fmt: skip
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -170,6 +194,6 @@ def run(a, b, out, a_scale, a_scale_strides, b_scale, b_scale_strides, a_scale_r
     _blockwise_wgmma_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
         A_SCALE_ROWS=a_scale_rows, B_SCALE_ROWS=b_scale_rows, STEPS_PER_SCALE=scale_k // BLOCK_K, STAGES=STAGES,
-        GROUP_M=GROUP_M, num_warps=NUM_WARPS,
+        GROUP_M=GROUP_M, UNROLL=UNROLL, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
