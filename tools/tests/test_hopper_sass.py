@@ -92,10 +92,11 @@ def attention_calls():
 
 def gemm_calls():
     cuda_host_branch()
-    from mslk.gemm.triton import fp8_blockwise_gemm, fp8_gemm, grouped_gemm
+    from mslk.gemm.triton import fp8_blockwise_gemm, fp8_blockwise_hopper, fp8_gemm, grouped_gemm
     fp8 = torch.float8_e4m3fn
     x, w = torch.randn(2048, 2048), torch.randn(8, 1024, 2048)
     sizes = torch.full((8,), 256, dtype=torch.int32)
+    out = torch.empty(2048, 2048, dtype=torch.bfloat16)
     return {
         "fp8_rowwise": lambda: fp8_gemm._rowwise_into(x.to(fp8), w[0].to(fp8), torch.rand(2048), torch.rand(1024),
                                                      None, True, torch.empty(2048, 1024).bfloat16()),
@@ -105,6 +106,8 @@ def gemm_calls():
                                                         sizes),
         "blockwise_fp8": lambda: fp8_blockwise_gemm._blockwise_triton(x.to(fp8), x.to(fp8), torch.rand(16, 16),
                                                                       torch.rand(16, 16)),
+        "blockwise_fp8_gluon": lambda: fp8_blockwise_hopper.run(x.to(fp8), x.to(fp8), out, torch.rand(16, 16), (16, 1),
+                                                                torch.rand(16, 16), (16, 1), 128, 128, 128),
     }
 
 
@@ -129,7 +132,7 @@ for name, call in calls.items():
 SUITES = {
     "int4": ("mslk.gemm", ["plain_m64", "plain_m1024", "shuffled_m1024", "table_m1024", "grouped"]),
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
-    "gemm": ("mslk.gemm", ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8"]),
+    "gemm": ("mslk.gemm", ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8", "blockwise_fp8_gluon"]),
 }
 KERNELS = [(suite, kernel) for suite, (_, kernels) in SUITES.items() for kernel in kernels]
 
@@ -170,3 +173,18 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "C7515" not in done.stderr and "C7513" not in done.stderr, done.stderr[-3000:]
+
+
+# The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md): known, not a regression.
+SPILLING = {("attention", "attention_bwd_k128")}
+
+
+@pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in SPILLING])
+def test_no_spills(compiled, suite, kernel):
+    """Spills would slow these kernels (the blockwise Gluon kernel holds three 64-register products at 255)."""
+    ptx = compiled(suite) / f"{kernel}.ptx"
+    done = subprocess.run(
+        [str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert " 0 bytes spill stores" in done.stderr, done.stderr[-3000:]
