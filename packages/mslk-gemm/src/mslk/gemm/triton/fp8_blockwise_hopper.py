@@ -24,13 +24,15 @@ from mslk.gemm.triton.fp8_gemm import tma_ready
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
 _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory
-GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring programs share B in L2
+STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory (5 stages measured 1-4% slower)
 NUM_WARPS = 8  # two warpgroups, 64 rows of the tile each
 # K steps per loop iteration (even: the two products alternate). The tensor cores wait once per iteration, at the
-# back edge, where no wgmma may be in flight (see the kernel). H200, us, 8192^3 / 4096 x 7168 x 4096 (RESULTS.md,
-# fifteenth session): 2 steps 1072-1104 / 246-252, 4 steps 1043-1074 / 248-254, 8 steps 1020-1038 / 237-244.
+# back edge, where no wgmma may be in flight (see the kernel). Tiles go in groups of GROUP_M rows of tiles, so that
+# neighbouring programs share B in L2. H200, us, variants in turn in one process (RESULTS.md, fifteenth session):
+# 8192^3 at 2 / 4 / 8 steps 1072-1104 / 1043-1074 / 1020-1038; 16-row groups instead of 8 were 1.4-3% faster at
+# the four shapes of K >= 8192 measured (8 steps; 16 steps within 2% of 8).
 UNROLL = 8
+GROUP_M = 16
 # Dispatch takes this kernel from this K up. On the H200 its GPU time beats the Triton kernel's at every shape
 # measured (989 against 875 TFLOP/s at 8192^3, 957 / 804 at 4096 x 7168 x 4096, 872 / 742 at 2048 x 7168 x 2048),
 # but its launch costs more host time, and an eager call at 2048 x 7168 x 2048 took 0.132 ms against 0.091.
