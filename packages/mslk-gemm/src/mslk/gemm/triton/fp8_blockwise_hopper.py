@@ -6,8 +6,8 @@ for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile an
 TMA can read. Each K step's product has to be scaled before it joins the accumulator, and Triton's compiler waits
 for every wgmma before that multiply (the tensor cores idle meanwhile). Here two products take turns: step j + 1's
 wgmma starts before step j's product is waited for, scaled and added, and the loop goes UNROLL steps at a time,
-so no wgmma is in flight only at its back edge. Operands come through a ring of TMA stages; a stage is refilled
-once both warpgroups are past the wgmma that read it.
+so the tensor cores wait only at its back edge (where no wgmma may be in flight). Operands come through a ring of
+TMA stages; a stage is refilled once both warpgroups are past the wgmma that read it.
 """
 
 from __future__ import annotations
