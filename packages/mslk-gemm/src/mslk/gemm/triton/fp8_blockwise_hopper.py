@@ -4,10 +4,11 @@
 
 for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile and K block), K-major operands that
 TMA can read. Each K step's product has to be scaled before it joins the accumulator, and Triton's compiler waits
-for every wgmma before that multiply (the tensor cores idle meanwhile). Here two products take turns: step j + 1's
-wgmma starts before step j's product is waited for, scaled and added, and the loop goes UNROLL steps at a time,
-so the tensor cores wait only at its back edge (where no wgmma may be in flight). Operands come through a ring of
-TMA stages; a stage is refilled once both warpgroups are past the wgmma that read it.
+for every wgmma before that multiply (the tensor cores idle meanwhile). Here, as in DeepGEMM's and CUTLASS's
+Hopper kernels, the program is persistent and warp-specialized: one warp loads the operands through a ring of
+TMA stages, running ahead across tiles, and two warpgroups multiply, 64 rows of the tile each. Two products take
+turns: step j + 1's wgmma starts before step j's product is waited for, scaled and added, and the loop goes
+UNROLL steps at a time, so the tensor cores wait only at its back edge (where no wgmma may be in flight).
 """
 
 from __future__ import annotations
@@ -24,53 +25,63 @@ from mslk.gemm.triton.fp8_gemm import tma_ready
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
 _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-STAGES = 4  # (128 + 128) · 128 B each: 128 KiB of shared memory (5 stages measured 1-4% slower)
-NUM_WARPS = 8  # two warpgroups, 64 rows of the tile each
-# K steps per loop iteration (even: the two products alternate). The tensor cores wait once per iteration, at the
-# back edge, where no wgmma may be in flight (see the kernel). Tiles go in groups of GROUP_M rows of tiles, so that
-# neighbouring programs share B in L2. H200, us, variants in turn in one process (RESULTS.md, fifteenth session):
-# 8192^3 at 2 / 4 / 8 steps 1072-1104 / 1043-1074 / 1020-1038; 16-row groups instead of 8 were 1.4-3% faster at
-# the four shapes of K >= 8192 measured (8 steps; 16 steps within 2% of 8).
-UNROLL = 8
-GROUP_M = 16
-# Dispatch takes this kernel from this K up. On the H200 its GPU time beats the Triton kernel's at every shape
-# measured (989 against 875 TFLOP/s at 8192^3, 957 / 804 at 4096 x 7168 x 4096, 872 / 742 at 2048 x 7168 x 2048),
-# but its launch costs more host time, and an eager call at 2048 x 7168 x 2048 took 0.132 ms against 0.091.
+NUM_WARPS = 8  # the multiplying warpgroups, 64 rows of the tile each; the loading warp comes on top
+LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg), which leaves 240 to the multiplying ones
+# H200, us, the variants in turn in one process (RESULTS.md, fifteenth session), 8192^3 / 4096 x 28672 x 8192 /
+# 4096 x 7168 x 4096: one program per tile without warp specialization (eight steps a turn) 1030 / 1784 / 239;
+# warp-specialized 985 / 1781 / 231; persistent and warp-specialized, 4 / 5 stages, 8 steps 955 / 945, 1690 / 1636,
+# 215 / 218; 16 steps 916 / 930, 1676 / 1601, 213 / 207.
+STAGES = 5  # (128 + 128) · 128 B each: 160 KiB of shared memory
+UNROLL = 16  # K steps per loop iteration (even: the two products alternate)
+GROUP_M = 16  # tiles go in groups of 16 rows of tiles, so that neighbouring programs share B in L2
+# Dispatch takes this kernel from this K up. On the H200 its GPU time beat the Triton kernel's at every shape
+# measured already in its first form (fifth session: 989 against 875 TFLOP/s at 8192^3, 957 / 804 at 4096 x 7168 x
+# 4096, 872 / 742 at 2048 x 7168 x 2048), but its launch costs more host time, and an eager call at 2048 x 7168 x 2048
+# took 0.132 ms against 0.091.
 MIN_K = 4096
-# Barrier of all the program's threads: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, off_m, off_n, STAGES: gl.constexpr, pred):
-    """TMA loads of K step `step`'s A and B tiles into stage step % STAGES, completing on its `ready` barrier."""
-    stage = step % STAGES
-    bar = ready.index(stage)
-    block_k: gl.constexpr = a_desc.block_type.shape[1]
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [off_m, step * block_k], bar, a_bufs.index(stage), pred)
-    tma.async_copy_global_to_shared(b_desc, [off_n, step * block_k], bar, b_bufs.index(stage), pred)
+def _tile_offsets(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """(off_m, off_n) of output tile `tile` in the tile order of fp8_gemm.tile_coordinates (a Triton function,
+    which Gluon kernels cannot call)."""
+    tiles_n = gl.cdiv(N, BN)
+    first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = min(gl.cdiv(M, BM) - first_m, GROUP_M)
+    return (first_m + tile % group_rows) * BM, ((tile % (GROUP_M * tiles_n)) // group_rows) * BN
 
 
 @gluon.jit
-def _issue_step(a_bufs, b_bufs, ready, step, part, STAGES: gl.constexpr):
-    """Once its TMA loads have landed, start K step `step`'s product into part's registers (asynchronous)."""
-    stage = step % STAGES
-    mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    """The loading warp: the program's tiles' K steps, in order, into the ring. Step g (counted over all the
+    program's tiles) goes to stage g % STAGES once the multiplying warps have released the step before it there."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    steps = gl.cdiv(K, BK)
+    g = 0
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, M, N, BM, BN, GROUP_M)
+        for step in range(steps):
+            stage = g % STAGES
+            # The first turn through the ring finds the stages free: a fresh barrier counts its phase before
+            # the first as complete.
+            mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, step * BK], bar, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [off_n, step * BK], bar, b_bufs.index(stage))
+            g += 1
+
+
+@gluon.jit
+def _issue_step(a_bufs, b_bufs, ready, g, part):
+    """Once its TMA loads have landed, start step g's product into part's registers (asynchronous)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    stage = g % STAGES
+    mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
     return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), part, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _retire_step(
-    a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, part, IN_FLIGHT: gl.constexpr,
-    STAGES: gl.constexpr,
-):  # fmt: skip
-    """K step `step`'s product, waited for with IN_FLIGHT later ones left running; its stage then takes step +
-    STAGES."""
-    done = warpgroup_mma_wait(IN_FLIGHT, deps=(part,))
-    _cta_barrier()  # both warpgroups are past this step's wgmma before TMA overwrites its stage
-    _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step + STAGES, off_m, off_n, STAGES, step + STAGES < steps)
-    return done
 
 
 @gluon.jit
@@ -80,23 +91,73 @@ def _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SC
 
 
 @gluon.jit
-def _next_step(
-    a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, acc, current, following, scale,
-    LAST: gl.constexpr, STAGES: gl.constexpr,
-):  # fmt: skip
-    """Step `step`, whose product `current` is in flight: start step + 1's into `following` unless LAST, then wait
-    for `current`, scale it and add it. Returns (acc, current, following)."""
+def _next_step(a_bufs, b_bufs, ready, empty, g, acc, current, following, scale, LAST: gl.constexpr):
+    """Step g, whose product `current` is in flight: start step g + 1's into `following` unless LAST, then wait
+    for `current`, release its stage to the loading warp, scale it and add it. Returns (acc, current, following)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
     if not LAST:
-        following = _issue_step(a_bufs, b_bufs, ready, step + 1, following, STAGES)
-    current = _retire_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, current, 0 if LAST else 1,
-                           STAGES)  # fmt: skip
+        following = _issue_step(a_bufs, b_bufs, ready, g + 1, following)
+    current = warpgroup_mma_wait(0 if LAST else 1, deps=(current,))
+    mbarrier.arrive(empty.index(g % STAGES))
     acc += current * scale
     if not LAST:
         # A wait that returns at once, on acc: it keeps the multiply-adds ahead of the next step's wgmma. Left
         # free, the compiler sinks them below it, and that wgmma has to write a copy of the product they still read
-        # (the registers spill from UNROLL = 4 on).
+        # (the registers spill from 4 steps a turn on).
         acc = warpgroup_mma_wait(1, deps=(acc,))
     return acc, current, following
+
+
+@gluon.jit
+def _mma_partition(
+    a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
+    stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
+    A_SCALE_ROWS: gl.constexpr, B_SCALE_ROWS: gl.constexpr, STEPS_PER_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
+    UNROLL: gl.constexpr,
+):  # fmt: skip
+    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its bf16
+    store."""
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = b_bufs.shape[1]
+    # wgmma: warps stacked along M (16 rows each), an instruction spans the tile's N, k = 32 bytes of FP8.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 256 // a_bufs.dtype.primitive_bitwidth]
+    )
+    # Epilogue: bf16 rows of 16 bytes per thread, masked at the edges of C.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [gl.num_warps(), 1], [1, 0])
+    steps = gl.cdiv(K, BK)
+    # No wgmma is in flight across a loop's back edge: copying an in-flight product's registers there (a product
+    # carried from one iteration to the next) makes ptxas serialize every wgmma (C7514). Each product is restarted
+    # in its own registers once added (use_acc=False ignores their values).
+    part0 = gl.zeros([BM, BN], gl.float32, mma_layout)
+    part1 = gl.zeros([BM, BN], gl.float32, mma_layout)
+    g0 = 0  # the ring's step count at the tile's first step
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, M, N, BM, BN, GROUP_M)
+        a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
+        b_scales = b_scale_ptr + (off_n // B_SCALE_ROWS) * stride_sb_rows
+        acc = gl.zeros([BM, BN], gl.float32, mma_layout)
+        for first in range(0, steps - steps % UNROLL, UNROLL):
+            part0 = _issue_step(a_bufs, b_bufs, ready, g0 + first, part0)
+            for j in gl.static_range(UNROLL):
+                scale = _step_scale(a_scales, b_scales, first + j, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
+                if j % 2 == 0:
+                    acc, part0, part1 = _next_step(a_bufs, b_bufs, ready, empty, g0 + first + j, acc, part0, part1,
+                                                   scale, j + 1 == UNROLL)  # fmt: skip
+                else:
+                    acc, part1, part0 = _next_step(a_bufs, b_bufs, ready, empty, g0 + first + j, acc, part1, part0,
+                                                   scale, j + 1 == UNROLL)  # fmt: skip
+        for step in range(steps - steps % UNROLL, steps):
+            scale = _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
+            part0 = _issue_step(a_bufs, b_bufs, ready, g0 + step, part0)
+            acc, part0, part1 = _next_step(a_bufs, b_bufs, ready, empty, g0 + step, acc, part0, part1, scale, True)
+        g0 += steps
+        out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], out, mask=mask)
 
 
 @gluon.jit
@@ -104,69 +165,34 @@ def _blockwise_wgmma_kernel(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
     stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
     A_SCALE_ROWS: gl.constexpr, B_SCALE_ROWS: gl.constexpr, STEPS_PER_SCALE: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, UNROLL: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """C [M, N] (bf16, row stride stride_cm) of A [M, K] and B [N, K] (TMA descriptors of [BM, BK] and [BN, BK]
     tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS a multiple
-    of BM, B_SCALE_ROWS of BN), kb = step // STEPS_PER_SCALE. One program per output tile."""
+    of BM, B_SCALE_ROWS of BN), kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles p, p + programs, ..."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    # Tile order of fp8_gemm.tile_coordinates (a Triton function, which Gluon kernels cannot call).
-    pid = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BM)
-    tiles_n = gl.cdiv(N, BN)
-    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + pid % group_rows) * BM
-    off_n = ((pid % (GROUP_M * tiles_n)) // group_rows) * BN
-
-    # wgmma: warps stacked along M (16 rows each), an instruction spans the tile's N, k = 32 bytes of FP8.
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 256 // a_desc.dtype.primitive_bitwidth]
-    )
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-    steps = gl.cdiv(K, BK)
-    for s in gl.static_range(STAGES):
-        _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, s, off_m, off_n, STAGES, s < steps)
-
-    a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
-    b_scales = b_scale_ptr + (off_n // B_SCALE_ROWS) * stride_sb_rows
-    acc = gl.zeros([BM, BN], gl.float32, mma_layout)
-    # No wgmma is in flight across the loop's back edge: copying an in-flight product's registers there (a product
-    # carried from one iteration to the next) makes ptxas serialize every wgmma (C7514). Each product is restarted
-    # in its own registers once added (use_acc=False ignores their values).
-    part0 = gl.zeros([BM, BN], gl.float32, mma_layout)
-    part1 = gl.zeros([BM, BN], gl.float32, mma_layout)
-    for first in range(0, steps - steps % UNROLL, UNROLL):
-        part0 = _issue_step(a_bufs, b_bufs, ready, first, part0, STAGES)
-        for j in gl.static_range(UNROLL):
-            scale = _step_scale(a_scales, b_scales, first + j, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
-            if j % 2 == 0:
-                acc, part0, part1 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, first + j, steps, off_m, off_n,
-                                               acc, part0, part1, scale, j + 1 == UNROLL, STAGES)  # fmt: skip
-            else:
-                acc, part1, part0 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, first + j, steps, off_m, off_n,
-                                               acc, part1, part0, scale, j + 1 == UNROLL, STAGES)  # fmt: skip
-    for step in range(steps - steps % UNROLL, steps):
-        scale = _step_scale(a_scales, b_scales, step, stride_sa_k, stride_sb_k, STEPS_PER_SCALE)
-        part0 = _issue_step(a_bufs, b_bufs, ready, step, part0, STAGES)
-        acc, part0, part1 = _next_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, steps, off_m, off_n, acc, part0,
-                                       part1, scale, True, STAGES)  # fmt: skip
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-
-    # Epilogue: bf16 rows of 16 bytes per thread, masked at the edges of C.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0])
-    out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], out, mask=mask)
+        mbarrier.init(empty.index(s), count=1)
+    # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
+    # constexprs into tensors.
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm, stride_sa_rows,
+                stride_sa_k, stride_sb_rows, stride_sb_k, A_SCALE_ROWS, B_SCALE_ROWS, STEPS_PER_SCALE, GROUP_M, UNROLL,
+            )),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+        ],
+        [1],
+        [LOAD_REGISTERS],
+    )  # fmt: skip
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, a_scale_rows: int, b_scale_rows: int, scale_k: int) -> bool:
@@ -192,10 +218,10 @@ def run(a, b, out, a_scale, a_scale_strides, b_scale, b_scale_strides, a_scale_r
     (m, k), n = a.shape, b.shape[0]
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [BLOCK_M, BLOCK_K], _TILE_LAYOUT)
     b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [BLOCK_N, BLOCK_K], _TILE_LAYOUT)
-    grid = (launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N),)
+    grid = (min(arch.sm_count(a.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
     _blockwise_wgmma_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
         A_SCALE_ROWS=a_scale_rows, B_SCALE_ROWS=b_scale_rows, STEPS_PER_SCALE=scale_k // BLOCK_K, STAGES=STAGES,
-        GROUP_M=GROUP_M, UNROLL=UNROLL, num_warps=NUM_WARPS,
+        GROUP_M=GROUP_M, UNROLL=UNROLL, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
