@@ -1,7 +1,7 @@
 """MSLK's Triton kernels on Hopper's warpgroup MMAs, compiled for sm_90a on this machine (GPU or not): no register
 race of a warpgroup MMA (tools/wgmma_hazards.py; the INT4 GEMMs and the attention multiply operands held in
-registers) and no serialized warpgroup MMAs (ptxas C7515 / C7513). Both came and went with compiler details
-(RESULTS.md, thirteenth session), and CI's Triton is not the GPU machine's."""
+registers), no serialized warpgroup MMAs (ptxas C7515 / C7513) and no spills. All came and went with compiler
+details (RESULTS.md, thirteenth and fifteenth sessions), and CI's Triton is not the GPU machine's."""
 
 import os
 import subprocess
