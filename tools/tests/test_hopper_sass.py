@@ -108,6 +108,8 @@ def gemm_calls():
                                                                       torch.rand(16, 16)),
         "blockwise_fp8_gluon": lambda: fp8_blockwise_hopper.run(x.to(fp8), x.to(fp8), out, torch.rand(16, 16), (16, 1),
                                                                 torch.rand(16, 16), (16, 1), 128, 128, 128),
+        "groupwise_fp8_gluon": lambda: fp8_blockwise_hopper.run(x.to(fp8), x.to(fp8), out, torch.rand(16, 2048),
+                                                                (1, 2048), torch.rand(16, 16), (16, 1), 1, 128, 128),
     }
 
 
@@ -132,7 +134,10 @@ for name, call in calls.items():
 SUITES = {
     "int4": ("mslk.gemm", ["plain_m64", "plain_m1024", "shuffled_m1024", "table_m1024", "grouped"]),
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
-    "gemm": ("mslk.gemm", ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8", "blockwise_fp8_gluon"]),
+    "gemm": (
+        "mslk.gemm",
+        ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8", "blockwise_fp8_gluon", "groupwise_fp8_gluon"],
+    ),
 }
 KERNELS = [(suite, kernel) for suite, (_, kernels) in SUITES.items() for kernel in kernels]
 

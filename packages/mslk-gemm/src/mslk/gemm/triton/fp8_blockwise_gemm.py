@@ -9,8 +9,9 @@ and per 128 x 128 tile for WQ (quantize_fp8_block(w, 128, 128, k_major=False), [
 
 One Triton kernel serves both: each K step multiplies a tile's product by the scales of its rows and columns
 before adding it to the fp32 accumulator (the scales change along K, so they cannot wait for the epilogue). On
-Hopper, scale blocks covering whole 128 x 128 tiles and K >= 4096 run fp8_blockwise_hopper.py's Gluon kernel
-instead (persistent and warp-specialized), which keeps a wgmma in flight while it scales the previous step's product.
+Hopper, scale blocks covering whole 128 x 128 tiles (or rows of XQ, groupwise) and K >= 4096 run
+fp8_blockwise_hopper.py's Gluon kernel instead (persistent and warp-specialized), which keeps a wgmma in flight while
+it scales the previous step's product.
 """
 
 from __future__ import annotations

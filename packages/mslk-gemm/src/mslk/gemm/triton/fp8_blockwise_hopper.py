@@ -2,13 +2,14 @@
 
     out[m, n] = Σ_kb (XQ[m, kb] · WQ[n, kb]ᵀ) · x_scale(tile, kb) · w_scale(tile, kb)      (bf16 out, fp32 sums)
 
-for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile and K block), K-major operands that
-TMA can read. Each K step's product has to be scaled before it joins the accumulator, and Triton's compiler waits
-for every wgmma before that multiply (the tensor cores idle meanwhile). Here, as in DeepGEMM's and CUTLASS's
-Hopper kernels, the program is persistent and warp-specialized: one warp loads the operands through a ring of
-TMA stages, running ahead across tiles, and two warpgroups multiply, 64 rows of the tile each. Two products take
-turns: step j + 1's wgmma starts before step j's product is waited for, scaled and added, and the loop goes
-UNROLL steps at a time, so the tensor cores wait only at its back edge (where no wgmma may be in flight).
+for scale blocks that cover whole 128 x 128 output tiles (one scalar per tile and K block), or rows of XQ and
+128 x 128 blocks of WQ (the groupwise recipe), K-major operands that TMA can read. Each K step's product has to be
+scaled before it joins the accumulator, and Triton's compiler waits for every wgmma before that multiply (the
+tensor cores idle meanwhile). Here, as in DeepGEMM's and CUTLASS's Hopper kernels, the program is persistent and
+warp-specialized: one warp loads the operands through a ring of TMA stages, running ahead across tiles, and two
+warpgroups multiply, 64 rows of the tile each. Two products take turns: step j + 1's wgmma starts before step j's
+product is waited for, scaled and added, and the loop goes UNROLL steps at a time, so the tensor cores wait only at
+its back edge (where no wgmma may be in flight).
 """
 
 from __future__ import annotations
@@ -135,7 +136,11 @@ def _mma_partition(
     g0 = 0  # the ring's step count at the tile's first step
     for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
         off_m, off_n = _tile_offsets(tile, M, N, BM, BN, GROUP_M)
-        a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
+        if A_SCALE_ROWS == 1:  # a scale per row: [BM, 1], rows past M read row M - 1's (their sums are not stored)
+            rows = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout)), M - 1)
+            a_scales = (a_scale_ptr + rows * stride_sa_rows)[:, None]
+        else:
+            a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
         b_scales = b_scale_ptr + (off_n // B_SCALE_ROWS) * stride_sb_rows
         acc = gl.zeros([BM, BN], gl.float32, mma_layout)
         for first in range(0, steps - steps % UNROLL, UNROLL):
@@ -168,8 +173,9 @@ def _blockwise_wgmma_kernel(
     GROUP_M: gl.constexpr, UNROLL: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """C [M, N] (bf16, row stride stride_cm) of A [M, K] and B [N, K] (TMA descriptors of [BM, BK] and [BN, BK]
-    tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS a multiple
-    of BM, B_SCALE_ROWS of BN), kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles p, p + programs, ..."""
+    tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS 1 or a
+    multiple of BM, B_SCALE_ROWS a multiple of BN), kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles
+    p, p + programs, ..."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -198,14 +204,14 @@ def _blockwise_wgmma_kernel(
 def supports(a: torch.Tensor, b: torch.Tensor, a_scale_rows: int, b_scale_rows: int, scale_k: int) -> bool:
     """Whether the kernel serves these operands: an sm_90 GPU, FP8 e4m3 operands TMA can read (K-contiguous,
     16-byte aligned rows), more than 64 rows (smaller M runs the Triton kernel's 64-row tiles), scale blocks
-    covering whole tiles and whole K steps."""
+    covering whole K steps and whole tiles (or single rows of a)."""
     return (
         a.is_cuda
         and torch.version.hip is None
         and arch.capability(a.device) == (9, 0)
         and a.dtype == b.dtype == torch.float8_e4m3fn
         and a.shape[0] > 64
-        and a_scale_rows % BLOCK_M == 0
+        and (a_scale_rows == 1 or a_scale_rows % BLOCK_M == 0)
         and b_scale_rows % BLOCK_N == 0
         and scale_k % BLOCK_K == 0
         and tma_ready(a)
