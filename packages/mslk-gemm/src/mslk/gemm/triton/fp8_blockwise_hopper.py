@@ -137,8 +137,8 @@ def _mma_partition(
     for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
         off_m, off_n = _tile_offsets(tile, M, N, BM, BN, GROUP_M)
         if A_SCALE_ROWS == 1:  # a scale per row: [BM, 1], rows past M read row M - 1's (their sums are not stored)
-            rows = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout)), M - 1)
-            a_scales = (a_scale_ptr + rows * stride_sa_rows)[:, None]
+            scale_rows = gl.minimum(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout)), M - 1)
+            a_scales = (a_scale_ptr + scale_rows * stride_sa_rows)[:, None]
         else:
             a_scales = a_scale_ptr + (off_m // A_SCALE_ROWS) * stride_sa_rows
         b_scales = b_scale_ptr + (off_n // B_SCALE_ROWS) * stride_sb_rows
