@@ -103,18 +103,20 @@ def test_hopper_kernel_gpu(m, n, k, block, row_pad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m_major", [True, False], ids=["m_major", "k_major"])
 @pytest.mark.parametrize(("m", "n", "k"), [(129, 257, 384), (300, 264, 1408), (1000, 777, 4224)], ids=str)
-def test_hopper_kernel_groupwise_gpu(m, n, k):
-    """The Gluon kernel with a scale per row of XQ (groupwise: M-major [K/128, M]) and 128 x 128 blocks of WQ: ragged
-    M and N (rows past M read row M - 1's scale), K steps fewer than, and not a multiple of, the kernel's UNROLL."""
+def test_hopper_kernel_groupwise_gpu(m, n, k, m_major):
+    """The Gluon kernel with a scale per row of XQ (groupwise's M-major [K/128, M], or blockwise's [M, K/128] with
+    block_m = 1) and 128 x 128 blocks of WQ: ragged M and N (rows past M read row M - 1's scale), K steps fewer
+    than, and not a multiple of, the kernel's UNROLL."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     xq, xs = g.quantize_blocks(testing.randn(m, k, device="cuda"), 1, 128)
     wq, ws = g.quantize_blocks(testing.randn(n, k, device="cuda"), 128, 128)
-    x_scale = xs.T.contiguous()
+    x_scale, strides = (xs.T.contiguous(), xs.T.contiguous().stride()[::-1]) if m_major else (xs, xs.stride())
     assert g.fp8_blockwise_hopper.supports(xq, wq, 1, 128, 128)
     out = testing.empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
-    g.fp8_blockwise_hopper.run(xq, wq, out, x_scale, x_scale.stride()[::-1], ws, ws.stride(), 1, 128, 128)
+    g.fp8_blockwise_hopper.run(xq, wq, out, x_scale, strides, ws, ws.stride(), 1, 128, 128)
     testing.assert_rel_close(out, oracle(xq, wq, xs, ws, 1, 128, 128), 1e-2)
 
 
