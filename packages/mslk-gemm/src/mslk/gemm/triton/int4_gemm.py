@@ -27,7 +27,7 @@ go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic 
 (16 activation rows) skip both FMAs: they multiply the bf16 128 + u themselves and apply scale and zero to the
 fp32 products, once per output element a step. The tiles come through TMA descriptors where TMA can read X and
 W (zeros past their edges), else through pointers. Small M (decode) splits K over more programs: each writes fp32
-partial sums to a workspace and a second kernel, launched as a dependent of the first where the GPU can (Hopper),
+partial sums to a workspace and a second kernel (split_k.py), a dependent of the first where the GPU can (Hopper),
 adds them in split order (deterministic) into bf16.
 """
 
@@ -38,10 +38,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
+from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, splitk_reduce
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
@@ -490,67 +490,6 @@ def _int4_gemm_kernel(
             acc *= tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[:, None]
     c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + b64 * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
     tl.store(c_ptrs + cols[None, :], acc.T.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def splitk_reduce_kernel(
-    ws_ptr, out_ptr, row_scale_ptr, col_scale_ptr, scalar_ptr, scalar, R, N,
-    SPLITS: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, SCALAR_PTR: tl.constexpr,
-    DEPENDENT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """out[r, n] = (Σ_s ws[s, r, n]) · row_scale[r] · col_scale[n] · scalar (· scalar_ptr[0]), for the
-    workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs), added in split
-    order in its own dtype: deterministic. out [R, N] contiguous; each program takes BLOCK of its R·N elements.
-    The splits are unrolled so that all their loads are in flight at once (a loop waits for each in turn: 9 us
-    instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
-    if DEPENDENT:  # launched early (dependent launch): the workspace is complete only past this wait
-        gdc_wait()
-    total = tl.cast(R, tl.int64) * N
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < total
-    acc = tl.load(ws_ptr + offsets, mask=mask, other=0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(ws_ptr + s * total + offsets, mask=mask, other=0)
-    out = acc.to(tl.float32) * scalar
-    if ROW_SCALE:
-        out *= tl.load(row_scale_ptr + offsets // N, mask=mask, other=0.0)
-    if COL_SCALE:
-        out *= tl.load(col_scale_ptr + offsets % N, mask=mask, other=0.0)
-    if SCALAR_PTR:
-        out *= tl.load(scalar_ptr)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-    if DEPENDENT:  # only now: programs of the next kernel taking places early slowed it (RESULTS.md)
-        gdc_launch_dependents()
-
-
-def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_tensor=None) -> torch.Tensor:
-    """out [R, N] from the split-K workspace ws [splits, R, N], both contiguous; see splitk_reduce_kernel. Where
-    the GPU has dependent launches, the kernel is launched as one: its programs take their places while the kernel
-    before it (which wrote ws) ends and wait for it on the GPU, not for a new launch; and it lets the kernel after
-    it do the same."""
-    splits, r, n = ws.shape
-    block = 512
-    dependent = dependent_launch(ws.device)
-    splitk_reduce_kernel[(launch.cdiv(r * n, block),)](
-        ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, SPLITS=splits, ROW_SCALE=row_scale is not None,
-        COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, DEPENDENT=dependent, BLOCK=block,
-        num_warps=4, launch_pdl=dependent,
-    )  # fmt: skip
-    return out
-
-
-@triton.jit
-def begin_as_dependent():
-    """The start of a GEMM kernel launched as a dependent: wait for the kernel before it (and its writes), then let
-    the one after it (a split-K reduction) launch."""
-    gdc_wait()
-    gdc_launch_dependents()
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on device can be launched as dependents of the kernel before them (programmatic dependent
-    launch, `griddepcontrol`: NVIDIA Hopper and later)."""
-    return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] >= 9
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
-from mslk.gemm.triton.int4_gemm import begin_as_dependent, dependent_launch, splitk_reduce
+from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, splitk_reduce
 
 
 def _validate(where: str, XQ, WQ, split_k) -> None:
