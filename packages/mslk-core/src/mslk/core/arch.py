@@ -82,8 +82,10 @@ def is_rocm() -> bool:
 def _index(device: torch.device | int | None) -> int:
     if isinstance(device, int):
         return device
-    if device is not None and torch.device(device).index is not None:
-        return torch.device(device).index
+    if device is not None:
+        index = (device if isinstance(device, torch.device) else torch.device(device)).index
+        if index is not None:
+            return index
     return torch.cuda.current_device()
 
 
@@ -114,7 +116,8 @@ def gfx_arch(device: torch.device | int | None = None) -> str | None:
 
 def fp8_dtype(device: torch.device | int | None = None) -> torch.dtype:
     """The platform's FP8 e4m3 flavour; e4m3fn where there is no GPU (CPU reference paths)."""
-    if (isinstance(device, torch.device) and device.type == "cpu") or not has_gpu():
+    # Only ROCm has another flavour: CUDA builds answer without a device lookup (every GEMM call validates).
+    if torch.version.hip is None or (isinstance(device, torch.device) and device.type == "cpu") or not has_gpu():
         return torch.float8_e4m3fn
     return device_info(device).fp8_dtype()
 

@@ -12,7 +12,6 @@ mslk.quantize, so mslk-gemm works alone.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -239,9 +238,12 @@ def _rowwise_config(m: int, n: int, k: int) -> dict:
 
 
 def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
-    """out [B, M, N] = rowwise FP8 GEMM of XQ [B, M, K] and WQ [B or 1, N, K] (scales [B, M] and [B or 1, N])."""
-    batches, m, k = XQ.shape
-    n = WQ.shape[1]
+    """out [M, N] = rowwise FP8 GEMM of XQ [M, K] and WQ [N, K] (scales [M] and [N]), or batched: out [B, M, N]
+    of XQ [B, M, K] and WQ [B, N, K] (scales [B, M] and [B, N]). Operands K-contiguous, scales and bias
+    contiguous. A 2-D call makes no views: each costs microseconds of host time, which a GEMM of tens of
+    microseconds on the GPU cannot spare."""
+    m, k = XQ.shape[-2:]
+    n = WQ.shape[-2]
     if out.numel() == 0:
         return out
     if k == 0:
@@ -249,26 +251,40 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     cfg = _rowwise_config(m, n, k)
     swap = m <= _SWAP_MAX_M
     a, b, sa, sb = (WQ, XQ, w_scale, x_scale) if swap else (XQ, WQ, x_scale, w_scale)
-    c_strides = (out.stride(0), out.stride(2), out.stride(1)) if swap else (out.stride(0), out.stride(1), out.stride(2))
+    *c_batch, c_rows, c_cols = out.stride()
+    c_strides = (*(c_batch or [0]), *((c_cols, c_rows) if swap else (c_rows, c_cols)))
     rows, cols = (n, m) if swap else (m, n)
     tiles = launch.cdiv(rows, cfg["BLOCK_M"]) * launch.cdiv(cols, cfg["BLOCK_N"])
     programs = arch.sm_count(out.device) if out.is_cuda else 3  # 3: a few tiles each under the interpreter
+    batches = XQ.shape[0] if XQ.dim() == 3 else 1
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
-    a_batch = a.stride(0) if a.shape[0] > 1 else 0
-    b_batch = b.stride(0) if b.shape[0] > 1 else 0
+    a_batch, b_batch = _batch_stride(a), _batch_stride(b)
+    a_rows, b_rows = _stacked_rows(a, a_batch), _stacked_rows(b, b_batch)
     a_desc, b_desc = None, None
-    if a_batch in (0, a.shape[1] * a.stride(1)) and b_batch in (0, b.shape[1] * b.stride(1)):  # batches stacked
-        a_desc, b_desc = tma_descriptors(
-            a.view(-1, k) if a_batch else a[0], b.view(-1, k) if b_batch else b[0],
-            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
-        )  # fmt: skip
+    if a_rows is not None and b_rows is not None:
+        a_desc, b_desc = tma_descriptors(a_rows, b_rows, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
     _fp8_rowwise_kernel[grid](
         a, b, a_desc, b_desc, out, sa, sb, bias,
-        rows, cols, k, a_batch, a.stride(1), b_batch, b.stride(1), *c_strides,
-        sa.stride(0) if sa.shape[0] > 1 else 0, sb.stride(0) if sb.shape[0] > 1 else 0,
+        rows, cols, k, a_batch, a.stride(-2), b_batch, b.stride(-2), *c_strides,
+        sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0,
         HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
     )  # fmt: skip
     return out
+
+
+def _batch_stride(t: torch.Tensor) -> int:
+    """Elements between the batches of operand t [B, rows, K]; 0 for a 2-D t or one batch."""
+    return t.stride(0) if t.dim() == 3 and t.shape[0] > 1 else 0
+
+
+def _stacked_rows(t: torch.Tensor, batch_stride: int) -> torch.Tensor | None:
+    """Operand t's rows as one 2-D matrix, batch after batch, for a TMA descriptor; None if there is a gap
+    between its batches."""
+    if t.dim() == 2:
+        return t
+    if batch_stride == 0:
+        return t[0]
+    return t.view(-1, t.shape[-1]) if batch_stride == t.shape[1] * t.stride(1) else None
 
 
 def k_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -298,12 +314,17 @@ def row_tiles(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
 
 def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     """2-D WQ, XQ [..., M, K]: all rows of XQ as one [M', K] problem."""
-    x = k_contiguous(XQ.reshape(math.prod(XQ.shape[:-1]), XQ.shape[-1]))
+    x = XQ if XQ.dim() == 2 else XQ.reshape(-1, XQ.shape[-1])
     _run_rowwise(
-        x[None], k_contiguous(WQ)[None], x_scale.reshape(1, -1).contiguous(), w_scale.reshape(1, -1).contiguous(),
-        None if bias is None else bias.contiguous(), use_fast_accum, out.view(1, x.shape[0], WQ.shape[0]),
+        k_contiguous(x), k_contiguous(WQ), _flat(x_scale), _flat(w_scale), None if bias is None else bias.contiguous(),
+        use_fast_accum, out if out.dim() == 2 else out.view(x.shape[0], WQ.shape[0]),
     )  # fmt: skip
     return out
+
+
+def _flat(scale: torch.Tensor) -> torch.Tensor:
+    """A rowwise scale as the contiguous vector the kernel reads (itself when it is one: no view to pay for)."""
+    return scale if scale.dim() == 1 and scale.is_contiguous() else scale.reshape(-1).contiguous()
 
 
 def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
@@ -334,11 +355,13 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
 
     @op.backend("torch._scaled_mm", supports=scaled_mm_supports)
     def _scaled_mm(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
+        # Validated scales are contiguous, so these reshapes are views; 2-D XQ (the common case) skips two.
+        x = XQ if XQ.dim() == 2 else XQ.reshape(-1, XQ.shape[-1])
         out = torch._scaled_mm(
-            XQ.reshape(-1, XQ.shape[-1]), WQ.t(), scale_a=x_scale.reshape(-1, 1).contiguous(),
-            scale_b=w_scale.reshape(1, -1).contiguous(), bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+            x, WQ.t(), scale_a=x_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1), bias=bias, out_dtype=out_dtype,
+            use_fast_accum=use_fast_accum,
         )  # fmt: skip
-        return out.reshape(*XQ.shape[:-1], WQ.shape[0])
+        return out if XQ.dim() == 2 else out.reshape(*XQ.shape[:-1], WQ.shape[0])
 
     @op.backend("triton", available=registry.triton_missing)
     def _triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
