@@ -251,8 +251,8 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     cfg = _rowwise_config(m, n, k)
     swap = m <= _SWAP_MAX_M
     a, b, sa, sb = (WQ, XQ, w_scale, x_scale) if swap else (XQ, WQ, x_scale, w_scale)
-    *c_batch, c_rows, c_cols = out.stride()
-    c_strides = (*(c_batch or [0]), *((c_cols, c_rows) if swap else (c_rows, c_cols)))
+    c_batch, c_rows, c_cols = out.stride(0) if out.dim() == 3 else 0, out.stride(-2), out.stride(-1)
+    c_strides = (c_batch, c_cols, c_rows) if swap else (c_batch, c_rows, c_cols)
     rows, cols = (n, m) if swap else (m, n)
     tiles = launch.cdiv(rows, cfg["BLOCK_M"]) * launch.cdiv(cols, cfg["BLOCK_N"])
     programs = arch.sm_count(out.device) if out.is_cuda else 3  # 3: a few tiles each under the interpreter
