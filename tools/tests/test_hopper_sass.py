@@ -100,6 +100,11 @@ def gemm_calls():
     return {
         "fp8_rowwise": lambda: fp8_gemm._rowwise_into(x.to(fp8), w[0].to(fp8), torch.rand(2048), torch.rand(1024),
                                                      None, True, torch.empty(2048, 1024).bfloat16()),
+        # 448 tiles: the last round's 52 as half-wide tiles.
+        "fp8_rowwise_half_tail": lambda: fp8_gemm._rowwise_into(
+            x.to(fp8), torch.randn(7168, 2048).to(fp8), torch.rand(2048), torch.rand(7168), None, True,
+            torch.empty(2048, 7168).bfloat16(),
+        ),
         "grouped_bf16": lambda: grouped_gemm._run_grouped(x.bfloat16(), w.bfloat16(),
                                                           torch.empty(2048, 1024).bfloat16(), sizes),
         "grouped_fp8": lambda: grouped_gemm._fp8_triton(x.to(fp8), w.to(fp8), torch.rand(2048), torch.rand(8, 1024),
@@ -136,7 +141,15 @@ SUITES = {
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
     "gemm": (
         "mslk.gemm",
-        ["fp8_rowwise", "grouped_bf16", "grouped_fp8", "blockwise_fp8", "blockwise_fp8_gluon", "groupwise_fp8_gluon"],
+        [
+            "fp8_rowwise",
+            "fp8_rowwise_half_tail",
+            "grouped_bf16",
+            "grouped_fp8",
+            "blockwise_fp8",
+            "blockwise_fp8_gluon",
+            "groupwise_fp8_gluon",
+        ],
     ),
 }
 KERNELS = [(suite, kernel) for suite, (_, kernels) in SUITES.items() for kernel in kernels]

@@ -43,10 +43,17 @@ def test_rowwise_matches_the_dequantized_product(m, n, k, bias_dtype):
         testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(300, 1100, 128), (2048, 4000, 256)], ids=str)
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(300, 1100, 128), (200, 1200, 128), (200, 500, 96), (2048, 4000, 256), (2048, 7168, 256), (1500, 4000, 272)],
+    ids=str,
+)
 @pytest.mark.parametrize("group_m", [8, 16])
 def test_persistent_tile_loop(m, n, k, group_m, monkeypatch):
-    """The persistent variant (programs looping over tiles, the M >= 2048 default) on ragged tile grids."""
+    """The persistent variant (programs looping over tiles, the M >= 2048 default) on ragged tile grids, with and
+    without a last round of half-wide tiles: on the GPU 2048 x 7168 (448 tiles: 52 left for the 132 programs'
+    last round) and 1500 x 4000 (192: 60); under the interpreter's 3 programs 200 x 1200 (10: 1) and 200 x 500
+    (4: 1), both halves of their last tile inside N."""
     if testing.interpreting() and m > 300:
         pytest.skip("large for the interpreter")
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": group_m, "PERSISTENT": True, "num_stages": 3,

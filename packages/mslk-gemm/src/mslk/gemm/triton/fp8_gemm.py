@@ -138,15 +138,14 @@ def load_k_step(a_ptrs, b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _rowwise_tile(
-    tile, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One output tile. a_desc / b_desc (or None): TMA descriptors of A and B with their batches' rows back to
-    back (a batch stride of 0: one matrix for every batch)."""
-    pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
+    """Output tile (pid_m, pid_n) of BLOCK_M x BLOCK_N. a_desc / b_desc (or None): TMA descriptors of A and B (in
+    [BLOCK_M | BLOCK_N, BLOCK_K] tiles) with their batches' rows back to back (a batch stride of 0: one matrix for
+    every batch)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -188,31 +187,49 @@ def _rowwise_tile(
 
 @triton.jit
 def _fp8_rowwise_kernel(
-    a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, b_half_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
+    tail_tiles,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):  # fmt: skip
     """C[b] = (A[b] · B[b]ᵀ) · a_scale[b, m] · b_scale[b, n] (+ bias), A [M, K] and B [N, K] K-contiguous.
     Program (pid, batch) computes tile pid, or, PERSISTENT, every tile pid + i · programs (the tile loops
-    flattened, so that the next tile's loads overlap this one's epilogue)."""
+    flattened, so that the next tile's loads overlap this one's epilogue); HALF_TAIL: but the last tail_tiles, which
+    then go as twice as many tiles half as wide (b_half_desc: B's descriptor for them), one per program: a last
+    round of few tiles would leave most SMs idle for a whole tile's time."""
     pid, batch = tl.program_id(0), tl.program_id(1)
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(pid, tiles, tl.num_programs(0), flatten=True):
+        for tile in tl.range(pid, tiles - tail_tiles, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _rowwise_tile(
-                tile, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+                pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
                 stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-                HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        if HALF_TAIL and pid < 2 * tail_tiles:
+            pid_m, pid_n = tile_coordinates(tiles - tail_tiles + pid // 2, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _rowwise_tile(
+                pid_m, 2 * pid_n + pid % 2, batch, a_ptr, b_ptr, a_desc, b_half_desc, c_ptr, a_scale_ptr, b_scale_ptr,
+                bias_ptr, M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn,
+                stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N // 2, BLOCK_K,
             )  # fmt: skip
     else:
+        pid_m, pid_n = tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _rowwise_tile(
-            pid, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
+            pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
             stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-            HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
+
+# Rounds of tiles up to which the persistent kernel runs its last round as half-wide tiles. On the H200 a half-wide
+# tile took about 0.8 of a whole one's time, so that round gains about a fifth of a round: 2048 x 7168 x 2048 (448
+# tiles, 52 in the last round of 132) 53.5 against 56 us; at 4096 x 28672 x 8192 (28 rounds) the change was noise,
+# and with fewer tiles than SMs (all of them halved) none (RESULTS.md, sixteenth session).
+_HALF_TAIL_MAX_ROUNDS = 4
 
 # Rows of X up to which the operands are swapped: the weight rows go on the MMA's 64-row side, so that even
 # one token keeps N/64 programs streaming the weights, and the tokens on the narrow side (16 wide at least).
@@ -257,17 +274,25 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     tiles = launch.cdiv(rows, cfg["BLOCK_M"]) * launch.cdiv(cols, cfg["BLOCK_N"])
     programs = arch.sm_count(out.device) if out.is_cuda else 3  # 3: a few tiles each under the interpreter
     batches = XQ.shape[0] if XQ.dim() == 3 else 1
+    # Persistent: the last round's tiles go half as wide when twice as many fit in one round of the programs and
+    # the rounds are few (_HALF_TAIL_MAX_ROUNDS).
+    tail = tiles % programs
+    few_rounds = programs < tiles <= _HALF_TAIL_MAX_ROUNDS * programs
+    tail = tail if cfg["PERSISTENT"] and few_rounds and 2 * tail <= programs else 0
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
     a_batch, b_batch = _batch_stride(a), _batch_stride(b)
     a_rows, b_rows = _stacked_rows(a, a_batch), _stacked_rows(b, b_batch)
-    a_desc, b_desc = None, None
+    a_desc, b_desc, b_half_desc = None, None, None
     if a_rows is not None and b_rows is not None:
         a_desc, b_desc = tma_descriptors(a_rows, b_rows, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
+        if tail and a_desc is not None:  # (tma_descriptors gives both or neither)
+            b_half_desc = row_tiles(b_rows, cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     _fp8_rowwise_kernel[grid](
-        a, b, a_desc, b_desc, out, sa, sb, bias,
+        a, b, a_desc, b_desc, b_half_desc, out, sa, sb, bias,
         rows, cols, k, a_batch, a.stride(-2), b_batch, b.stride(-2), *c_strides,
-        sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0,
-        HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+        sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0, tail,
+        HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        HALF_TAIL=tail > 0, **cfg,
     )  # fmt: skip
     return out
 
