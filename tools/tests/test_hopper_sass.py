@@ -56,6 +56,7 @@ def int4_calls():
     g._device_flags = lambda t: {"ASM": True, "UPCAST": False}
     g._wgmma_wait = lambda device, warps: warps >= 4
     g._programs = lambda device: 132
+    g.int4_hopper.arch.sm_count = lambda device: 132
     n = k = 2048
     w = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8)
     s = torch.rand(k // 128, n).bfloat16()
@@ -67,6 +68,8 @@ def int4_calls():
         "table_m1024": lambda: g._run_int4_rows(torch.randn(1024, k).to(torch.float8_e4m3fn), w, table, None,
                                                 shuffled=True, table=True, x_scale=torch.rand(1024),
                                                 w_scale=torch.rand(n)),
+        "plain_m1024_gluon": lambda: g.int4_hopper.run(torch.randn(1024, k).bfloat16(), w, s, s,
+                                                       torch.empty(1024, n).bfloat16(), 128),
         "grouped": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
                                           s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
                                           torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16()),
@@ -137,7 +140,10 @@ for name, call in calls.items():
 """  # fmt: skip
 
 SUITES = {
-    "int4": ("mslk.gemm", ["plain_m64", "plain_m1024", "shuffled_m1024", "table_m1024", "grouped"]),
+    "int4": (
+        "mslk.gemm",
+        ["plain_m64", "plain_m1024", "plain_m1024_gluon", "shuffled_m1024", "table_m1024", "grouped"],
+    ),
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
     "gemm": (
         "mslk.gemm",

@@ -40,7 +40,9 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
+from mslk.gemm.triton import int4_hopper
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
+from mslk.gemm.triton.int4_ptx import BIASED_BYTES_PTX, DEQUANT_BYTES_PTX, DEQUANT_PTX
 from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, splitk_reduce
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
@@ -168,41 +170,6 @@ def _grouped_reference(X, w, M_sizes, x_scale=None, w_scale=None) -> torch.Tenso
 
 # ------------------------------------------------------------------------------------------------ kernels
 
-# A bf16 pair (int32) of q · s + z for the nibbles at bits 0-3 and 16-19 of $1 (other bits ignored): the magic
-# 0x4300 | (nibble ^ 8) is the bf16 136 + q, an exact FMA takes 136 off, then one FMA by ($2, $3) = bf16x2 (s, z).
-_DEQUANT_PTX = tl.constexpr("""{
-.reg .b32 v, one, bias;
-mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-lop3.b32 v, $1, 0x000F000F, 0x43084308, 0x6a;
-fma.rn.bf16x2 v, v, one, bias;
-fma.rn.bf16x2 $0, v, $2, $3;
-}""")
-
-
-def _bytes_ptx(scaled: bool) -> str:
-    """_DEQUANT_PTX for four bytes of the plain layout at once ($4; byte j holds k = 2j low, 2j + 1 high): a PRMT
-    puts byte j at bits 0-7 and byte j of $4 >> 4 at bits 16-23, so both nibbles of the pair land where the magic
-    expects them; pair j goes to $j, scaled by ($5 + j, $9 + j). Unscaled: the magic's bf16 pairs 136 + q alone."""
-    if scaled:
-        lines = [".reg .b32 hi, v, one, bias;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;"]
-    else:
-        lines = [".reg .b32 hi, v;"]
-    lines.append("shr.b32 hi, $4, 4;")
-    for j in range(4):
-        pair = f"prmt.b32 v, $4, hi, 0x{4 + j:x}{4 + j:x}{j:x}{j:x};"
-        magic = "lop3.b32 {}, v, 0x000F000F, 0x43084308, 0x6a;"
-        if scaled:
-            fmas = ["fma.rn.bf16x2 v, v, one, bias;", f"fma.rn.bf16x2 ${j}, v, ${5 + j}, ${9 + j};"]
-            lines += [pair, magic.format("v"), *fmas]
-        else:
-            lines += [pair, magic.format(f"${j}")]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_DEQUANT_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=True))
-_BIASED_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=False))
-
 
 @triton.jit
 def _bf16x2(v):
@@ -213,7 +180,7 @@ def _bf16x2(v):
 
 @triton.jit
 def _biased(t):
-    """The bf16 pairs 136 + q (int32) of the nibbles at bits 0-3 and 16-19 of t: _DEQUANT_PTX's magic numbers."""
+    """The bf16 pairs 136 + q (int32) of the nibbles at bits 0-3 and 16-19 of t: DEQUANT_PTX's magic numbers."""
     return (t & 0x000F000F) ^ 0x43084308
 
 
@@ -229,18 +196,18 @@ def _dequant_pairs(t, s, z, ASM: tl.constexpr, UPCAST: tl.constexpr, BYTES: tl.c
         if BYTES:  # four bytes per asm block: 4.25 instructions a pair instead of about 6
             if s is None:
                 pairs = tl.inline_asm_elementwise(
-                    _BIASED_BYTES_PTX, "=r,=r,=r,=r,r", [t], dtype=tl.int32, is_pure=True, pack=4
+                    BIASED_BYTES_PTX, "=r,=r,=r,=r,r", [t], dtype=tl.int32, is_pure=True, pack=4
                 )
             else:
                 pairs = tl.inline_asm_elementwise(
-                    _DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [t, _bf16x2(s), _bf16x2(z)],
+                    DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [t, _bf16x2(s), _bf16x2(z)],
                     dtype=tl.int32, is_pure=True, pack=4,
                 )  # fmt: skip
         elif s is None:
             pairs = _biased(t)
         else:
             pairs = tl.inline_asm_elementwise(
-                _DEQUANT_PTX, "=r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32, is_pure=True, pack=1
+                DEQUANT_PTX, "=r,r,r,r", [t, _bf16x2(s), _bf16x2(z)], dtype=tl.int32, is_pure=True, pack=1
             )
         halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))
         w = halves.reshape(rows, width).to(tl.bfloat16, bitcast=True)
@@ -668,6 +635,15 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         return out
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
+    if (
+        batches == 1
+        and m >= int4_hopper.MIN_M
+        and not (shuffled or table)
+        and zero is not None
+        and int4_hopper.supports(X[0], W[0], size)
+    ):
+        int4_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
+        return out
     upcast_x = X.element_size() == 1 and not table
     scales_after = _scales_after(table, size)
     cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table, scales_after))

@@ -1,0 +1,212 @@
+"""bf16i4bf16_rowwise's GEMM (int4_gemm.py: plain int4 layout, group scales and zeros) for prefill shapes on Hopper
+(sm_90), written in Gluon:
+
+    out[m, n] = Σ_k X[m, k] · (q[n, k] · scale[k // gs, n] + zero[k // gs, n])      (bf16 out, fp32 sums)
+
+The product is computed transposed, weights first, since wgmma takes its first operand from registers, where the
+weights are dequantized. Triton's kernel (int4_gemm._int4_k_loop) has to end each K step waiting for its wgmmas
+(Triton lets the next step's dequantization rewrite the registers they read), so the tensor cores idle while each
+step's weights are dequantized, and its compiler moves the dequantized weights through shared memory to reach
+the operand's register layout. Here each thread reads its nibble pairs from shared memory straight into that
+layout (8 bytes of a weight row at a stride of 4), step j + 1's weights are dequantized while step j's wgmma runs,
+and the wait names the registers that wgmma reads (`deps`), so that the compiler keeps them until it returns.
+As in fp8_blockwise_hopper.py, the program is persistent and warp-specialized: one warp loads X and W tiles
+through a ring of TMA stages (hopper_ring.py), two warpgroups multiply, 64 weight rows of the tile each.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mslk.core import arch, launch
+from mslk.gemm.triton.fp8_gemm import tma_ready
+from mslk.gemm.triton.hopper_ring import load_partition, tile_offsets
+from mslk.gemm.triton.int4_ptx import DEQUANT_BYTES_PTX
+
+BLOCK_N = 128  # weight rows of a tile (wgmma's M): 64 per multiplying warpgroup
+BLOCK_M = 256  # activation rows of a tile (wgmma's N)
+BLOCK_K = 64  # k per step: 32 bytes of each weight row; group sizes must be multiples of it
+NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
+LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
+STAGES = 4  # (256 · 64 · 2 + 128 · 32) B each: 144 KiB, and the epilogue's transpose takes 64 KiB more
+GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring programs share weights in L2
+# Dispatch takes this kernel from this M up. H200, N = K = 8192, us, against the Triton kernel (RESULTS.md, seventeenth
+# session): M = 300 230 / 226, 512 267 / 346, 1024 314 / 258, 2048 432 / 529, 8192 1744 / 2117.
+MIN_M = 2048
+_X_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+_W_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 2], gl.int8)
+
+
+@gluon.jit
+def _bf16_pairs(v):
+    """Values as bf16 in both halves of an int32 (DEQUANT_BYTES_PTX's scale and zero operands)."""
+    bits = v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step, BK: gl.constexpr, GROUP_SIZE: gl.constexpr):
+    """The scales and zeros of step's group for the weight rows `rows` [BN, 1], as bf16 pairs (zero past N and past
+    the last group, where the weights are zero-filled too)."""
+    g = (step * BK) // GROUP_SIZE
+    mask = (rows < N) & (g < groups)
+    s = gl.load(s_ptr + g * stride_sg + rows, mask=mask, other=0.0)
+    z = gl.load(z_ptr + g * stride_sg + rows, mask=mask, other=0.0)
+    return _bf16_pairs(s), _bf16_pairs(z)
+
+
+@gluon.jit
+def _dequantized(w_bufs, ready, g, s, z, byte_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Ring step g's weight tile [BN, BK] as wgmma's register operand: its bytes [BN, BK / 2] read into
+    byte_layout (each thread's nibble pairs of a_layout), once their TMA load has landed, then q · s + z."""
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    stage = g % STAGES
+    mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
+    packed = w_bufs.index(stage).load(byte_layout)
+    pairs = gl.inline_asm_elementwise(
+        DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, s, z], dtype=gl.int32, is_pure=True, pack=4
+    )
+    halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))  # (k = 2j, k = 2j + 1) of byte j
+    w = halves.reshape([packed.shape[0], 2 * packed.shape[1]]).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(w, a_layout)
+
+
+@gluon.jit
+def _x_tile(x_bufs, g):
+    """Ring step g's activation tile as wgmma's second operand [BK, BM]."""
+    return x_bufs.index(g % x_bufs.shape[0]).permute((1, 0))
+
+
+@gluon.jit
+def _mma_partition(
+    x_bufs, w_bufs, ready, empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
+    GROUP_SIZE: gl.constexpr, GROUP_M: gl.constexpr,
+):  # fmt: skip
+    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its bf16
+    store, transposed into C."""
+    BM: gl.constexpr = x_bufs.shape[1]
+    BK: gl.constexpr = x_bufs.shape[2]
+    BN: gl.constexpr = w_bufs.shape[1]
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    gl.static_assert(BN == 16 * gl.num_warps() and BK == 64, "the byte layout below is for these tiles")
+    # wgmma: warps stacked along the weight rows (16 each), an instruction spans the tile's activation rows.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    # The bytes [BN, BK / 2] of a_layout's pairs: lane 4r + c of warp w holds rows 16w + r and 16w + r + 8, bytes
+    # c + 4i (k = 2c + 8i and 2c + 8i + 1). The registers of four bytes go to one DEQUANT_BYTES_PTX.
+    byte_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 4], [0, 8], [0, 16]],
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [64, 0]],
+        block_bases=[],
+        shape=[BN, BK // 2],
+    )
+    # Epilogue: 8 consecutive weight rows per thread, 16 bytes of a row of C, masked at the edges of C.
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 256 // BN], [1, gl.num_warps()], [0, 1])
+    steps = gl.cdiv(K, BK)
+    g0 = 0  # the ring's step count at the tile's first step
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = tile_offsets(tile, M, N, BM, BN, GROUP_M)
+        rows = (off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, byte_layout)))[:, None]
+        # One wgmma in flight at a time, across the loop's back edge too: the next step's weights are dequantized
+        # while it runs, into the other of two register tiles (a0 for even steps, a1 for odd), and the wgmma that
+        # multiplies them is issued before the wait for the one in flight (ptxas serializes every wgmma, C7513, or
+        # holds the dequantization back until the wait, where registers of a later wgmma are written while one runs).
+        s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, 0, BK, GROUP_SIZE)
+        a0 = _dequantized(w_bufs, ready, g0, s, z, byte_layout, a_layout)
+        s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, 1, BK, GROUP_SIZE)  # a step ahead
+        product = warpgroup_mma(a0, _x_tile(x_bufs, g0), gl.zeros([BN, BM], gl.float32, mma_layout), use_acc=False,
+                                is_async=True)  # fmt: skip
+        product, a0 = warpgroup_mma_wait(1, deps=(product, a0))  # returns at once (the loop carries a tensor)
+        for step in range(1, steps - 1, 2):
+            a1 = _dequantized(w_bufs, ready, g0 + step, s, z, byte_layout, a_layout)
+            s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step + 1, BK, GROUP_SIZE)
+            product = warpgroup_mma(a1, _x_tile(x_bufs, g0 + step), product, is_async=True)
+            product, a0 = warpgroup_mma_wait(1, deps=(product, a0))
+            mbarrier.arrive(empty.index((g0 + step - 1) % STAGES))
+            a0 = _dequantized(w_bufs, ready, g0 + step + 1, s, z, byte_layout, a_layout)
+            s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step + 2, BK, GROUP_SIZE)
+            product = warpgroup_mma(a0, _x_tile(x_bufs, g0 + step + 1), product, is_async=True)
+            product, a1 = warpgroup_mma_wait(1, deps=(product, a1))
+            mbarrier.arrive(empty.index((g0 + step) % STAGES))
+        if steps % 2 == 0:  # the last step is odd
+            a1 = _dequantized(w_bufs, ready, g0 + steps - 1, s, z, byte_layout, a_layout)
+            last = warpgroup_mma(a1, _x_tile(x_bufs, g0 + steps - 1), product, is_async=True)
+            acc, a0, a1 = warpgroup_mma_wait(0, deps=(last, a0, a1))
+            mbarrier.arrive(empty.index((g0 + steps - 2) % STAGES))
+        else:
+            acc, a0 = warpgroup_mma_wait(0, deps=(product, a0))
+        mbarrier.arrive(empty.index((g0 + steps - 1) % STAGES))
+        g0 += steps
+        out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+        out_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+        mask = (cols < N)[:, None] & (out_rows < M)[None, :]
+        gl.store(c_ptr + out_rows.to(gl.int64)[None, :] * stride_cm + cols[:, None], out, mask=mask)
+
+
+@gluon.jit
+def _int4_wgmma_kernel(
+    x_desc, w_desc, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
+    GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """C [M, N] (bf16, row stride stride_cm) of X [M, K] bf16 and plain packed int4 W [N, K / 2] (TMA descriptors of
+    [BM, BK] and [BN, BK / 2] tiles; zeros past their edges) with scales and zeros [groups, N] (row stride
+    stride_sg) of GROUP_SIZE k each. Persistent: program p takes tiles p, p + programs, ..."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK // 2], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
+    # constexprs into tensors.
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                x_bufs, w_bufs, ready, empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
+                GROUP_SIZE, GROUP_M,
+            )),
+            (load_partition, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)),
+        ],
+        [1],
+        [LOAD_REGISTERS],
+    )  # fmt: skip
+
+
+def supports(X: torch.Tensor, W: torch.Tensor, group_size: int) -> bool:
+    """Whether the kernel serves X [M, K] and plain packed W [N, K / 2]: an sm_90 GPU, bf16 activations, groups of
+    whole K steps, operands TMA can read (K-contiguous, 16-byte aligned rows: K % 32 == 0)."""
+    return (
+        X.is_cuda
+        and torch.version.hip is None
+        and X.dtype == torch.bfloat16
+        and group_size % BLOCK_K == 0
+        and arch.capability(X.device) == (9, 0)
+        and tma_ready(X)
+        and tma_ready(W)
+    )
+
+
+def run(X, W, scale, zero, out, group_size: int):
+    """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] with scales and zeros [groups, N] (unit
+    column stride, one dtype); see _int4_wgmma_kernel and supports()."""
+    (m, k), n = X.shape, W.shape[0]
+    x_desc = TensorDescriptor(X, [m, k], [X.stride(0), 1], [BLOCK_M, BLOCK_K], _X_LAYOUT)
+    w_desc = TensorDescriptor(W, [n, k // 2], [W.stride(0), 1], [BLOCK_N, BLOCK_K // 2], _W_LAYOUT)
+    grid = (min(arch.sm_count(X.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
+    _int4_wgmma_kernel[grid](
+        x_desc, w_desc, scale, zero, out, m, n, k, scale.shape[0], scale.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, STAGES=STAGES, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
