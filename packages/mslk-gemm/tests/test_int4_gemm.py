@@ -386,13 +386,13 @@ def test_bf16i4bf16_rowwise_gpu(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("m", "n", "k", "gs"),
-    [(1, 130, 64, 64), (300, 520, 2336, 64), (1000, 1000, 4000, 128), (2000, 4000, 2048, 256),
+    [(1, 130, 64, 64), (300, 520, 2368, 64), (1000, 1000, 4032, 128), (2000, 4000, 2048, 256),
      (4096, 4096, 4096, 128)],
 )  # fmt: skip
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_hopper_kernel(m, n, k, gs, scale_dtype):
-    """int4_hopper's Gluon kernel: one K step, odd and even step counts, a K tail of half a step, a short last
-    group, tiles cut by M and N, several tiles per program; poisoned output."""
+    """int4_hopper's Gluon kernel: one K step, odd and even step counts, a short last group, tiles cut by M and N,
+    several tiles per program; poisoned output."""
     x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, scale_dtype=scale_dtype, device="cuda")
     if not g.int4_hopper.supports(x, w, gs):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
@@ -401,16 +401,21 @@ def test_hopper_kernel(m, n, k, gs, scale_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [g.int4_hopper.MIN_M - 1, g.int4_hopper.MIN_M])
-def test_hopper_kernel_dispatch(m, monkeypatch):
-    """bf16i4bf16_rowwise takes the Gluon kernel from MIN_M rows up on sm_90 GPUs, the Triton kernel below."""
-    x, w, scale, zero = bf16_inputs(m=m, n=256, k=1024, gs=128, device="cuda")
-    if not g.int4_hopper.supports(x, w, 128):
+@pytest.mark.parametrize(
+    ("m", "k", "gs", "gluon"),
+    [(g.int4_hopper.MIN_M - 1, 1024, 128, False), (g.int4_hopper.MIN_M, 1024, 128, True),
+     (g.int4_hopper.MIN_M, 1056, 32, False), (g.int4_hopper.MIN_M, 1024, 32, False)],
+)  # fmt: skip
+def test_hopper_kernel_dispatch(m, k, gs, gluon, monkeypatch):
+    """bf16i4bf16_rowwise takes the Gluon kernel on sm_90 GPUs from MIN_M rows up, for whole K steps and groups of
+    whole steps; the Triton kernel serves the rest."""
+    x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
     calls = []
     monkeypatch.setattr(g.int4_hopper, "run", lambda *args, run=g.int4_hopper.run: calls.append(1) or run(*args))
     out = g.bf16i4bf16_rowwise(x, w, scale, zero)
-    assert len(calls) == (m >= g.int4_hopper.MIN_M)
+    assert len(calls) == gluon
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
 
 

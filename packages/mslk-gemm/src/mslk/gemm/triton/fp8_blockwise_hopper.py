@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.hopper_ring import load_partition, tile_offsets
+from mslk.gemm.triton.gluon_tile_order import tile_offsets
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
@@ -41,6 +41,30 @@ GROUP_M = 16  # tiles go in groups of 16 rows of tiles, so that neighbouring pro
 # 4096, 872 / 742 at 2048 x 7168 x 2048), but its launch costs more host time, and an eager call at 2048 x 7168 x 2048
 # took 0.132 ms against 0.091.
 MIN_K = 4096
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    """The loading warp: the program's tiles' K steps, in order, into the ring. Step g (counted over all the
+    program's tiles) goes to stage g % STAGES once the multiplying warps have released the step before it there."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    steps = gl.cdiv(K, BK)
+    g = 0
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = tile_offsets(tile, M, N, BM, BN, GROUP_M)
+        for step in range(steps):
+            stage = g % STAGES
+            # The first turn through the ring finds the stages free: a fresh barrier counts its phase before
+            # the first as complete.
+            mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, step * BK], bar, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [off_n, step * BK], bar, b_bufs.index(stage))
+            g += 1
 
 
 @gluon.jit
@@ -161,7 +185,7 @@ def _blockwise_wgmma_kernel(
                 a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm, stride_sa_rows,
                 stride_sa_k, stride_sb_rows, stride_sb_k, A_SCALE_ROWS, B_SCALE_ROWS, STEPS_PER_SCALE, GROUP_M, UNROLL,
             )),
-            (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
         ],
         [1],
         [LOAD_REGISTERS],

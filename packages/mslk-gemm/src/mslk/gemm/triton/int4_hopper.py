@@ -11,7 +11,7 @@ the operand's register layout. Here each thread reads its nibble pairs from shar
 layout (8 bytes of a weight row at a stride of 4), step j + 1's weights are dequantized while step j's wgmma runs,
 and the wait names the registers that wgmma reads (`deps`), so that the compiler keeps them until it returns.
 As in fp8_blockwise_hopper.py, the program is persistent and warp-specialized: one warp loads X and W tiles
-through a ring of TMA stages (hopper_ring.py), two warpgroups multiply, 64 weight rows of the tile each.
+through rings of TMA stages, two warpgroups multiply, 64 weight rows of the tile each.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.hopper_ring import load_partition, tile_offsets
+from mslk.gemm.triton.gluon_tile_order import tile_offsets
 from mslk.gemm.triton.int4_ptx import DEQUANT_BYTES_PTX
 
 BLOCK_N = 128  # weight rows of a tile (wgmma's M): 64 per multiplying warpgroup
@@ -32,13 +32,16 @@ BLOCK_M = 256  # activation rows of a tile (wgmma's N)
 BLOCK_K = 64  # k per step: 32 bytes of each weight row; group sizes must be multiples of it
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
-STAGES = 4  # (256 · 64 · 2 + 128 · 32) B each: 144 KiB, and the epilogue's transpose takes 64 KiB more
+X_STAGES = 4  # 256 · 64 · 2 B each
+W_SLOTS = 4  # a pair of K steps each: 128 · 64 B
 GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring programs share weights in L2
-# Dispatch takes this kernel from this M up. H200, N = K = 8192, us, against the Triton kernel (RESULTS.md, seventeenth
-# session): M = 300 230 / 226, 512 267 / 346, 1024 314 / 258, 2048 432 / 529, 8192 1744 / 2117.
-MIN_M = 2048
+# Dispatch takes this kernel from this M up, where the Triton kernel's tiles grow to 256 rows too. H200, N = K = 8192,
+# CUDA graphs, us, this kernel / the Triton kernel (RESULTS.md, seventeenth session): M = 128 88.9 / 51.5, 256 91.4 /
+# 80.9, 300 119.1 / 124.3, 512 107.8 / 139.7, 1024 222.0 / 265.5; eager (L2 flushed), M = 2048 426 / 536, 8192 1760 /
+# 2171.
+MIN_M = 257
 _X_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-_W_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 2], gl.int8)
+_W_LAYOUT = gl.NVMMASharedLayout.get_default_for([2, BLOCK_N, BLOCK_K // 2], gl.int8)
 
 
 @gluon.jit
@@ -50,8 +53,8 @@ def _bf16_pairs(v):
 
 @gluon.jit
 def _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step, BK: gl.constexpr, GROUP_SIZE: gl.constexpr):
-    """The scales and zeros of step's group for the weight rows `rows` [BN, 1], as bf16 pairs (zero past N and past
-    the last group, where the weights are zero-filled too)."""
+    """The scales and zeros of step's group for the weight rows `rows` [BN, 1], as bf16 pairs (zero past N, where
+    the weights are zero-filled too, and past the last group: the loads a step ahead of the last)."""
     g = (step * BK) // GROUP_SIZE
     mask = (rows < N) & (g < groups)
     s = gl.load(s_ptr + g * stride_sg + rows, mask=mask, other=0.0)
@@ -60,13 +63,15 @@ def _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step, BK: gl.constexpr
 
 
 @gluon.jit
-def _dequantized(w_bufs, ready, g, s, z, byte_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Ring step g's weight tile [BN, BK] as wgmma's register operand: its bytes [BN, BK / 2] read into
-    byte_layout (each thread's nibble pairs of a_layout), once their TMA load has landed, then q · s + z."""
-    STAGES: gl.constexpr = w_bufs.shape[0]
-    stage = g % STAGES
-    mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
-    packed = w_bufs.index(stage).load(byte_layout)
+def _dequantized(w_tiles, w_ready, pair, HALF: gl.constexpr, s, z, byte_layout: gl.constexpr, a_layout: gl.constexpr):
+    """The weight tile [BN, BK] of half HALF of ring pair `pair` (two K steps; w_tiles holds a pair's halves one
+    after the other) as wgmma's register operand: its bytes [BN, BK / 2] read into byte_layout (each thread's nibble
+    pairs of a_layout), then q · s + z. The first half waits for the pair's TMA load to land."""
+    SLOTS: gl.constexpr = w_tiles.shape[0] // 2
+    slot = pair % SLOTS
+    if HALF == 0:
+        mbarrier.wait(w_ready.index(slot), (pair // SLOTS) & 1)
+    packed = w_tiles.index(2 * slot + HALF).load(byte_layout)
     pairs = gl.inline_asm_elementwise(
         DEQUANT_BYTES_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, s, z], dtype=gl.int32, is_pure=True, pack=4
     )
@@ -76,22 +81,56 @@ def _dequantized(w_bufs, ready, g, s, z, byte_layout: gl.constexpr, a_layout: gl
 
 
 @gluon.jit
-def _x_tile(x_bufs, g):
-    """Ring step g's activation tile as wgmma's second operand [BK, BM]."""
-    return x_bufs.index(g % x_bufs.shape[0]).permute((1, 0))
+def _x_tile(x_bufs, x_ready, g):
+    """Ring step g's activation tile as wgmma's second operand [BK, BM], once its TMA load has landed."""
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    mbarrier.wait(x_ready.index(g % STAGES), (g // STAGES) & 1)
+    return x_bufs.index(g % STAGES).permute((1, 0))
+
+
+@gluon.jit
+def _load_partition(x_desc, w_desc, x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, M, N, K,
+                    GROUP_M: gl.constexpr):  # fmt: skip
+    """The loading warp: the program's tiles in order, each as pairs of K steps: the pair's weights (64 bytes of each
+    row: one load, where a step's 32 bytes a row streamed from DRAM at half the rate), then its two X tiles, each into
+    the next slot of its ring once the multiplying warps have released the one loaded there before."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    X_STAGES: gl.constexpr = x_bufs.shape[0]
+    W_SLOTS: gl.constexpr = w_bufs.shape[0]
+    steps = gl.cdiv(K, BK)
+    g = 0  # X steps loaded
+    p = 0  # weight pairs loaded
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = tile_offsets(tile, M, N, BM, BN, GROUP_M)
+        for pair in range(gl.cdiv(steps, 2)):
+            slot = p % W_SLOTS
+            # A fresh barrier counts its phase before the first as complete: the first turn finds the slots free.
+            mbarrier.wait(w_empty.index(slot), ((p // W_SLOTS) & 1) ^ 1)
+            mbarrier.expect(w_ready.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [2 * pair, off_n, 0], w_ready.index(slot), w_bufs.index(slot))
+            p += 1
+            for step in range(2 * pair, gl.minimum(2 * pair + 2, steps)):
+                stage = g % X_STAGES
+                mbarrier.wait(x_empty.index(stage), ((g // X_STAGES) & 1) ^ 1)
+                mbarrier.expect(x_ready.index(stage), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, step * BK], x_ready.index(stage), x_bufs.index(stage))
+                g += 1
 
 
 @gluon.jit
 def _mma_partition(
-    x_bufs, w_bufs, ready, empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
+    x_bufs, w_tiles, x_ready, x_empty, w_ready, w_empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
     GROUP_SIZE: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its bf16
+    """The multiplying warpgroups: each of the program's tiles, K step by K step from the rings, then its bf16
     store, transposed into C."""
     BM: gl.constexpr = x_bufs.shape[1]
     BK: gl.constexpr = x_bufs.shape[2]
-    BN: gl.constexpr = w_bufs.shape[1]
-    STAGES: gl.constexpr = w_bufs.shape[0]
+    BN: gl.constexpr = w_tiles.shape[1]
+    X_STAGES: gl.constexpr = x_bufs.shape[0]
+    W_SLOTS: gl.constexpr = w_tiles.shape[0] // 2
     gl.static_assert(BN == 16 * gl.num_warps() and BK == 64, "the byte layout below is for these tiles")
     # wgmma: warps stacked along the weight rows (16 each), an instruction spans the tile's activation rows.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -110,7 +149,8 @@ def _mma_partition(
     # Epilogue: 8 consecutive weight rows per thread, 16 bytes of a row of C, masked at the edges of C.
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 256 // BN], [1, gl.num_warps()], [0, 1])
     steps = gl.cdiv(K, BK)
-    g0 = 0  # the ring's step count at the tile's first step
+    g0 = 0  # the X ring's step count at the tile's first step
+    p0 = 0  # the weight ring's pair count at the tile's first step
     for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
         off_m, off_n = tile_offsets(tile, M, N, BM, BN, GROUP_M)
         rows = (off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, byte_layout)))[:, None]
@@ -119,31 +159,34 @@ def _mma_partition(
         # multiplies them is issued before the wait for the one in flight (ptxas serializes every wgmma, C7513, or
         # holds the dequantization back until the wait, where registers of a later wgmma are written while one runs).
         s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, 0, BK, GROUP_SIZE)
-        a0 = _dequantized(w_bufs, ready, g0, s, z, byte_layout, a_layout)
+        a0 = _dequantized(w_tiles, w_ready, p0, 0, s, z, byte_layout, a_layout)
         s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, 1, BK, GROUP_SIZE)  # a step ahead
-        product = warpgroup_mma(a0, _x_tile(x_bufs, g0), gl.zeros([BN, BM], gl.float32, mma_layout), use_acc=False,
-                                is_async=True)  # fmt: skip
+        product = warpgroup_mma(a0, _x_tile(x_bufs, x_ready, g0), gl.zeros([BN, BM], gl.float32, mma_layout),
+                                use_acc=False, is_async=True)  # fmt: skip
         product, a0 = warpgroup_mma_wait(1, deps=(product, a0))  # returns at once (the loop carries a tensor)
-        for step in range(1, steps - 1, 2):
-            a1 = _dequantized(w_bufs, ready, g0 + step, s, z, byte_layout, a_layout)
+        for step in range(1, steps - 1, 2):  # odd steps: the second half of pair p0 + step // 2
+            a1 = _dequantized(w_tiles, w_ready, p0 + step // 2, 1, s, z, byte_layout, a_layout)
             s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step + 1, BK, GROUP_SIZE)
-            product = warpgroup_mma(a1, _x_tile(x_bufs, g0 + step), product, is_async=True)
+            product = warpgroup_mma(a1, _x_tile(x_bufs, x_ready, g0 + step), product, is_async=True)
             product, a0 = warpgroup_mma_wait(1, deps=(product, a0))
-            mbarrier.arrive(empty.index((g0 + step - 1) % STAGES))
-            a0 = _dequantized(w_bufs, ready, g0 + step + 1, s, z, byte_layout, a_layout)
+            mbarrier.arrive(x_empty.index((g0 + step - 1) % X_STAGES))
+            a0 = _dequantized(w_tiles, w_ready, p0 + step // 2 + 1, 0, s, z, byte_layout, a_layout)
             s, z = _group_rows(s_ptr, z_ptr, rows, N, groups, stride_sg, step + 2, BK, GROUP_SIZE)
-            product = warpgroup_mma(a0, _x_tile(x_bufs, g0 + step + 1), product, is_async=True)
+            product = warpgroup_mma(a0, _x_tile(x_bufs, x_ready, g0 + step + 1), product, is_async=True)
             product, a1 = warpgroup_mma_wait(1, deps=(product, a1))
-            mbarrier.arrive(empty.index((g0 + step) % STAGES))
+            mbarrier.arrive(x_empty.index((g0 + step) % X_STAGES))
+            mbarrier.arrive(w_empty.index((p0 + step // 2) % W_SLOTS))
         if steps % 2 == 0:  # the last step is odd
-            a1 = _dequantized(w_bufs, ready, g0 + steps - 1, s, z, byte_layout, a_layout)
-            last = warpgroup_mma(a1, _x_tile(x_bufs, g0 + steps - 1), product, is_async=True)
+            a1 = _dequantized(w_tiles, w_ready, p0 + steps // 2 - 1, 1, s, z, byte_layout, a_layout)
+            last = warpgroup_mma(a1, _x_tile(x_bufs, x_ready, g0 + steps - 1), product, is_async=True)
             acc, a0, a1 = warpgroup_mma_wait(0, deps=(last, a0, a1))
-            mbarrier.arrive(empty.index((g0 + steps - 2) % STAGES))
+            mbarrier.arrive(x_empty.index((g0 + steps - 2) % X_STAGES))
         else:
             acc, a0 = warpgroup_mma_wait(0, deps=(product, a0))
-        mbarrier.arrive(empty.index((g0 + steps - 1) % STAGES))
+        mbarrier.arrive(x_empty.index((g0 + steps - 1) % X_STAGES))
+        mbarrier.arrive(w_empty.index((p0 + (steps - 1) // 2) % W_SLOTS))
         g0 += steps
+        p0 += gl.cdiv(steps, 2)
         out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
         cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
         out_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
@@ -154,30 +197,42 @@ def _mma_partition(
 @gluon.jit
 def _int4_wgmma_kernel(
     x_desc, w_desc, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
-    GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, X_STAGES: gl.constexpr, W_SLOTS: gl.constexpr, GROUP_M: gl.constexpr,
+    LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """C [M, N] (bf16, row stride stride_cm) of X [M, K] bf16 and plain packed int4 W [N, K / 2] (TMA descriptors of
-    [BM, BK] and [BN, BK / 2] tiles; zeros past their edges) with scales and zeros [groups, N] (row stride
-    stride_sg) of GROUP_SIZE k each. Persistent: program p takes tiles p, p + programs, ..."""
+    X's [BM, BK] tiles and of W as [K / BK, N, BK / 2], in [2, BN, BK / 2] boxes: two K steps of a tile's rows;
+    zeros past their edges) with scales and zeros [groups, N] (row stride stride_sg) of GROUP_SIZE k each.
+    Persistent: program p takes tiles p, p + programs, ..."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK // 2], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [X_STAGES, BM, BK], x_desc.layout)
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [W_SLOTS, 2, BN, BK // 2], w_desc.layout)
+    # The same bytes as [2 · W_SLOTS, BN, BK / 2] tiles: the boxes' leading dim only stacks tiles of one swizzle.
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width,
+                                                     element_bitwidth=8, rank=2)  # fmt: skip
+    w_tiles = w_bufs._reinterpret(w_desc.dtype, [2 * W_SLOTS, BN, BK // 2], tile_layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
+    x_empty = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
+    w_ready = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(X_STAGES):
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
+    for i in gl.static_range(W_SLOTS):
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
     # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
     # constexprs into tensors.
     gl.warp_specialize(
         [
             (_mma_partition, (
-                x_bufs, w_bufs, ready, empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg, stride_cm,
-                GROUP_SIZE, GROUP_M,
+                x_bufs, w_tiles, x_ready, x_empty, w_ready, w_empty, s_ptr, z_ptr, c_ptr, M, N, K, groups, stride_sg,
+                stride_cm, GROUP_SIZE, GROUP_M,
             )),
-            (load_partition, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)),
+            (_load_partition, (x_desc, w_desc, x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, M, N, K,
+                               GROUP_M)),
         ],
         [1],
         [LOAD_REGISTERS],
@@ -185,13 +240,14 @@ def _int4_wgmma_kernel(
 
 
 def supports(X: torch.Tensor, W: torch.Tensor, group_size: int) -> bool:
-    """Whether the kernel serves X [M, K] and plain packed W [N, K / 2]: an sm_90 GPU, bf16 activations, groups of
-    whole K steps, operands TMA can read (K-contiguous, 16-byte aligned rows: K % 32 == 0)."""
+    """Whether the kernel serves X [M, K] and plain packed W [N, K / 2]: an sm_90 GPU, bf16 activations, whole K
+    steps and groups of whole K steps, operands TMA can read (K-contiguous, 16-byte aligned rows)."""
     return (
         X.is_cuda
         and torch.version.hip is None
         and X.dtype == torch.bfloat16
         and group_size % BLOCK_K == 0
+        and X.shape[1] % BLOCK_K == 0
         and arch.capability(X.device) == (9, 0)
         and tma_ready(X)
         and tma_ready(W)
@@ -203,10 +259,12 @@ def run(X, W, scale, zero, out, group_size: int):
     column stride, one dtype); see _int4_wgmma_kernel and supports()."""
     (m, k), n = X.shape, W.shape[0]
     x_desc = TensorDescriptor(X, [m, k], [X.stride(0), 1], [BLOCK_M, BLOCK_K], _X_LAYOUT)
-    w_desc = TensorDescriptor(W, [n, k // 2], [W.stride(0), 1], [BLOCK_N, BLOCK_K // 2], _W_LAYOUT)
+    steps = BLOCK_K // 2  # bytes of a weight row a K step
+    w_desc = TensorDescriptor(W, [k // BLOCK_K, n, steps], [steps, W.stride(0), 1], [2, BLOCK_N, steps], _W_LAYOUT)
     grid = (min(arch.sm_count(X.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
     _int4_wgmma_kernel[grid](
         x_desc, w_desc, scale, zero, out, m, n, k, scale.shape[0], scale.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, STAGES=STAGES, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
+        GROUP_SIZE=group_size, X_STAGES=X_STAGES, W_SLOTS=W_SLOTS, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
