@@ -389,13 +389,14 @@ def test_bf16i4bf16_rowwise_gpu(m, n, k):
     [(1, 130, 64, 64), (300, 520, 2368, 64), (1000, 1000, 4032, 128), (2000, 4000, 2048, 256),
      (4096, 4096, 4096, 128)],
 )  # fmt: skip
-@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
 def test_hopper_kernel(m, n, k, gs, scale_dtype):
     """int4_hopper's Gluon kernel: one K step, odd and even step counts, a short last group, tiles cut by M and N,
     several tiles per program; poisoned output."""
-    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, scale_dtype=scale_dtype, device="cuda")
-    if not g.int4_hopper.supports(x, w, gs):
+    if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, scale_dtype=scale_dtype, device="cuda")
+    assert g.int4_hopper.supports(x, w, gs)
     out = g.int4_hopper.run(x, w, scale, zero, testing.empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda"), gs)
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
 
@@ -404,14 +405,14 @@ def test_hopper_kernel(m, n, k, gs, scale_dtype):
 @pytest.mark.parametrize(
     ("m", "k", "gs", "gluon"),
     [(g.int4_hopper.MIN_M - 1, 1024, 128, False), (g.int4_hopper.MIN_M, 1024, 128, True),
-     (g.int4_hopper.MIN_M, 1056, 32, False), (g.int4_hopper.MIN_M, 1024, 32, False)],
+     (g.int4_hopper.MIN_M, 1056, 64, False), (g.int4_hopper.MIN_M, 1024, 32, False)],
 )  # fmt: skip
 def test_hopper_kernel_dispatch(m, k, gs, gluon, monkeypatch):
     """bf16i4bf16_rowwise takes the Gluon kernel on sm_90 GPUs from MIN_M rows up, for whole K steps and groups of
-    whole steps; the Triton kernel serves the rest."""
-    x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")
+    whole steps; the Triton kernel serves the rest (fewer rows, K % 64 == 32, groups of 32)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")
     calls = []
     monkeypatch.setattr(g.int4_hopper, "run", lambda *args, run=g.int4_hopper.run: calls.append(1) or run(*args))
     out = g.bf16i4bf16_rowwise(x, w, scale, zero)

@@ -92,7 +92,7 @@ def _x_tile(x_bufs, x_ready, g):
 def _load_partition(x_desc, w_desc, x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, M, N, K,
                     GROUP_M: gl.constexpr):  # fmt: skip
     """The loading warp: the program's tiles in order, each as pairs of K steps: the pair's weights (64 bytes of each
-    row: one load, where a step's 32 bytes a row streamed from DRAM at half the rate), then its two X tiles, each into
+    row in one load; a step's 32 bytes a load measured 0-3.5% slower on the H200), then its two X tiles, each into
     the next slot of its ring once the multiplying warps have released the one loaded there before."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -259,8 +259,10 @@ def run(X, W, scale, zero, out, group_size: int):
     column stride, one dtype); see _int4_wgmma_kernel and supports()."""
     (m, k), n = X.shape, W.shape[0]
     x_desc = TensorDescriptor(X, [m, k], [X.stride(0), 1], [BLOCK_M, BLOCK_K], _X_LAYOUT)
-    steps = BLOCK_K // 2  # bytes of a weight row a K step
-    w_desc = TensorDescriptor(W, [k // BLOCK_K, n, steps], [steps, W.stride(0), 1], [2, BLOCK_N, steps], _W_LAYOUT)
+    row_bytes = BLOCK_K // 2  # of a weight row, a K step
+    w_desc = TensorDescriptor(
+        W, [k // BLOCK_K, n, row_bytes], [row_bytes, W.stride(0), 1], [2, BLOCK_N, row_bytes], _W_LAYOUT
+    )
     grid = (min(arch.sm_count(X.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
     _int4_wgmma_kernel[grid](
         x_desc, w_desc, scale, zero, out, m, n, k, scale.shape[0], scale.stride(0), out.stride(0),
