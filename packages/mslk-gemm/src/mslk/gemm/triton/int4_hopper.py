@@ -8,10 +8,11 @@ weights are dequantized. Triton's kernel (int4_gemm._int4_k_loop) has to end eac
 (Triton lets the next step's dequantization rewrite the registers they read), so the tensor cores idle while each
 step's weights are dequantized, and its compiler moves the dequantized weights through shared memory to reach
 the operand's register layout. Here each thread reads its nibble pairs from shared memory straight into that
-layout (8 bytes of a weight row at a stride of 4), step j + 1's weights are dequantized while step j's wgmma runs,
-and the wait names the registers that wgmma reads (`deps`), so that the compiler keeps them until it returns.
-As in fp8_blockwise_hopper.py, the program is persistent and warp-specialized: one warp loads X and W tiles
-through rings of TMA stages, two warpgroups multiply, 64 weight rows of the tile each.
+layout (8 bytes of a weight row at a stride of 4), and step j + 1's weights are dequantized into a second register
+tile while step j's wgmma runs; step j + 1's wgmma is issued before the wait that retires step j's, whose `deps`
+name the tile that one reads (_mma_partition says why this order). As in fp8_blockwise_hopper.py, the program is
+persistent and warp-specialized: one warp loads X and W tiles through rings of TMA stages, two warpgroups
+multiply, 64 weight rows of the tile each.
 """
 
 from __future__ import annotations
