@@ -339,12 +339,17 @@ def row_tiles(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
 
 def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     """2-D WQ, XQ [..., M, K]: all rows of XQ as one [M', K] problem."""
-    x = XQ if XQ.dim() == 2 else XQ.reshape(-1, XQ.shape[-1])
+    x = _as_rows(XQ)
     _run_rowwise(
         k_contiguous(x), k_contiguous(WQ), _flat(x_scale), _flat(w_scale), None if bias is None else bias.contiguous(),
         use_fast_accum, out if out.dim() == 2 else out.view(x.shape[0], WQ.shape[0]),
     )  # fmt: skip
     return out
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., K] as one [rows, K] matrix (t itself when 2-D: no view to pay for)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _flat(scale: torch.Tensor) -> torch.Tensor:
@@ -381,10 +386,9 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
     @op.backend("torch._scaled_mm", supports=scaled_mm_supports)
     def _scaled_mm(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
         # Validated scales are contiguous, so these reshapes are views; 2-D XQ (the common case) skips two.
-        x = XQ if XQ.dim() == 2 else XQ.reshape(-1, XQ.shape[-1])
         out = torch._scaled_mm(
-            x, WQ.t(), scale_a=x_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1), bias=bias, out_dtype=out_dtype,
-            use_fast_accum=use_fast_accum,
+            _as_rows(XQ), WQ.t(), scale_a=x_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1), bias=bias,
+            out_dtype=out_dtype, use_fast_accum=use_fast_accum,
         )  # fmt: skip
         return out if XQ.dim() == 2 else out.reshape(*XQ.shape[:-1], WQ.shape[0])
 

@@ -47,7 +47,8 @@ _W_LAYOUT = gl.NVMMASharedLayout.get_default_for([2, BLOCK_N, BLOCK_K // 2], gl.
 
 @gluon.jit
 def _bf16_pairs(v):
-    """Values as bf16 in both halves of an int32 (DEQUANT_BYTES_PTX's scale and zero operands)."""
+    """Values as bf16 in both halves of an int32 (DEQUANT_BYTES_PTX's scale and zero operands): int4_gemm._bf16x2
+    for Gluon, which cannot call Triton functions."""
     bits = v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     return bits | (bits << 16)
 
