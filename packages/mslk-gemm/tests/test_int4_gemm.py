@@ -361,6 +361,30 @@ def test_bad_grouped_input():
         g.bf16i4bf16_shuffled_grouped(x[0], w[0], scale, zero, torch.tensor([1, 0]))
 
 
+@pytest.mark.parametrize(("m", "k", "gs"), [(1, 64, 64), (5, 320, 128), (16, 512, 512), (9, 1024, 256)])
+def test_decode_relabelling(m, k, gs):
+    """int4_decode_hopper's two sides of the relabelled K agree: the weights' operand as its `_relabelled` builds it
+    (the nibbles (j, j + 4) of word b // 4 at byte b, then its join, reshape and permute, replayed here on the biased
+    values 136 + q) times X' of the first kernel (interpreted on a CPU) is X · (136 + q)ᵀ; X' is zero past M and K,
+    and the sums are X's per scale block."""
+    d = g.int4_decode_hopper
+    x = testing.randn(m, k, 2, dtype=torch.bfloat16, device=DEVICE)[..., 0]  # strided along K
+    xp, sums = d.relabelled_activations(x, gs)
+    biased = 136 + g.unpack_int4(g.random_int4(24, k, device=DEVICE), shuffled=False).double()
+    runs = biased.unflatten(-1, (-1, 32, 2))  # [24, runs, byte, nibble]: a run's 64 k as its 32 bytes
+    b = torch.arange(32, device=DEVICE)
+    word_k = runs.flatten(-2)[..., 8 * (b // 4)[:, None] + (b % 4)[:, None] + torch.tensor([0, 4], device=DEVICE)]
+    operand = word_k.reshape(24, -1, 2, 4, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(24, -1, 64)
+    bm = xp.shape[1]
+    assert xp.shape[1:] == (bm, 64) and not xp[:, m:].any() and not xp[k // 64 :].any()  # zero past M and K
+    products = torch.einsum("nrt,rmt->mn", operand, xp[: k // 64, :m].double())
+    torch.testing.assert_close(products, x.double() @ biased.T, rtol=1e-12, atol=1e-9)
+    size = min(gs, 256)
+    expected_sums = torch.nn.functional.pad(x.double(), (0, -k % size)).unflatten(-1, (-1, size)).sum(-1).T
+    torch.testing.assert_close(sums[:, :m].double(), expected_sums, rtol=1e-5, atol=1e-4)
+    assert not sums[:, m:].any()
+
+
 def test_unsupported_group_size_names_the_reason():
     x, w, scale, zero = bf16_inputs(m=4, n=8, k=240, gs=24, device="cpu")  # 10 groups of 24 (no power of two)
     reasons = g.bf16i4bf16_rowwise_op.get_backend("triton").reasons("cuda", (x, w, scale, zero), {})
@@ -415,6 +439,44 @@ def test_hopper_kernel_dispatch(m, k, gs, gluon, monkeypatch):
     x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")
     calls = []
     monkeypatch.setattr(g.int4_hopper, "run", lambda *args, run=g.int4_hopper.run: calls.append(1) or run(*args))
+    out = g.bf16i4bf16_rowwise(x, w, scale, zero)
+    assert len(calls) == gluon
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "n", "k", "gs"),
+    [(1, 64, 64, 64), (16, 8192, 8192, 128), (8, 200, 320, 64), (9, 1000, 4096, 512), (16, 1024, 2048, 256),
+     (3, 520, 768, 128), (13, 4100, 2304, 256)],
+)  # fmt: skip
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_decode_kernel(m, n, k, gs, scale_dtype):
+    """int4_decode_hopper's Gluon kernel: one run, N cut by the tile, K ending inside a stage, groups from a run to two
+    stages, K split (and not), 8- and 16-row activation tiles; poisoned output."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, scale_dtype=scale_dtype, device="cuda")
+    assert g.int4_decode_hopper.supports(x, w, scale, zero, gs)
+    out = testing.empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    out = g.int4_decode_hopper.run(x, w, scale, zero, out, gs)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "k", "gs", "gluon"),
+    [(16, 1024, 128, True), (17, 1024, 128, False), (1, 1056, 32, False), (4, 1536, 192, False)],
+)  # fmt: skip
+def test_decode_kernel_dispatch(m, k, gs, gluon, monkeypatch):
+    """bf16i4bf16_rowwise takes the Gluon decode kernel on sm_90 GPUs up to MAX_M rows, for whole runs of 64 k and
+    groups that divide a stage or are whole stages; the Triton kernel serves the rest."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    d = g.int4_decode_hopper
+    x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")
+    calls = []
+    monkeypatch.setattr(d, "run", lambda *args, run=d.run: calls.append(1) or run(*args))
     out = g.bf16i4bf16_rowwise(x, w, scale, zero)
     assert len(calls) == gluon
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)

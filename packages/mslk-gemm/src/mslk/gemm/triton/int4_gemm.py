@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
-from mslk.gemm.triton import int4_hopper
+from mslk.gemm.triton import int4_decode_hopper, int4_hopper
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
 from mslk.gemm.triton.int4_ptx import BIASED_BYTES_PTX, DEQUANT_BYTES_PTX, DEQUANT_PTX
 from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, splitk_reduce
@@ -637,15 +637,13 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         return out
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
-    if (
-        batches == 1
-        and m >= int4_hopper.MIN_M
-        and not (shuffled or table)
-        and zero is not None
-        and int4_hopper.supports(X[0], W[0], size)
-    ):
-        int4_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
-        return out
+    if batches == 1 and not (shuffled or table) and zero is not None:  # the Gluon kernels of the plain format
+        if m <= int4_decode_hopper.MAX_M and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size):
+            int4_decode_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
+            return out
+        if m >= int4_hopper.MIN_M and int4_hopper.supports(X[0], W[0], size):
+            int4_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
+            return out
     upcast_x = X.element_size() == 1 and not table
     scales_after = _scales_after(table, size)
     cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table, scales_after))

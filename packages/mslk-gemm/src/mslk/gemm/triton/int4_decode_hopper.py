@@ -1,0 +1,299 @@
+"""bf16i4bf16_rowwise's GEMM for decode shapes (M <= 16 activation rows) on Hopper (sm_90), written in Gluon:
+
+    out[m, n] = Σ_k X[m, k] · (q[n, k] · scale[k // gs, n] + zero[k // gs, n])      (bf16 out, fp32 sums)
+
+Decode streams the weights once; what limits a kernel there is the work per weight between the loads (the Triton
+kernel, int4_gemm._int4_k_loop: about 390 instructions a warp for 64 nibble pairs a thread, and seven CTA barriers a
+step moving the group scales between layouts through shared memory). Here:
+
+- K is relabelled within each run of 64 k, so that a thread's mma.sync operand pairs are the nibbles (j, j + 4) of
+  the 32-bit words it reads (ldmatrix, as int8 operands): one LOP3 on the word shifted by 4j makes the bf16 pair
+  128 + u of both (1.75 instructions a pair, no byte shuffles). `_activations_kernel` (Triton) first writes X in the
+  same order, X' [K / 64, BM, 64] (rows past M zero), and the sums of X over each scale block (S).
+- The products multiply the biased weights 136 + q (exact in bf16); each scale block's scale and zero apply to
+  them in fp32 (acc += s · P + (z − 136 s) · S), so the dequantization is exact.
+- Warp-specialized: one warp loads each stage (256 k: W's 128 bytes of 64 weight rows, X', scales, zeros and sums)
+  through TMA into a ring; four warps multiply, 16 weight rows each, with no CTA barrier in the loop.
+- Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
+  writes fp32 partial sums that split_k.splitk_reduce adds.
+
+The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the real k
+R = 32i + 8c + j + 4h (`_real_k`): thread c of an mma.sync quad holds bytes j of words c and c + 4 (the int8
+operand layout), whose nibbles j and j + 4 are the real k 8·word + j and 8·word + j + 4.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mslk.core import arch, launch
+from mslk.gemm.triton.fp8_gemm import tma_ready
+from mslk.gemm.triton.split_k import splitk_reduce
+
+MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
+BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
+RUN = 64  # k per relabelled run: one mma_v2 call
+STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
+STAGES = 6  # 6 · (8 KiB of weights + 8 KiB of activations) + scales
+NUM_WARPS = 4  # the multiplying warps; the loading warp comes on top
+LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
+_RUN = gl.constexpr(RUN)  # the same, for the kernels
+_STAGE_K = gl.constexpr(STAGE_K)
+
+
+def scale_block(group_size: int) -> int:
+    """k per scale block: the group, or a stage's k of a group that spans several stages."""
+    return min(group_size, STAGE_K)
+
+
+@triton.jit
+def _real_k(t):
+    """The real k (within its 64-k run) of the kernel's k index t: see the module docstring."""
+    h, c, j, i = t & 1, (t >> 1) & 3, (t >> 3) & 3, t >> 5
+    return 32 * i + 8 * c + j + 4 * h
+
+
+@triton.jit
+def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr, SB: tl.constexpr):
+    """One scale block of SB k: X'[b, m, t] = X[m, 64 b + real(t)] for its runs b (zero past M and K) and
+    sums[block, m] = Σ_k X[m, k] over the block's k (fp32; zero past M)."""
+    block = tl.program_id(0)
+    rows = tl.arange(0, BM)[:, None]
+    t = tl.arange(0, SB)[None, :]
+    k = block * SB + (t // 64) * 64 + _real_k(t % 64)
+    x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
+    runs = block * (SB // 64) + t // 64
+    tl.store(xp_ptr + (runs * BM + rows) * 64 + t % 64, x)
+    tl.store(sums_ptr + block * BM + tl.arange(0, BM), tl.sum(x.to(tl.float32), axis=1))
+
+
+@gluon.jit
+def _relabelled(packed, a_layout: gl.constexpr):
+    """The weight bytes [BN, 32] of a 64-k run (int8 mma.sync operand layout: thread c of a quad holds words c and
+    c + 4 of each of its rows) as the bf16 operand [BN, 64] of the biased weights 136 + q in the kernel's k order.
+    One LOP3 a pair: word >> 4j masked to bits 0-3 and 16-19, the magic 0x4300 | (u ^ 8)."""
+    pairs = gl.inline_asm_elementwise(
+        """{
+        .reg .b32 t;
+        lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6a;
+        shr.b32 t, $4, 4;
+        lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6a;
+        shr.b32 t, $4, 8;
+        lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6a;
+        shr.b32 t, $4, 12;
+        lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6a;
+        }""",
+        "=r,=r,=r,=r,r",
+        [packed],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=4,
+    )
+    # byte b = 16i + 4c + j of a row -> pair (nibble j, nibble j + 4) of word 4i + c; k index 32i + 8j + 2c + h.
+    halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
+    rows: gl.constexpr = packed.shape[0]
+    ordered = halves.reshape([rows, 2, 4, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([rows, 64])
+    return gl.convert_layout(ordered.to(gl.bfloat16, bitcast=True), a_layout)
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs, ready,
+                    empty, first_stage, stages, GROUP_SIZE: gl.constexpr):  # fmt: skip
+    """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
+    warps have released the stage loaded there before."""
+    SLOTS: gl.constexpr = w_bufs.shape[0]
+    SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE
+    off_n = gl.program_id(0) * w_desc.block_type.shape[1]
+    NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
+              + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
+    for i in range(stages):
+        slot = i % SLOTS
+        # A fresh barrier counts its phase before the first as complete: the first turn finds the slots free.
+        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, NBYTES)
+        k = (first_stage + i) * _STAGE_K
+        tma.async_copy_global_to_shared(w_desc, [k // _RUN, off_n, 0], bar, w_bufs.index(slot))
+        tma.async_copy_global_to_shared(x_desc, [k // _RUN, 0, 0], bar, x_bufs.index(slot))
+        tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
+        tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
+        tma.async_copy_global_to_shared(sums_desc, [k // SB, 0], bar, sums_bufs.index(slot))
+
+
+@gluon.jit
+def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_ptr, M, N, stride_cs, stride_cm,
+                   stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """The multiplying warps: each stage's four runs (one mma.sync product each), the scales applied per scale
+    block, then the tile's output (bf16, or fp32 partial sums into the split's slice of the workspace)."""
+    BN: gl.constexpr = w_tiles.shape[1]
+    BM: gl.constexpr = x_tiles.shape[1]
+    RUNS: gl.constexpr = _STAGE_K // _RUN
+    SLOTS: gl.constexpr = w_tiles.shape[0] // RUNS
+    SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE
+    GROUPS: gl.constexpr = s_rows.shape[0] // SLOTS  # rows of scales (and zeros) a stage
+    BLOCKS: gl.constexpr = _STAGE_K // SB  # rows of sums a stage
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8]
+    )
+    byte_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    token_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    acc = gl.zeros([BN, BM], gl.float32, mma_layout)
+    for i in range(stages):
+        slot = i % SLOTS
+        mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
+        product = gl.zeros([BN, BM], gl.float32, mma_layout)
+        for run in gl.static_range(RUNS):
+            a = _relabelled(w_tiles.index(slot * RUNS + run).load(byte_layout), a_layout)
+            b = x_tiles.index(slot * RUNS + run).permute((1, 0)).load(b_layout)
+            product = mma_v2(a, b, product)
+            if (run + 1) * _RUN % SB == 0:  # the end of a scale block
+                block = ((run + 1) * _RUN - SB) // SB
+                group = block * SB // GROUP_SIZE
+                s = s_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
+                z = z_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
+                sums = sums_rows.index(slot * BLOCKS + block).load(token_layout)[None, :]
+                acc = acc + product * s + sums * (z - 136.0 * s)
+                product = gl.zeros([BN, BM], gl.float32, mma_layout)
+        mbarrier.arrive(empty.index(slot))
+    rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=row_layout)
+    tokens = gl.arange(0, BM, layout=token_layout)
+    ptrs = c_ptr + gl.program_id(1) * stride_cs + tokens[None, :] * stride_cm + rows[:, None]
+    mask = (rows < N)[:, None] & (tokens < M)[None, :]
+    if SPLIT:
+        gl.store(ptrs, acc, mask=mask)
+    else:
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, stride_cs, stride_cm,
+                        stages_per_split, total_stages, GROUP_SIZE: gl.constexpr, SLOTS: gl.constexpr,
+                        SPLIT: gl.constexpr, LOAD_REGISTERS: gl.constexpr):  # fmt: skip
+    """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
+    (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [K / 64, N, 32] in
+    [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), sums [blocks, BM]."""
+    RUNS: gl.constexpr = _STAGE_K // _RUN
+    BN: gl.constexpr = w_desc.block_type.shape[1]
+    BM: gl.constexpr = x_desc.block_type.shape[1]
+    S_ROWS: gl.constexpr = s_desc.block_type.shape[0]  # groups a stage (of scales and of zeros)
+    SUMS_ROWS: gl.constexpr = sums_desc.block_type.shape[0]  # scale blocks a stage
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, RUNS, BN, _RUN // 2], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, RUNS, BM, _RUN], x_desc.layout)
+    # The same bytes as [SLOTS · RUNS, rows, width] tiles: the boxes' leading dim only stacks tiles of one swizzle.
+    w_tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width,
+                                                       element_bitwidth=8, rank=2)  # fmt: skip
+    x_tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_desc.layout.swizzle_byte_width,
+                                                       element_bitwidth=16, rank=2)  # fmt: skip
+    w_tiles = w_bufs._reinterpret(w_desc.dtype, [SLOTS * RUNS, BN, _RUN // 2], w_tile_layout)
+    x_tiles = x_bufs._reinterpret(x_desc.dtype, [SLOTS * RUNS, BM, _RUN], x_tile_layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [SLOTS, S_ROWS, BN], s_desc.layout)
+    z_bufs = gl.allocate_shared_memory(z_desc.dtype, [SLOTS, S_ROWS, BN], z_desc.layout)
+    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, SUMS_ROWS, BM], sums_desc.layout)
+    # The same as rows of a stage's scales, zeros and sums after another, for the multiplying warps.
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    s_rows = s_bufs._reinterpret(s_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
+    z_rows = z_bufs._reinterpret(z_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
+    sums_rows = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS * SUMS_ROWS, BM], rows_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage has landed
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage was read
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    first_stage = gl.program_id(1) * stages_per_split
+    stages = gl.minimum(stages_per_split, total_stages - first_stage)
+    gl.warp_specialize(
+        [
+            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_ptr, M, N, stride_cs,
+                              stride_cm, stages, GROUP_SIZE, SPLIT)),
+            (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
+                               ready, empty, first_stage, stages, GROUP_SIZE)),
+        ],
+        [1],
+        [LOAD_REGISTERS],
+    )  # fmt: skip
+
+
+def supports(X: torch.Tensor, W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> bool:
+    """Whether the kernel serves X [M, K] (M <= MAX_M) and plain packed W [N, K / 2] with scales and zeros
+    [groups, N]: an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 == 0) and groups of whole runs that
+    divide a stage or are whole stages, operands TMA can read (W, scales and zeros: unit last stride, 16-byte
+    aligned rows)."""
+    m, k = X.shape
+    return (
+        X.is_cuda
+        and torch.version.hip is None
+        and X.dtype == torch.bfloat16
+        and 0 < m <= MAX_M
+        and k % RUN == 0
+        and group_size % RUN == 0
+        and (STAGE_K % group_size == 0 or group_size % STAGE_K == 0)
+        and arch.capability(X.device) == (9, 0)
+        and all(tma_ready(t) for t in (W, scale, zero))
+    )
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype]) if t.dim() == 3 else None
+    if layout is None:  # scales, zeros and sums: read row by row, no swizzle
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=len(block))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def relabelled_activations(X: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X' [K / 64, BM, 64] bf16, sums [scale blocks, BM] fp32) of X [M, K] (any strides): the first kernel."""
+    m, k = X.shape
+    bm = 8 if m <= 8 else 16
+    sb = scale_block(group_size)
+    blocks = launch.cdiv(k, sb)
+    xp = torch.empty((blocks * (sb // RUN), bm, RUN), dtype=torch.bfloat16, device=X.device)
+    sums = torch.empty((blocks, bm), dtype=torch.float32, device=X.device)
+    _activations_kernel[(blocks,)](X, xp, sums, m, k, *X.stride(), BM=bm, SB=sb, num_warps=4)
+    return xp, sums
+
+
+def multiply(xp, sums, W, scale, zero, out, group_size: int):
+    """out [M, N] bf16 (unit column stride) from relabelled_activations' X' and sums, W [N, K / 2], scales and zeros
+    [groups, N]: the second kernel (and split_k's reduction where K is split)."""
+    (m, n), k, bm = out.shape, 2 * W.shape[1], xp.shape[1]
+    # W as [K / 64, N, 32]: a run's 32 bytes of each row (whole, K % 64 == 0), four runs a box.
+    w3 = W.as_strided((k // RUN, n, RUN // 2), (RUN // 2, W.stride(0), 1))
+    groups_per_stage = max(1, STAGE_K // group_size)
+    descs = (
+        _descriptor(w3, [STAGE_K // RUN, BLOCK_N, RUN // 2]),
+        _descriptor(xp, [STAGE_K // RUN, bm, RUN]),
+        _descriptor(scale, [groups_per_stage, BLOCK_N]),
+        _descriptor(zero, [groups_per_stage, BLOCK_N]),
+        _descriptor(sums, [STAGE_K // scale_block(group_size), bm]),
+    )
+    total_stages = launch.cdiv(k, STAGE_K)
+    tiles = launch.cdiv(n, BLOCK_N)
+    # About one program per SM; a split keeps at least 4 stages.
+    splits = max(1, min(arch.sm_count(out.device) // tiles, total_stages // 4))
+    per_split = launch.cdiv(total_stages, splits)
+    splits = launch.cdiv(total_stages, per_split)
+    c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    _int4_decode_kernel[(tiles, splits)](
+        *descs, c, m, n, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
+        GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if splits > 1:
+        splitk_reduce(c, out)
+    return out
+
+
+def run(X, W, scale, zero, out, group_size: int):
+    """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] with scales and zeros [groups, N]; see the
+    module docstring and supports()."""
+    xp, sums = relabelled_activations(X, group_size)
+    return multiply(xp, sums, W, scale, zero, out, group_size)
