@@ -361,26 +361,25 @@ def test_bad_grouped_input():
         g.bf16i4bf16_shuffled_grouped(x[0], w[0], scale, zero, torch.tensor([1, 0]))
 
 
-@pytest.mark.parametrize(("m", "k", "gs"), [(1, 64, 64), (5, 320, 128), (16, 512, 512), (9, 1024, 256)])
-def test_decode_relabelling(m, k, gs):
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 320), (16, 512), (9, 1024)])
+def test_decode_relabelling(m, k):
     """int4_decode_hopper's two sides of the relabelled K agree: the weights' operand as its `_relabelled` builds it
     (the nibbles (j, j + 4) of word b // 4 at byte b, then its join, reshape and permute, replayed here on the biased
     values 136 + q) times X' of the first kernel (interpreted on a CPU) is X · (136 + q)ᵀ; X' is zero past M and K,
-    and the sums are X's per scale block."""
+    and the sums are X's per run of 64 k."""
     d = g.int4_decode_hopper
     x = testing.randn(m, k, 2, dtype=torch.bfloat16, device=DEVICE)[..., 0]  # strided along K
-    xp, sums = d.relabelled_activations(x, gs)
+    xp, sums = d.relabelled_activations(x)
     biased = 136 + g.unpack_int4(g.random_int4(24, k, device=DEVICE), shuffled=False).double()
     runs = biased.unflatten(-1, (-1, 32, 2))  # [24, runs, byte, nibble]: a run's 64 k as its 32 bytes
     b = torch.arange(32, device=DEVICE)
     word_k = runs.flatten(-2)[..., 8 * (b // 4)[:, None] + (b % 4)[:, None] + torch.tensor([0, 4], device=DEVICE)]
     operand = word_k.reshape(24, -1, 2, 4, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(24, -1, 64)
     bm = xp.shape[1]
-    assert xp.shape[1:] == (bm, 64) and not xp[:, m:].any() and not xp[k // 64 :].any()  # zero past M and K
-    products = torch.einsum("nrt,rmt->mn", operand, xp[: k // 64, :m].double())
+    assert xp.shape == (k // 64, bm, 64) and not xp[:, m:].any()
+    products = torch.einsum("nrt,rmt->mn", operand, xp[:, :m].double())
     torch.testing.assert_close(products, x.double() @ biased.T, rtol=1e-12, atol=1e-9)
-    size = min(gs, 256)
-    expected_sums = torch.nn.functional.pad(x.double(), (0, -k % size)).unflatten(-1, (-1, size)).sum(-1).T
+    expected_sums = x.double().unflatten(-1, (-1, 64)).sum(-1).T
     torch.testing.assert_close(sums[:, :m].double(), expected_sums, rtol=1e-5, atol=1e-4)
     assert not sums[:, m:].any()
 

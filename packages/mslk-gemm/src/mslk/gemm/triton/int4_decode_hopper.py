@@ -9,7 +9,7 @@ step moving the group scales between layouts through shared memory). Here:
 - K is relabelled within each run of 64 k, so that a thread's mma.sync operand pairs are the nibbles (j, j + 4) of
   the 32-bit words it reads (ldmatrix, as int8 operands): one LOP3 on the word shifted by 4j makes the bf16 pair
   128 + u of both (1.75 instructions a pair, no byte shuffles). `_activations_kernel` (Triton) first writes X in the
-  same order, X' [K / 64, BM, 64] (rows past M zero), and the sums of X over each scale block (S).
+  same order, X' [K / 64, BM, 64] (rows past M zero), and the sums of X over each run (S).
 - The products multiply the biased weights 136 + q (exact in bf16); each scale block's scale and zero apply to
   them in fp32 (acc += s · P + (z − 136 s) · S), so the dequantization is exact.
 - Warp-specialized: one warp loads each stage (256 k: W's 128 bytes of 64 weight rows, X', scales, zeros and sums)
@@ -48,11 +48,6 @@ _RUN = gl.constexpr(RUN)  # the same, for the kernels
 _STAGE_K = gl.constexpr(STAGE_K)
 
 
-def scale_block(group_size: int) -> int:
-    """k per scale block: the group, or a stage's k of a group that spans several stages."""
-    return min(group_size, STAGE_K)
-
-
 @triton.jit
 def _real_k(t):
     """The real k (within its 64-k run) of the kernel's k index t: see the module docstring."""
@@ -61,17 +56,16 @@ def _real_k(t):
 
 
 @triton.jit
-def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr, SB: tl.constexpr):
-    """One scale block of SB k: X'[b, m, t] = X[m, 64 b + real(t)] for its runs b (zero past M and K) and
-    sums[block, m] = Σ_k X[m, k] over the block's k (fp32; zero past M)."""
-    block = tl.program_id(0)
+def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr):
+    """One run of 64 k: X'[run, m, t] = X[m, 64 run + real(t)] (zero past M and K) and sums[run, m] = Σ_k X[m, k]
+    over the run's k (fp32)."""
+    run = tl.program_id(0)
     rows = tl.arange(0, BM)[:, None]
-    t = tl.arange(0, SB)[None, :]
-    k = block * SB + (t // 64) * 64 + _real_k(t % 64)
+    t = tl.arange(0, 64)[None, :]
+    k = run * 64 + _real_k(t)
     x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
-    runs = block * (SB // 64) + t // 64
-    tl.store(xp_ptr + (runs * BM + rows) * 64 + t % 64, x)
-    tl.store(sums_ptr + block * BM + tl.arange(0, BM), tl.sum(x.to(tl.float32), axis=1))
+    tl.store(xp_ptr + (run * BM + rows) * 64 + t, x)
+    tl.store(sums_ptr + run * BM + tl.arange(0, BM), tl.sum(x.to(tl.float32), axis=1))
 
 
 @gluon.jit
@@ -109,7 +103,6 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
     """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
     warps have released the stage loaded there before."""
     SLOTS: gl.constexpr = w_bufs.shape[0]
-    SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE
     off_n = gl.program_id(0) * w_desc.block_type.shape[1]
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
               + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
@@ -124,7 +117,7 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
         tma.async_copy_global_to_shared(x_desc, [k // _RUN, 0, 0], bar, x_bufs.index(slot))
         tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
         tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
-        tma.async_copy_global_to_shared(sums_desc, [k // SB, 0], bar, sums_bufs.index(slot))
+        tma.async_copy_global_to_shared(sums_desc, [k // _RUN, 0], bar, sums_bufs.index(slot))
 
 
 @gluon.jit
@@ -136,9 +129,8 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
     BM: gl.constexpr = x_tiles.shape[1]
     RUNS: gl.constexpr = _STAGE_K // _RUN
     SLOTS: gl.constexpr = w_tiles.shape[0] // RUNS
-    SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE
+    SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE  # k a scale block: a group, or a stage
     GROUPS: gl.constexpr = s_rows.shape[0] // SLOTS  # rows of scales (and zeros) a stage
-    BLOCKS: gl.constexpr = _STAGE_K // SB  # rows of sums a stage
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8]
     )
@@ -152,18 +144,19 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
         slot = i % SLOTS
         mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
         product = gl.zeros([BN, BM], gl.float32, mma_layout)
+        sums = gl.zeros([BM], gl.float32, token_layout)
         for run in gl.static_range(RUNS):
             a = _relabelled(w_tiles.index(slot * RUNS + run).load(byte_layout), a_layout)
             b = x_tiles.index(slot * RUNS + run).permute((1, 0)).load(b_layout)
             product = mma_v2(a, b, product)
+            sums += sums_rows.index(slot * RUNS + run).load(token_layout)
             if (run + 1) * _RUN % SB == 0:  # the end of a scale block
-                block = ((run + 1) * _RUN - SB) // SB
-                group = block * SB // GROUP_SIZE
+                group = ((run + 1) * _RUN - SB) // GROUP_SIZE
                 s = s_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
                 z = z_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
-                sums = sums_rows.index(slot * BLOCKS + block).load(token_layout)[None, :]
-                acc = acc + product * s + sums * (z - 136.0 * s)
+                acc = acc + product * s + sums[None, :] * (z - 136.0 * s)
                 product = gl.zeros([BN, BM], gl.float32, mma_layout)
+                sums = gl.zeros([BM], gl.float32, token_layout)
         mbarrier.arrive(empty.index(slot))
     rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=row_layout)
     tokens = gl.arange(0, BM, layout=token_layout)
@@ -181,12 +174,12 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
                         SPLIT: gl.constexpr, LOAD_REGISTERS: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [K / 64, N, 32] in
-    [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), sums [blocks, BM]."""
+    [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), and X's sums [K / 64,
+    BM] (a stage's runs a box)."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
     BN: gl.constexpr = w_desc.block_type.shape[1]
     BM: gl.constexpr = x_desc.block_type.shape[1]
     S_ROWS: gl.constexpr = s_desc.block_type.shape[0]  # groups a stage (of scales and of zeros)
-    SUMS_ROWS: gl.constexpr = sums_desc.block_type.shape[0]  # scale blocks a stage
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, RUNS, BN, _RUN // 2], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, RUNS, BM, _RUN], x_desc.layout)
     # The same bytes as [SLOTS · RUNS, rows, width] tiles: the boxes' leading dim only stacks tiles of one swizzle.
@@ -198,12 +191,13 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     x_tiles = x_bufs._reinterpret(x_desc.dtype, [SLOTS * RUNS, BM, _RUN], x_tile_layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [SLOTS, S_ROWS, BN], s_desc.layout)
     z_bufs = gl.allocate_shared_memory(z_desc.dtype, [SLOTS, S_ROWS, BN], z_desc.layout)
-    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, SUMS_ROWS, BM], sums_desc.layout)
-    # The same as rows of a stage's scales, zeros and sums after another, for the multiplying warps.
+    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, RUNS, BM], sums_desc.layout)
+    # The same as rows of a stage's scales, zeros and sums after another, for the multiplying warps. Each TMA box
+    # is at least 128 bytes, so that each slot's box starts 128-byte aligned, as TMA needs.
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     s_rows = s_bufs._reinterpret(s_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
     z_rows = z_bufs._reinterpret(z_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
-    sums_rows = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS * SUMS_ROWS, BM], rows_layout)
+    sums_rows = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS * RUNS, BM], rows_layout)
     ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage has landed
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage was read
     for i in gl.static_range(SLOTS):
@@ -250,15 +244,14 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def relabelled_activations(X: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X' [K / 64, BM, 64] bf16, sums [scale blocks, BM] fp32) of X [M, K] (any strides): the first kernel."""
+def relabelled_activations(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X' [runs, BM, 64] bf16, sums [runs, BM] fp32) of X [M, K] (any strides): the first kernel."""
     m, k = X.shape
     bm = 8 if m <= 8 else 16
-    sb = scale_block(group_size)
-    blocks = launch.cdiv(k, sb)
-    xp = torch.empty((blocks * (sb // RUN), bm, RUN), dtype=torch.bfloat16, device=X.device)
-    sums = torch.empty((blocks, bm), dtype=torch.float32, device=X.device)
-    _activations_kernel[(blocks,)](X, xp, sums, m, k, *X.stride(), BM=bm, SB=sb, num_warps=4)
+    runs = launch.cdiv(k, RUN)
+    xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
+    sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
+    _activations_kernel[(runs,)](X, xp, sums, m, k, *X.stride(), BM=bm, num_warps=4)
     return xp, sums
 
 
@@ -274,7 +267,7 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
         _descriptor(xp, [STAGE_K // RUN, bm, RUN]),
         _descriptor(scale, [groups_per_stage, BLOCK_N]),
         _descriptor(zero, [groups_per_stage, BLOCK_N]),
-        _descriptor(sums, [STAGE_K // scale_block(group_size), bm]),
+        _descriptor(sums, [STAGE_K // RUN, bm]),
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
@@ -295,5 +288,5 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
 def run(X, W, scale, zero, out, group_size: int):
     """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] with scales and zeros [groups, N]; see the
     module docstring and supports()."""
-    xp, sums = relabelled_activations(X, group_size)
+    xp, sums = relabelled_activations(X)
     return multiply(xp, sums, W, scale, zero, out, group_size)
