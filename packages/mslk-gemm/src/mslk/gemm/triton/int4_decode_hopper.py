@@ -32,10 +32,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.split_k import splitk_reduce
+from mslk.gemm.triton.split_k import dependent_launch, splitk_reduce
 
 MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
@@ -56,9 +57,13 @@ def _real_k(t):
 
 
 @triton.jit
-def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr):
+def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr,
+                        DEPENDENT: tl.constexpr):  # fmt: skip
     """One run of 64 k: X'[run, m, t] = X[m, 64 run + real(t)] (zero past M and K) and sums[run, m] = Σ_k X[m, k]
-    over the run's k (fp32)."""
+    over the run's k (fp32). DEPENDENT: the multiplying kernel, launched as its dependent, may take its places at
+    once (it waits on the GPU for this kernel's writes)."""
+    if DEPENDENT:
+        gdc_launch_dependents()
     run = tl.program_id(0)
     rows = tl.arange(0, BM)[:, None]
     t = tl.arange(0, 64)[None, :]
@@ -99,11 +104,13 @@ def _relabelled(packed, a_layout: gl.constexpr):
 
 @gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs, ready,
-                    empty, first_stage, stages, GROUP_SIZE: gl.constexpr):  # fmt: skip
+                    empty, first_stage, stages, GROUP_SIZE: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
     warps have released the stage loaded there before."""
     SLOTS: gl.constexpr = w_bufs.shape[0]
     off_n = gl.program_id(0) * w_desc.block_type.shape[1]
+    if DEPENDENT:  # launched as a dependent of the activations' kernel: its writes are complete past this wait
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
               + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
     for i in range(stages):
@@ -171,7 +178,7 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
 @gluon.jit
 def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, stride_cs, stride_cm,
                         stages_per_split, total_stages, GROUP_SIZE: gl.constexpr, SLOTS: gl.constexpr,
-                        SPLIT: gl.constexpr, LOAD_REGISTERS: gl.constexpr):  # fmt: skip
+                        SPLIT: gl.constexpr, LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [K / 64, N, 32] in
     [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), and X's sums [K / 64,
@@ -210,7 +217,7 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
             (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_ptr, M, N, stride_cs,
                               stride_cm, stages, GROUP_SIZE, SPLIT)),
             (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
-                               ready, empty, first_stage, stages, GROUP_SIZE)),
+                               ready, empty, first_stage, stages, GROUP_SIZE, DEPENDENT)),
         ],
         [1],
         [LOAD_REGISTERS],
@@ -251,7 +258,9 @@ def relabelled_activations(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     runs = launch.cdiv(k, RUN)
     xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
     sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
-    _activations_kernel[(runs,)](X, xp, sums, m, k, *X.stride(), BM=bm, num_warps=4)
+    _activations_kernel[(runs,)](
+        X, xp, sums, m, k, *X.stride(), BM=bm, DEPENDENT=dependent_launch(X.device), num_warps=4
+    )
     return xp, sums
 
 
@@ -276,9 +285,11 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     per_split = launch.cdiv(total_stages, splits)
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    dependent = dependent_launch(out.device)
     _int4_decode_kernel[(tiles, splits)](
         *descs, c, m, n, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
-        GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
+        GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent,
+        num_warps=NUM_WARPS, launch_pdl=dependent,
     )  # fmt: skip
     if splits > 1:
         splitk_reduce(c, out)
