@@ -42,9 +42,10 @@ MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
 RUN = 64  # k per relabelled run: one mma_v2 call
 STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
-STAGES = 6  # 6 · (8 KiB of weights + 8 KiB of activations) + scales
+STAGES = 4  # 4 · (8 KiB of weights + 8 KiB of activations) + scales
 NUM_WARPS = 4  # the multiplying warps; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
+PROGRAMS_PER_SM = 1
 _RUN = gl.constexpr(RUN)  # the same, for the kernels
 _STAGE_K = gl.constexpr(STAGE_K)
 
@@ -103,27 +104,40 @@ def _relabelled(packed, a_layout: gl.constexpr):
 
 
 @gluon.jit
+def _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, off_n, GROUP_SIZE: gl.constexpr):
+    """A stage's weights, scales and zeros (k on), onto its slot's barrier."""
+    tma.async_copy_global_to_shared(w_desc, [k // _RUN, off_n, 0], bar, w_bufs.index(slot))
+    tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
+    tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
+
+
+@gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs, ready,
                     empty, first_stage, stages, GROUP_SIZE: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
-    warps have released the stage loaded there before."""
+    warps have released the stage loaded there before. DEPENDENT (launched as a dependent of the activations'
+    kernel, which is itself launched after all work before it): the first turn's weights load at once, X' and the
+    sums after the wait for that kernel's writes."""
     SLOTS: gl.constexpr = w_bufs.shape[0]
-    off_n = gl.program_id(0) * w_desc.block_type.shape[1]
-    if DEPENDENT:  # launched as a dependent of the activations' kernel: its writes are complete past this wait
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
-              + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
+                            + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
+    off_n = gl.program_id(0) * w_desc.block_type.shape[1]
+    first_turn = gl.minimum(stages, SLOTS)
+    for i in range(first_turn):  # fresh slots: no wait
+        mbarrier.expect(ready.index(i), NBYTES)
+        k = (first_stage + i) * _STAGE_K
+        _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, ready.index(i), i, k, off_n, GROUP_SIZE)
+    if DEPENDENT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     for i in range(stages):
         slot = i % SLOTS
-        # A fresh barrier counts its phase before the first as complete: the first turn finds the slots free.
-        mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
         bar = ready.index(slot)
-        mbarrier.expect(bar, NBYTES)
         k = (first_stage + i) * _STAGE_K
-        tma.async_copy_global_to_shared(w_desc, [k // _RUN, off_n, 0], bar, w_bufs.index(slot))
+        if i >= SLOTS:
+            mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
+            mbarrier.expect(bar, NBYTES)
+            _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, off_n, GROUP_SIZE)
         tma.async_copy_global_to_shared(x_desc, [k // _RUN, 0, 0], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
-        tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
         tma.async_copy_global_to_shared(sums_desc, [k // _RUN, 0], bar, sums_bufs.index(slot))
 
 
@@ -280,8 +294,8 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
-    # About one program per SM; a split keeps at least 4 stages.
-    splits = max(1, min(arch.sm_count(out.device) // tiles, total_stages // 4))
+    # About PROGRAMS_PER_SM programs per SM; a split keeps at least 4 stages.
+    splits = max(1, min(PROGRAMS_PER_SM * arch.sm_count(out.device) // tiles, total_stages // 4))
     per_split = launch.cdiv(total_stages, splits)
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
