@@ -70,6 +70,10 @@ def int4_calls():
                                                 w_scale=torch.rand(n)),
         "plain_m1024_gluon": lambda: g.int4_hopper.run(torch.randn(1024, k).bfloat16(), w, s, s,
                                                        torch.empty(1024, n).bfloat16(), 128),
+        # The decode kernel (its first kernel, the relabelled activations, runs first elsewhere: given here).
+        "plain_m16_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 16, 64).bfloat16(),
+                                                                       torch.randn(k // 64, 16), w, s, s,
+                                                                       torch.empty(16, n).bfloat16(), 128),
         "grouped": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
                                           s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
                                           torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16()),
@@ -142,7 +146,15 @@ for name, call in calls.items():
 SUITES = {
     "int4": (
         "mslk.gemm",
-        ["plain_m64", "plain_m1024", "plain_m1024_gluon", "shuffled_m1024", "table_m1024", "grouped"],
+        [
+            "plain_m64",
+            "plain_m1024",
+            "plain_m1024_gluon",
+            "plain_m16_gluon_decode",
+            "shuffled_m1024",
+            "table_m1024",
+            "grouped",
+        ],
     ),
     "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
     "gemm": (
@@ -182,7 +194,11 @@ def compiled(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("suite", "kernel"), KERNELS)
+# Kernels on mma.sync (operands in registers are read when the instruction issues): no warpgroup MMA to race.
+MMA_SYNC = {("int4", "plain_m16_gluon_decode")}
+
+
+@pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in MMA_SYNC])
 def test_no_register_race(compiled, suite, kernel):
     sass = compiled(suite) / f"{kernel}.sass"
     done = subprocess.run([sys.executable, str(TOOLS / "wgmma_hazards.py"), str(sass)], capture_output=True, text=True)

@@ -42,10 +42,9 @@ MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
 RUN = 64  # k per relabelled run: one mma_v2 call
 STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
-STAGES = 4  # 4 · (8 KiB of weights + 8 KiB of activations) + scales
+STAGES = 4  # 4 · (8 KiB of weights + 8 KiB of activations) + scales; 3, 5, 6 and 8 measured slower (RESULTS.md)
 NUM_WARPS = 4  # the multiplying warps; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
-PROGRAMS_PER_SM = 1
 _RUN = gl.constexpr(RUN)  # the same, for the kernels
 _STAGE_K = gl.constexpr(STAGE_K)
 
@@ -294,8 +293,9 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
-    # About PROGRAMS_PER_SM programs per SM; a split keeps at least 4 stages.
-    splits = max(1, min(PROGRAMS_PER_SM * arch.sm_count(out.device) // tiles, total_stages // 4))
+    # About one program per SM (two, with twice the splits, measured 15-20% slower on the H200 at 16 x 8192 x 8192);
+    # a split keeps at least 4 stages.
+    splits = max(1, min(arch.sm_count(out.device) // tiles, total_stages // 4))
     per_split = launch.cdiv(total_stages, splits)
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out

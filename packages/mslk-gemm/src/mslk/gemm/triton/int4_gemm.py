@@ -28,9 +28,10 @@ go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic 
 fp32 products, once per output element a step. The tiles come through TMA descriptors where TMA can read X and
 W (zeros past their edges), else through pointers. Small M (decode) splits K over more programs: each writes fp32
 partial sums to a workspace and a second kernel (split_k.py), a dependent of the first where the GPU can (Hopper),
-adds them in split order (deterministic) into bf16. On Hopper, prefill shapes of the plain bf16 format (M >=
-int4_hopper.MIN_M, whole 64-k steps) run int4_hopper.py's Gluon kernel instead, which dequantizes a step's weights
-while the step before it multiplies.
+adds them in split order (deterministic) into bf16. On Hopper, the plain bf16 format has two Gluon kernels: decode
+(M <= int4_decode_hopper.MAX_M) runs int4_decode_hopper.py's, over K relabelled so that a nibble pair takes one
+instruction, and prefill (M >= int4_hopper.MIN_M, whole 64-k steps) int4_hopper.py's, which dequantizes a step's
+weights while the step before it multiplies.
 """
 
 from __future__ import annotations
