@@ -43,10 +43,13 @@ BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
 RUN = 64  # k per relabelled run: one mma_v2 call
 STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
 STAGES = 4  # 4 · (8 KiB of weights + 8 KiB of activations) + scales; 3, 5, 6 and 8 measured slower (RESULTS.md)
-NUM_WARPS = 4  # the multiplying warps; the loading warp comes on top
+NUM_WARPS = 4  # the multiplying warps of a K group; the loading warp comes on top
+KGROUPS = 2  # groups of multiplying warps, taking the stages in turn
+MMA_REGISTERS = 240  # per thread of the K groups but the first (setmaxnreg)
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
 _RUN = gl.constexpr(RUN)  # the same, for the kernels
 _STAGE_K = gl.constexpr(STAGE_K)
+_KGROUPS = gl.constexpr(KGROUPS)
 
 
 @triton.jit
@@ -141,10 +144,13 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
 
 
 @gluon.jit
-def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_ptr, M, N, stride_cs, stride_cm,
-                   stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
-    """The multiplying warps: each stage's four runs (one mma.sync product each), the scales applied per scale
-    block, then the tile's output (bf16, or fp32 partial sums into the split's slice of the workspace)."""
+def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr, M, N,
+                   stride_cs, stride_cm, stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+                   KGROUP: gl.constexpr):  # fmt: skip
+    """A group of multiplying warps (KGROUP of KGROUPS): every KGROUPS-th stage from KGROUP on, each stage's four runs
+    (one mma.sync product each), the scales applied per scale block. Then the groups' sums meet in group 0
+    (`partial`), which writes the tile's output (bf16, or fp32 partial sums into the split's slice of the
+    workspace)."""
     BN: gl.constexpr = w_tiles.shape[1]
     BM: gl.constexpr = x_tiles.shape[1]
     RUNS: gl.constexpr = _STAGE_K // _RUN
@@ -160,7 +166,7 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     token_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     acc = gl.zeros([BN, BM], gl.float32, mma_layout)
-    for i in range(stages):
+    for i in range(KGROUP, stages, _KGROUPS):
         slot = i % SLOTS
         mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
         product = gl.zeros([BN, BM], gl.float32, mma_layout)
@@ -178,6 +184,13 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
                 product = gl.zeros([BN, BM], gl.float32, mma_layout)
                 sums = gl.zeros([BM], gl.float32, token_layout)
         mbarrier.arrive(empty.index(slot))
+    if KGROUP != 0:
+        partial.index(KGROUP - 1).store(acc)
+        mbarrier.arrive(partial_ready.index(KGROUP - 1))
+        return
+    for other in gl.static_range(_KGROUPS - 1):
+        mbarrier.wait(partial_ready.index(other), 0)
+        acc += partial.index(other).load(mma_layout)
     rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=row_layout)
     tokens = gl.arange(0, BM, layout=token_layout)
     ptrs = c_ptr + gl.program_id(1) * stride_cs + tokens[None, :] * stride_cm + rows[:, None]
@@ -191,7 +204,8 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_
 @gluon.jit
 def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, stride_cs, stride_cm,
                         stages_per_split, total_stages, GROUP_SIZE: gl.constexpr, SLOTS: gl.constexpr,
-                        SPLIT: gl.constexpr, LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
+                        SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr, MMA_REGISTERS: gl.constexpr,
+                        LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [K / 64, N, 32] in
     [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), and X's sums [K / 64,
@@ -223,17 +237,25 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    # The K groups' sums but the first's, for it to add: [KGROUPS - 1, BN, BM] fp32 and their barriers.
+    partial_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    partial = gl.allocate_shared_memory(gl.float32, [_KGROUPS - 1, BN, BM], partial_layout)
+    partial_ready = gl.allocate_shared_memory(gl.int64, [_KGROUPS - 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_KGROUPS - 1):
+        mbarrier.init(partial_ready.index(i), count=1)
     first_stage = gl.program_id(1) * stages_per_split
     stages = gl.minimum(stages_per_split, total_stages - first_stage)
     gl.warp_specialize(
         [
-            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, c_ptr, M, N, stride_cs,
-                              stride_cm, stages, GROUP_SIZE, SPLIT)),
+            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+                              M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 0)),
+            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+                              M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 1)),
             (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
                                ready, empty, first_stage, stages, GROUP_SIZE, DEPENDENT)),
         ],
-        [1],
-        [LOAD_REGISTERS],
+        [NUM_WARPS, 1],
+        [MMA_REGISTERS, LOAD_REGISTERS],
     )  # fmt: skip
 
 
@@ -302,8 +324,8 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     dependent = dependent_launch(out.device)
     _int4_decode_kernel[(tiles, splits)](
         *descs, c, m, n, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
-        GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent,
-        num_warps=NUM_WARPS, launch_pdl=dependent,
+        GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, NUM_WARPS=NUM_WARPS, MMA_REGISTERS=MMA_REGISTERS,
+        LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
     )  # fmt: skip
     if splits > 1:
         splitk_reduce(c, out)
