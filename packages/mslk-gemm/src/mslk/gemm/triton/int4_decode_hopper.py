@@ -42,7 +42,7 @@ MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
 RUN = 64  # k per relabelled run: one mma_v2 call
 STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
-STAGES = 4  # 4 · (8 KiB of weights + 8 KiB of activations) + scales; 3, 5, 6 and 8 measured slower (RESULTS.md)
+STAGES = 6  # 6 · (8 KiB of weights + 8 KiB of activations) + scales; 3, 5, 6 and 8 measured slower (RESULTS.md)
 NUM_WARPS = 4  # the multiplying warps of a K group; the loading warp comes on top
 KGROUPS = 2  # groups of multiplying warps, taking the stages in turn
 MMA_REGISTERS = 240  # per thread of the K groups but the first (setmaxnreg)
@@ -108,7 +108,7 @@ def _relabelled(packed, a_layout: gl.constexpr):
 @gluon.jit
 def _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, off_n, GROUP_SIZE: gl.constexpr):
     """A stage's weights, scales and zeros (k on), onto its slot's barrier."""
-    tma.async_copy_global_to_shared(w_desc, [k // _RUN, off_n, 0], bar, w_bufs.index(slot))
+    tma.async_copy_global_to_shared(w_desc, [off_n, k // 2], bar, w_bufs.index(slot))
     tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
     tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
 
@@ -123,7 +123,7 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
     SLOTS: gl.constexpr = w_bufs.shape[0]
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
                             + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
-    off_n = gl.program_id(0) * w_desc.block_type.shape[1]
+    off_n = gl.program_id(0) * w_desc.block_type.shape[0]
     first_turn = gl.minimum(stages, SLOTS)
     for i in range(first_turn):  # fresh slots: no wait
         mbarrier.expect(ready.index(i), NBYTES)
@@ -144,17 +144,17 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
 
 
 @gluon.jit
-def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr, M, N,
+def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr, M, N,
                    stride_cs, stride_cm, stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr,
                    KGROUP: gl.constexpr):  # fmt: skip
     """A group of multiplying warps (KGROUP of KGROUPS): every KGROUPS-th stage from KGROUP on, each stage's four runs
     (one mma.sync product each), the scales applied per scale block. Then the groups' sums meet in group 0
     (`partial`), which writes the tile's output (bf16, or fp32 partial sums into the split's slice of the
     workspace)."""
-    BN: gl.constexpr = w_tiles.shape[1]
+    BN: gl.constexpr = w_bufs.shape[1]
     BM: gl.constexpr = x_tiles.shape[1]
     RUNS: gl.constexpr = _STAGE_K // _RUN
-    SLOTS: gl.constexpr = w_tiles.shape[0] // RUNS
+    SLOTS: gl.constexpr = w_bufs.shape[0]
     SB: gl.constexpr = _STAGE_K if GROUP_SIZE > _STAGE_K else GROUP_SIZE  # k a scale block: a group, or a stage
     GROUPS: gl.constexpr = s_rows.shape[0] // SLOTS  # rows of scales (and zeros) a stage
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -172,7 +172,7 @@ def _mma_partition(w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, pa
         product = gl.zeros([BN, BM], gl.float32, mma_layout)
         sums = gl.zeros([BM], gl.float32, token_layout)
         for run in gl.static_range(RUNS):
-            a = _relabelled(w_tiles.index(slot * RUNS + run).load(byte_layout), a_layout)
+            a = _relabelled(w_bufs.index(slot).slice(run * (_RUN // 2), _RUN // 2, dim=1).load(byte_layout), a_layout)
             b = x_tiles.index(slot * RUNS + run).permute((1, 0)).load(b_layout)
             product = mma_v2(a, b, product)
             sums += sums_rows.index(slot * RUNS + run).load(token_layout)
@@ -211,17 +211,14 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), and X's sums [K / 64,
     BM] (a stage's runs a box)."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
-    BN: gl.constexpr = w_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     BM: gl.constexpr = x_desc.block_type.shape[1]
     S_ROWS: gl.constexpr = s_desc.block_type.shape[0]  # groups a stage (of scales and of zeros)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, RUNS, BN, _RUN // 2], w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, BN, _STAGE_K // 2], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, RUNS, BM, _RUN], x_desc.layout)
     # The same bytes as [SLOTS · RUNS, rows, width] tiles: the boxes' leading dim only stacks tiles of one swizzle.
-    w_tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width,
-                                                       element_bitwidth=8, rank=2)  # fmt: skip
     x_tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=x_desc.layout.swizzle_byte_width,
                                                        element_bitwidth=16, rank=2)  # fmt: skip
-    w_tiles = w_bufs._reinterpret(w_desc.dtype, [SLOTS * RUNS, BN, _RUN // 2], w_tile_layout)
     x_tiles = x_bufs._reinterpret(x_desc.dtype, [SLOTS * RUNS, BM, _RUN], x_tile_layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [SLOTS, S_ROWS, BN], s_desc.layout)
     z_bufs = gl.allocate_shared_memory(z_desc.dtype, [SLOTS, S_ROWS, BN], z_desc.layout)
@@ -247,9 +244,9 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     stages = gl.minimum(stages_per_split, total_stages - first_stage)
     gl.warp_specialize(
         [
-            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
                               M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 0)),
-            (_mma_partition, (w_tiles, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
                               M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 1)),
             (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
                                ready, empty, first_stage, stages, GROUP_SIZE, DEPENDENT)),
@@ -280,8 +277,9 @@ def supports(X: torch.Tensor, W: torch.Tensor, scale: torch.Tensor, zero: torch.
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype]) if t.dim() == 3 else None
-    if layout is None:  # scales, zeros and sums: read row by row, no swizzle
+    swizzled = t.dim() == 3 or t.dtype == torch.int8  # X' and W; scales, zeros and sums are read row by row
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype]) if swizzled else None
+    if layout is None:
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=len(block))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
@@ -303,11 +301,9 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     """out [M, N] bf16 (unit column stride) from relabelled_activations' X' and sums, W [N, K / 2], scales and zeros
     [groups, N]: the second kernel (and split_k's reduction where K is split)."""
     (m, n), k, bm = out.shape, 2 * W.shape[1], xp.shape[1]
-    # W as [K / 64, N, 32]: a run's 32 bytes of each row (whole, K % 64 == 0), four runs a box.
-    w3 = W.as_strided((k // RUN, n, RUN // 2), (RUN // 2, W.stride(0), 1))
     groups_per_stage = max(1, STAGE_K // group_size)
     descs = (
-        _descriptor(w3, [STAGE_K // RUN, BLOCK_N, RUN // 2]),
+        _descriptor(W, [BLOCK_N, STAGE_K // 2]),
         _descriptor(xp, [STAGE_K // RUN, bm, RUN]),
         _descriptor(scale, [groups_per_stage, BLOCK_N]),
         _descriptor(zero, [groups_per_stage, BLOCK_N]),
