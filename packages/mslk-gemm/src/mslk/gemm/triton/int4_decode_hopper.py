@@ -12,10 +12,16 @@ step moving the group scales between layouts through shared memory). Here:
   same order, X' [K / 64, BM, 64] (rows past M zero), and the sums of X over each run (S).
 - The products multiply the biased weights 136 + q (exact in bf16); each scale block's scale and zero apply to
   them in fp32 (acc += s · P + (z − 136 s) · S), so the dequantization is exact.
-- Warp-specialized: one warp loads each stage (256 k: W's 128 bytes of 64 weight rows, X', scales, zeros and sums)
-  through TMA into a ring; four warps multiply, 16 weight rows each, with no CTA barrier in the loop.
+- Warp-specialized: one warp loads each stage (256 k: W's 128 contiguous bytes of 64 weight rows in one box, X',
+  scales, zeros and sums) through TMA into a ring; two groups of four warps take the stages in turn (16 weight rows
+  a warp; the second group's sums meet the first's in shared memory at the end), with no CTA barrier in the loop.
+  The multiplying kernel is launched as a dependent of the first, and its first turn of weights loads before it
+  waits for X'.
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
   writes fp32 partial sums that split_k.splitk_reduce adds.
+
+H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth session): 16 x 8192 x 8192 in 15.4-15.5 us against
+19.4 for the Triton kernel; 1 x 8192 x 8192 14.5 against 18.8; 16 x 8192 x 28672 40.4 against 53.0.
 
 The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the real k
 R = 32i + 8c + j + 4h (`_real_k`): thread c of an mma.sync quad holds bytes j of words c and c + 4 (the int8
@@ -42,9 +48,10 @@ MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
 RUN = 64  # k per relabelled run: one mma_v2 call
 STAGE_K = 256  # k per ring stage: four runs, 128 bytes of each weight row
-STAGES = 6  # 6 · (8 KiB of weights + 8 KiB of activations) + scales; 3, 5, 6 and 8 measured slower (RESULTS.md)
+STAGES = 6  # 6 · (8 KiB of weights + 8 KiB of activations) + scales; 4 and 8 measured slower (RESULTS.md)
 NUM_WARPS = 4  # the multiplying warps of a K group; the loading warp comes on top
-KGROUPS = 2  # groups of multiplying warps, taking the stages in turn
+KGROUPS = 2  # groups of multiplying warps taking the stages in turn (1 and 3 measured slower); the ring's slots
+# are a multiple of it
 MMA_REGISTERS = 240  # per thread of the K groups but the first (setmaxnreg)
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
 _RUN = gl.constexpr(RUN)  # the same, for the kernels
@@ -242,6 +249,7 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
         mbarrier.init(partial_ready.index(i), count=1)
     first_stage = gl.program_id(1) * stages_per_split
     stages = gl.minimum(stages_per_split, total_stages - first_stage)
+    gl.static_assert(_KGROUPS == 2 and SLOTS % _KGROUPS == 0, "two K groups below, each with its own slots")
     gl.warp_specialize(
         [
             (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
