@@ -14,7 +14,8 @@ step moving the group scales between layouts through shared memory). Here:
   them in fp32 (acc += s · P + (z − 136 s) · S), so the dequantization is exact.
 - Warp-specialized: one warp loads each stage (256 k: W's 128 contiguous bytes of 64 weight rows in one box, X',
   scales, zeros and sums) through TMA into a ring; two groups of four warps take the stages in turn (16 weight rows
-  a warp; the second group's sums meet the first's in shared memory at the end), with no CTA barrier in the loop.
+  a warp; the second group's sums meet the first's in shared memory at the end), with no CTA-wide barrier in the
+  loop (a group's four warps sync before releasing a stage).
   The multiplying kernel is launched as a dependent of the first, and its first turn of weights loads before it
   waits for X'.
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
@@ -214,9 +215,9 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
                         SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr, MMA_REGISTERS: gl.constexpr,
                         LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
-    (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [K / 64, N, 32] in
-    [4, BN, 32] boxes), scales and zeros [groups, N] (boxes of a stage's groups and BN rows), and X's sums [K / 64,
-    BM] (a stage's runs a box)."""
+    (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
+    128-byte swizzled; a run is a 32-byte column slice of its stage's tile), scales and zeros [groups, N] (boxes of a
+    stage's groups and BN rows), and X's sums [K / 64, BM] (a stage's runs a box)."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BM: gl.constexpr = x_desc.block_type.shape[1]
