@@ -30,8 +30,8 @@ W (zeros past their edges), else through pointers. Small M (decode) splits K ove
 partial sums to a workspace and a second kernel (split_k.py), a dependent of the first where the GPU can (Hopper),
 adds them in split order (deterministic) into bf16. On Hopper, the plain bf16 format has two Gluon kernels: decode
 (M <= int4_decode_hopper.MAX_M) runs int4_decode_hopper.py's, over K relabelled so that a nibble pair takes one
-instruction, and prefill (M >= int4_hopper.MIN_M, whole 64-k steps) int4_hopper.py's, which dequantizes a step's
-weights while the step before it multiplies.
+LOP3 (and part of a shift), and prefill (M >= int4_hopper.MIN_M, whole 64-k steps) int4_hopper.py's, which
+dequantizes a step's weights while the step before it multiplies.
 """
 
 from __future__ import annotations
