@@ -361,25 +361,31 @@ def test_bad_grouped_input():
         g.bf16i4bf16_shuffled_grouped(x[0], w[0], scale, zero, torch.tensor([1, 0]))
 
 
-@pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 320), (16, 512), (9, 1024)])
-def test_decode_relabelling(m, k):
+@pytest.mark.parametrize(
+    ("m", "k", "shuffled"),
+    [(1, 64, False), (5, 320, False), (16, 512, False), (9, 1024, False), (1, 128, True), (16, 384, True),
+     (9, 1024, True)],
+)  # fmt: skip
+def test_decode_relabelling(m, k, shuffled):
     """int4_decode_hopper's two sides of the relabelled K agree: the weights' operand as its `_relabelled` builds it
-    (the nibbles (j, j + 4) of word b // 4 at byte b, then its join, reshape and permute, replayed here on the biased
-    values 136 + q) times X' of the first kernel (interpreted on a CPU) is X · (136 + q)ᵀ; X' is zero past M and K,
-    and the sums are X's per run of 64 k."""
+    from a run's bytes (the nibbles (j, j + 4) of word b // 4 at byte b, then its join, reshape and permute, replayed
+    here on the biased values 136 + q), times X' of the first kernel (interpreted on a CPU), is X · (136 + q)ᵀ with q
+    in the real k order of the plain or preshuffled layout; X' is zero past M, and the sums are X's per run."""
     d = g.int4_decode_hopper
     x = testing.randn(m, k, 2, dtype=torch.bfloat16, device=DEVICE)[..., 0]  # strided along K
-    xp, sums = d.relabelled_activations(x)
-    biased = 136 + g.unpack_int4(g.random_int4(24, k, device=DEVICE), shuffled=False).double()
-    runs = biased.unflatten(-1, (-1, 32, 2))  # [24, runs, byte, nibble]: a run's 64 k as its 32 bytes
+    xp, sums = d.relabelled_activations(x, shuffled)
+    w = g.random_int4(24, k, device=DEVICE)
+    by_byte = 136 + g.unpack_int4(w, shuffled=False).double()  # nibble 2b + h of a row is byte b's low (h = 0) / high
+    runs = by_byte.unflatten(-1, (-1, 32, 2))  # [24, runs, byte, nibble]: a run's 32 bytes
     b = torch.arange(32, device=DEVICE)
     word_k = runs.flatten(-2)[..., 8 * (b // 4)[:, None] + (b % 4)[:, None] + torch.tensor([0, 4], device=DEVICE)]
     operand = word_k.reshape(24, -1, 2, 4, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(24, -1, 64)
     bm = xp.shape[1]
     assert xp.shape == (k // 64, bm, 64) and not xp[:, m:].any()
     products = torch.einsum("nrt,rmt->mn", operand, xp[:, :m].double())
+    biased = 136 + g.unpack_int4(w, shuffled=shuffled).double()  # in real k order
     torch.testing.assert_close(products, x.double() @ biased.T, rtol=1e-12, atol=1e-9)
-    expected_sums = x.double().unflatten(-1, (-1, 64)).sum(-1).T
+    expected_sums = xp[:, :m].double().sum(-1)  # X' is checked above: its runs hold the k they should
     torch.testing.assert_close(sums[:, :m].double(), expected_sums, rtol=1e-5, atol=1e-4)
     assert not sums[:, m:].any()
 
@@ -464,23 +470,39 @@ def test_decode_kernel(m, n, k, gs, scale_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("m", "k", "gs", "gluon"),
-    [(16, 1024, 128, True), (17, 1024, 128, False), (1, 1056, 32, False), (4, 1536, 192, False),
-     (2, 1024, 128, False)],
+    ("m", "n", "k", "gs"), [(1, 64, 128, 128), (16, 8192, 8192, 128), (9, 1000, 4096, 512), (13, 4104, 2304, 256)]
+)
+def test_decode_kernel_shuffled(m, n, k, gs):
+    """The decode kernel on preshuffled weights (its first kernel orders X by their layout; the rest is the same)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    x, w, scale, zero = bf16_inputs(m=m, n=n, k=k, gs=gs, device="cuda")
+    assert g.int4_decode_hopper.supports(x, w, scale, zero, gs, shuffled=True)
+    out = testing.empty_poisoned(m, n, dtype=torch.bfloat16, device="cuda")
+    out = g.int4_decode_hopper.run(x, w, scale, zero, out, gs, shuffled=True)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=True)), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shuffled", "m", "k", "gs", "gluon"),
+    [(False, 16, 1024, 128, True), (False, 17, 1024, 128, False), (False, 1, 1056, 32, False),
+     (False, 4, 1536, 192, False), (False, 2, 1024, 128, False), (True, 16, 1024, 128, True),
+     (True, 17, 1024, 128, False), (True, 1, 1024, 64, False), (True, 2, 1024, 128, False)],
 )  # fmt: skip
-def test_decode_kernel_dispatch(m, k, gs, gluon, monkeypatch):
-    """bf16i4bf16_rowwise takes the Gluon decode kernel on sm_90 GPUs up to MAX_M rows, for whole runs of 64 k,
-    groups that divide a stage or are whole stages and scale rows TMA can read; the Triton kernel serves the rest
-    (the last case: N = 260, bf16 scale rows of 520 bytes)."""
+def test_decode_kernel_dispatch(shuffled, m, k, gs, gluon, monkeypatch):
+    """bf16i4bf16_rowwise and _shuffled take the Gluon decode kernel on sm_90 GPUs up to MAX_M rows, for whole runs
+    (64 k; preshuffled: blocks of 128 k), groups of whole runs (blocks) that divide a stage or are whole stages, and
+    scale rows TMA can read; the Triton kernel serves the rest (M = 2: N = 260, bf16 scale rows of 520 bytes)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
     d = g.int4_decode_hopper
     x, w, scale, zero = bf16_inputs(m=m, n=256 if m != 2 else 260, k=k, gs=gs, device="cuda")
     calls = []
     monkeypatch.setattr(d, "run", lambda *args, run=d.run: calls.append(1) or run(*args))
-    out = g.bf16i4bf16_rowwise(x, w, scale, zero)
+    out = (g.bf16i4bf16_shuffled if shuffled else g.bf16i4bf16_rowwise)(x, w, scale, zero)
     assert len(calls) == gluon
-    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), 1e-2)
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled)), 1e-2)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""bf16i4bf16_rowwise's GEMM for decode shapes (M <= 16 activation rows) on Hopper (sm_90), written in Gluon:
+"""The GEMM of bf16i4bf16_rowwise and bf16i4bf16_shuffled for decode shapes (M <= 16 activation rows) on Hopper
+(sm_90), written in Gluon:
 
     out[m, n] = Σ_k X[m, k] · (q[n, k] · scale[k // gs, n] + zero[k // gs, n])      (bf16 out, fp32 sums)
 
@@ -21,8 +22,12 @@ step moving the group scales between layouts through shared memory). Here:
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
   writes fp32 partial sums that split_k.splitk_reduce adds.
 
+Only the first kernel knows the weights' layout: in the preshuffled one a run's 32 bytes hold 32 k and the 32 k
+64 further (byte j of a 128-k block holds k = j and j + 64), so X' takes those.
+
 H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth session): 16 x 8192 x 8192 in 15.4-15.5 us against
-19.4 for the Triton kernel; 1 x 8192 x 8192 14.5 against 18.8; 16 x 8192 x 28672 40.4 against 53.0.
+19.4 for the Triton kernel (preshuffled: 15.4 against 22.8); 1 x 8192 x 8192 14.5 against 18.8; 16 x 8192 x 28672
+40.4 against 53.0.
 
 The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the real k
 R = 32i + 8c + j + 4h (`_real_k`): thread c of an mma.sync quad holds bytes j of words c and c + 4 (the int8
@@ -69,16 +74,22 @@ def _real_k(t):
 
 @triton.jit
 def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr,
-                        DEPENDENT: tl.constexpr):  # fmt: skip
-    """One run of 64 k: X'[run, m, t] = X[m, 64 run + real(t)] (zero past M and K) and sums[run, m] = Σ_k X[m, k]
-    over the run's k (fp32). DEPENDENT: the multiplying kernel, launched as its dependent, may take its places at
-    once (it waits on the GPU for this kernel's writes)."""
+                        SHUFFLED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
+    """One run of 64 k (32 bytes of each weight row): X'[run, m, t] = X[m, k of t] (zero past M and K) and
+    sums[run, m] = Σ_k X[m, k] over the run's k (fp32). Nibble R = real(t) of the run's bytes is k = 64 run + R in
+    the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j and j + 64) k = 128 (run // 2) +
+    32 (run % 2) + R // 2 + 64 (R % 2). DEPENDENT: the multiplying kernel, launched as its dependent, may take its
+    places at once (it waits on the GPU for this kernel's writes)."""
     if DEPENDENT:
         gdc_launch_dependents()
     run = tl.program_id(0)
     rows = tl.arange(0, BM)[:, None]
     t = tl.arange(0, 64)[None, :]
-    k = run * 64 + _real_k(t)
+    nibble = _real_k(t)
+    if SHUFFLED:
+        k = (run // 2) * 128 + (run % 2) * 32 + nibble // 2 + (nibble % 2) * 64
+    else:
+        k = run * 64 + nibble
     x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
     tl.store(xp_ptr + (run * BM + rows) * 64 + t, x)
     tl.store(sums_ptr + run * BM + tl.arange(0, BM), tl.sum(x.to(tl.float32), axis=1))
@@ -265,19 +276,22 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     )  # fmt: skip
 
 
-def supports(X: torch.Tensor, W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> bool:
-    """Whether the kernel serves X [M, K] (M <= MAX_M) and plain packed W [N, K / 2] with scales and zeros
-    [groups, N]: an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 == 0) and groups of whole runs that
-    divide a stage or are whole stages, operands TMA can read (W, scales and zeros: unit last stride, 16-byte
-    aligned rows)."""
+def supports(
+    X: torch.Tensor, W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, shuffled: bool = False
+) -> bool:
+    """Whether the kernel serves X [M, K] (M <= MAX_M) and packed W [N, K / 2] (plain, or preshuffled) with scales
+    and zeros [groups, N]: an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 == 0; preshuffled: its blocks
+    of 128 k, K % 128 == 0) and groups of whole runs (blocks) that divide a stage or are whole stages, operands TMA
+    can read (W, scales and zeros: unit last stride, 16-byte aligned rows)."""
     m, k = X.shape
+    unit = 2 * RUN if shuffled else RUN  # a run's k lie in one block of 128 k of the preshuffled layout
     return (
         X.is_cuda
         and torch.version.hip is None
         and X.dtype == torch.bfloat16
         and 0 < m <= MAX_M
-        and k % RUN == 0
-        and group_size % RUN == 0
+        and k % unit == 0
+        and group_size % unit == 0
         and (STAGE_K % group_size == 0 or group_size % STAGE_K == 0)
         and arch.capability(X.device) == (9, 0)
         and all(tma_ready(t) for t in (W, scale, zero))
@@ -293,15 +307,16 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def relabelled_activations(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X' [runs, BM, 64] bf16, sums [runs, BM] fp32) of X [M, K] (any strides): the first kernel."""
+def relabelled_activations(X: torch.Tensor, shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X' [runs, BM, 64] bf16, sums [runs, BM] fp32) of X [M, K] (any strides) for plain or preshuffled weights:
+    the first kernel."""
     m, k = X.shape
     bm = 8 if m <= 8 else 16
     runs = launch.cdiv(k, RUN)
     xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
     sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
     _activations_kernel[(runs,)](
-        X, xp, sums, m, k, *X.stride(), BM=bm, DEPENDENT=dependent_launch(X.device), num_warps=4
+        X, xp, sums, m, k, *X.stride(), BM=bm, SHUFFLED=shuffled, DEPENDENT=dependent_launch(X.device), num_warps=4
     )
     return xp, sums
 
@@ -337,8 +352,8 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     return out
 
 
-def run(X, W, scale, zero, out, group_size: int):
-    """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] with scales and zeros [groups, N]; see the
-    module docstring and supports()."""
-    xp, sums = relabelled_activations(X)
+def run(X, W, scale, zero, out, group_size: int, shuffled: bool = False):
+    """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] (plain, or preshuffled) with scales and
+    zeros [groups, N]; see the module docstring and supports()."""
+    xp, sums = relabelled_activations(X, shuffled)
     return multiply(xp, sums, W, scale, zero, out, group_size)

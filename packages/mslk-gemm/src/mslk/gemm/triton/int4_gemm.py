@@ -28,10 +28,10 @@ go through one asm block; elsewhere (ROCm, the interpreter) the same arithmetic 
 fp32 products, once per output element a step. The tiles come through TMA descriptors where TMA can read X and
 W (zeros past their edges), else through pointers. Small M (decode) splits K over more programs: each writes fp32
 partial sums to a workspace and a second kernel (split_k.py), a dependent of the first where the GPU can (Hopper),
-adds them in split order (deterministic) into bf16. On Hopper, the plain bf16 format has two Gluon kernels: decode
-(M <= int4_decode_hopper.MAX_M) runs int4_decode_hopper.py's, over K relabelled so that a nibble pair takes one
-LOP3 (and part of a shift), and prefill (M >= int4_hopper.MIN_M, whole 64-k steps) int4_hopper.py's, which
-dequantizes a step's weights while the step before it multiplies.
+adds them in split order (deterministic) into bf16. On Hopper, the bf16 formats have Gluon kernels: decode (M <=
+int4_decode_hopper.MAX_M, plain and preshuffled) runs int4_decode_hopper.py's, over K relabelled so that a nibble
+pair takes one LOP3 (and part of a shift), and prefill of the plain format (M >= int4_hopper.MIN_M, whole 64-k
+steps) int4_hopper.py's, which dequantizes a step's weights while the step before it multiplies.
 """
 
 from __future__ import annotations
@@ -638,11 +638,12 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         return out
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
-    if batches == 1 and not (shuffled or table) and zero is not None:  # the Gluon kernels of the plain format
-        if m <= int4_decode_hopper.MAX_M and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size):
-            int4_decode_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
+    if batches == 1 and not table and zero is not None:  # the Gluon kernels of the bf16 formats
+        decode = m <= int4_decode_hopper.MAX_M
+        if decode and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size, shuffled):
+            int4_decode_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size, shuffled)
             return out
-        if m >= int4_hopper.MIN_M and int4_hopper.supports(X[0], W[0], size):
+        if m >= int4_hopper.MIN_M and not shuffled and int4_hopper.supports(X[0], W[0], size):
             int4_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
             return out
     upcast_x = X.element_size() == 1 and not table
