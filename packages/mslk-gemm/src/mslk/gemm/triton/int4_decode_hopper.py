@@ -29,9 +29,10 @@ H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth session): 16 x 81
 19.4 for the Triton kernel (preshuffled: 15.4 against 22.8); 1 x 8192 x 8192 14.5 against 18.8; 16 x 8192 x 28672
 40.4 against 53.0.
 
-The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the real k
-R = 32i + 8c + j + 4h (`_real_k`): thread c of an mma.sync quad holds bytes j of words c and c + 4 (the int8
-operand layout), whose nibbles j and j + 4 are the real k 8·word + j and 8·word + j + 4.
+The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the nibble
+R = 32i + 8c + j + 4h of the run's bytes (`_run_nibble`; the real k in the plain layout): thread c of an mma.sync
+quad holds bytes j of words c and c + 4 (the int8 operand layout), whose nibbles j and j + 4 are nibbles 8·word + j
+and 8·word + j + 4 of the run.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ _KGROUPS = gl.constexpr(KGROUPS)
 
 
 @triton.jit
-def _real_k(t):
-    """The real k (within its 64-k run) of the kernel's k index t: see the module docstring."""
+def _run_nibble(t):
+    """The nibble (2 · byte + 1 if high) of a run's 32 bytes that the kernel's k index t multiplies: in the plain
+    layout, the real k within the run (see the module docstring)."""
     h, c, j, i = t & 1, (t >> 1) & 3, (t >> 3) & 3, t >> 5
     return 32 * i + 8 * c + j + 4 * h
 
@@ -76,7 +78,7 @@ def _real_k(t):
 def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr,
                         SHUFFLED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
     """One run of 64 k (32 bytes of each weight row): X'[run, m, t] = X[m, k of t] (zero past M and K) and
-    sums[run, m] = Σ_k X[m, k] over the run's k (fp32). Nibble R = real(t) of the run's bytes is k = 64 run + R in
+    sums[run, m] = Σ_k X[m, k] over the run's k (fp32). Nibble R = run_nibble(t) of the run's bytes is k = 64 run + R in
     the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j and j + 64) k = 128 (run // 2) +
     32 (run % 2) + R // 2 + 64 (R % 2). DEPENDENT: the multiplying kernel, launched as its dependent, may take its
     places at once (it waits on the GPU for this kernel's writes)."""
@@ -85,7 +87,7 @@ def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM:
     run = tl.program_id(0)
     rows = tl.arange(0, BM)[:, None]
     t = tl.arange(0, 64)[None, :]
-    nibble = _real_k(t)
+    nibble = _run_nibble(t)
     if SHUFFLED:
         k = (run // 2) * 128 + (run % 2) * 32 + nibble // 2 + (nibble % 2) * 64
     else:
