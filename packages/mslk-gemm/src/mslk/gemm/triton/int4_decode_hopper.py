@@ -37,6 +37,8 @@ and 8·word + j + 4 of the run.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
+from mslk.gemm.triton.int4_ptx import WORD_PAIRS_PTX
 from mslk.gemm.triton.split_k import dependent_launch, splitk_reduce
 
 MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
@@ -102,23 +105,7 @@ def _relabelled(packed, a_layout: gl.constexpr):
     """The weight bytes [BN, 32] of a 64-k run (int8 mma.sync operand layout: thread c of a quad holds words c and
     c + 4 of each of its rows) as the bf16 operand [BN, 64] of the biased weights 136 + q in the kernel's k order.
     One LOP3 a pair: word >> 4j masked to bits 0-3 and 16-19, the magic 0x4300 | (u ^ 8)."""
-    pairs = gl.inline_asm_elementwise(
-        """{
-        .reg .b32 t;
-        lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6a;
-        shr.b32 t, $4, 4;
-        lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6a;
-        shr.b32 t, $4, 8;
-        lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6a;
-        shr.b32 t, $4, 12;
-        lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6a;
-        }""",
-        "=r,=r,=r,=r,r",
-        [packed],
-        dtype=gl.int32,
-        is_pure=True,
-        pack=4,
-    )
+    pairs = gl.inline_asm_elementwise(WORD_PAIRS_PTX, "=r,=r,=r,=r,r", [packed], dtype=gl.int32, is_pure=True, pack=4)
     # byte b = 16i + 4c + j of a row -> pair (nibble j, nibble j + 4) of word 4i + c; k index 32i + 8j + 2c + h.
     halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
     rows: gl.constexpr = packed.shape[0]
@@ -300,13 +287,20 @@ def supports(
     )
 
 
+_GL_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@functools.cache
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzled: bool) -> gl.NVMMASharedLayout:
+    """A TMA box's shared-memory layout, made once per kind (get_default_for costs host time on every call)."""
+    if swizzled:
+        return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=len(block))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
     swizzled = t.dim() == 3 or t.dtype == torch.int8  # X' and W; scales, zeros and sums are read row by row
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype]) if swizzled else None
-    if layout is None:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=len(block))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype, swizzled))
 
 
 def relabelled_activations(X: torch.Tensor, shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

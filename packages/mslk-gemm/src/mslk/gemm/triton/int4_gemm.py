@@ -639,8 +639,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = group_size(k, groups)
     if batches == 1 and not table and zero is not None:  # the Gluon kernels of the bf16 formats
-        decode = m <= int4_decode_hopper.MAX_M
-        if decode and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size, shuffled):
+        if m <= int4_decode_hopper.MAX_M and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size, shuffled):
             int4_decode_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size, shuffled)
             return out
         if m >= int4_hopper.MIN_M and not shuffled and int4_hopper.supports(X[0], W[0], size):

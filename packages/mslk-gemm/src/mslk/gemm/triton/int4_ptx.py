@@ -1,5 +1,5 @@
 """The PTX that turns packed int4 nibbles into bf16 pairs, shared by the INT4 GEMMs' Triton kernels (int4_gemm.py)
-and their Gluon kernel for Hopper (int4_hopper.py)."""
+and their Gluon kernels for Hopper (int4_hopper.py, int4_decode_hopper.py)."""
 
 import triton.language as tl
 
@@ -37,3 +37,16 @@ def _bytes_ptx(scaled: bool) -> str:
 
 DEQUANT_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=True))
 BIASED_BYTES_PTX = tl.constexpr(_bytes_ptx(scaled=False))
+
+# The bf16 pairs 136 + q of the nibbles (j, j + 4) of the word $4, in $j: one LOP3 on the word shifted by 4j (the
+# magic of DEQUANT_PTX, unscaled), for int4_decode_hopper's relabelled K.
+WORD_PAIRS_PTX = tl.constexpr("""{
+.reg .b32 t;
+lop3.b32 $0, $4, 0x000F000F, 0x43084308, 0x6a;
+shr.b32 t, $4, 4;
+lop3.b32 $1, t, 0x000F000F, 0x43084308, 0x6a;
+shr.b32 t, $4, 8;
+lop3.b32 $2, t, 0x000F000F, 0x43084308, 0x6a;
+shr.b32 t, $4, 12;
+lop3.b32 $3, t, 0x000F000F, 0x43084308, 0x6a;
+}""")
