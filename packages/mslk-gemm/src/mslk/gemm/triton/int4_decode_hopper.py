@@ -17,17 +17,19 @@ step moving the group scales between layouts through shared memory). Here:
   scales, zeros and sums) through TMA into a ring; two groups of four warps take the stages in turn (16 weight rows
   a warp; the second group's sums meet the first's in shared memory at the end), with no CTA-wide barrier in the
   loop (a group's four warps sync before releasing a stage).
-  The multiplying kernel is launched as a dependent of the first, and its first turn of weights loads before it
-  waits for X'.
+- Both kernels are launched as dependents (griddepcontrol): the first takes its places while the kernel before it
+  ends, and lets the multiplying kernel launch once that kernel's writes are done (not before: with the multiplying
+  kernel letting the next call's first kernel launch at its start, 16 x 8192 x 8192 measured slower); the multiplying
+  kernel's first turn of weights loads before it waits for X'.
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
   writes fp32 partial sums that split_k.splitk_reduce adds.
 
 Only the first kernel knows the weights' layout: in the preshuffled one a run's 32 bytes hold 32 k and the 32 k
 64 further (byte j of a 128-k block holds k = j and j + 64), so X' takes those.
 
-H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth session): 16 x 8192 x 8192 in 15.4-15.5 us against
-19.4 for the Triton kernel (preshuffled: 15.4 against 22.8); 1 x 8192 x 8192 14.5 against 18.8; 16 x 8192 x 28672
-40.4 against 53.0.
+H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth and nineteenth sessions): 16 x 8192 x 8192 in 14.8
+us against 19.4 for the Triton kernel (preshuffled: 15.4 against 22.8 while the first kernel was launched plainly);
+1 x 8192 x 8192 13.8 against 18.8; 16 x 8192 x 28672 40.3 against 53.0.
 
 The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the nibble
 R = 32i + 8c + j + 4h of the run's bytes (`_run_nibble`; the real k in the plain layout): thread c of an mma.sync
@@ -47,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
@@ -83,9 +85,11 @@ def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM:
     """One run of 64 k (32 bytes of each weight row): X'[run, m, t] = X[m, k of t] (zero past M and K) and
     sums[run, m] = Σ_k X[m, k] over the run's k (fp32). Nibble R = run_nibble(t) of the run's bytes is k = 64 run + R in
     the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j and j + 64) k = 128 (run // 2) +
-    32 (run % 2) + R // 2 + 64 (R % 2). DEPENDENT: the multiplying kernel, launched as its dependent, may take its
-    places at once (it waits on the GPU for this kernel's writes)."""
+    32 (run % 2) + R // 2 + 64 (R % 2). DEPENDENT (launched as a dependent of the kernel before it): wait for that
+    kernel's writes, then let the multiplying kernel, this one's dependent, take its places (it waits on the GPU for
+    this kernel's writes)."""
     if DEPENDENT:
+        gdc_wait()
         gdc_launch_dependents()
     run = tl.program_id(0)
     rows = tl.arange(0, BM)[:, None]
@@ -126,8 +130,8 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
                     empty, first_stage, stages, GROUP_SIZE: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
     warps have released the stage loaded there before. DEPENDENT (launched as a dependent of the activations'
-    kernel, which is itself launched after all work before it): the first turn's weights load at once, X' and the
-    sums after the wait for that kernel's writes."""
+    kernel, which lets it launch only once the kernel before that one has finished): the first turn's weights load
+    at once, X' and the sums after the wait for the activations' kernel's writes."""
     SLOTS: gl.constexpr = w_bufs.shape[0]
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
                             + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
@@ -311,9 +315,11 @@ def relabelled_activations(X: torch.Tensor, shuffled: bool = False) -> tuple[tor
     runs = launch.cdiv(k, RUN)
     xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
     sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
+    dependent = dependent_launch(X.device)
     _activations_kernel[(runs,)](
-        X, xp, sums, m, k, *X.stride(), BM=bm, SHUFFLED=shuffled, DEPENDENT=dependent_launch(X.device), num_warps=4
-    )
+        X, xp, sums, m, k, *X.stride(), BM=bm, SHUFFLED=shuffled, DEPENDENT=dependent, num_warps=4,
+        launch_pdl=dependent,
+    )  # fmt: skip
     return xp, sums
 
 
