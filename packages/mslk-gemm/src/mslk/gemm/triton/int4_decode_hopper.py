@@ -27,9 +27,9 @@ step moving the group scales between layouts through shared memory). Here:
 Only the first kernel knows the weights' layout: in the preshuffled one a run's 32 bytes hold 32 k and the 32 k
 64 further (byte j of a 128-k block holds k = j and j + 64), so X' takes those.
 
-H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth and nineteenth sessions): 16 x 8192 x 8192 in 14.8
-us against 19.4 for the Triton kernel (preshuffled: 15.4 against 22.8 while the first kernel was launched plainly);
-1 x 8192 x 8192 13.8 against 18.8; 16 x 8192 x 28672 40.3 against 53.0.
+H200, graphs, 3 rotating weight copies (RESULTS.md, eighteenth and nineteenth sessions): 16 x 8192 x 8192 in
+14.5-15.0 us against 19.4 for the Triton kernel (preshuffled: 15.0 against 22.8); 1 x 8192 x 8192 13.1-14.0 against
+18.8; 16 x 8192 x 28672 40.3 against 53.0.
 
 The relabelling (`_relabelled`): in a 64-k run, the kernel's k index T = 32i + 8j + 2c + h holds the nibble
 R = 32i + 8c + j + 4h of the run's bytes (`_run_nibble`; the real k in the plain layout): thread c of an mma.sync
