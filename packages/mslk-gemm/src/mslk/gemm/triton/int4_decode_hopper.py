@@ -18,9 +18,9 @@ step moving the group scales between layouts through shared memory). Here:
   a warp; the second group's sums meet the first's in shared memory at the end), with no CTA-wide barrier in the
   loop (a group's four warps sync before releasing a stage).
 - Both kernels are launched as dependents (griddepcontrol): the first takes its places while the kernel before it
-  ends, and lets the multiplying kernel launch once that kernel's writes are done (not before: with the multiplying
-  kernel letting the next call's first kernel launch at its start, 16 x 8192 x 8192 measured slower); the multiplying
-  kernel's first turn of weights loads before it waits for X'.
+  ends, waits for that kernel's writes, and only then lets the multiplying kernel launch, whose first turn of
+  weights loads before it waits for X' (so still after all earlier work). The multiplying kernel lets nothing launch
+  early: the next call's first kernel taking its places at its start measured slower (RESULTS.md).
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
   writes fp32 partial sums that split_k.splitk_reduce adds.
 
