@@ -291,14 +291,14 @@ def supports(
     )
 
 
-_GL_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+_SWIZZLED_DTYPES = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}  # W and X', the boxes read as MMA operands
 
 
 @functools.cache
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzled: bool) -> gl.NVMMASharedLayout:
     """A TMA box's shared-memory layout, made once per kind (get_default_for costs host time on every call)."""
     if swizzled:
-        return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+        return gl.NVMMASharedLayout.get_default_for(list(block), _SWIZZLED_DTYPES[dtype])
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=len(block))
 
 
