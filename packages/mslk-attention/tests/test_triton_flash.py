@@ -313,6 +313,55 @@ def test_backward_gpu(bias_id, dtype, head_dim, backward_mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B04", "B05"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("fmt", "sizes"),
+    [
+        ("BMHK", (2, 1000, 1000, 1, 3, 128)),
+        ("BMHK", (1, 7, 129, 1, 2, 128)),
+        ("BMHK", (3, 129, 200, 1, 2, 128)),
+        ("BMGHK", (2, 300, 513, 2, 2, 128)),
+        ("BMHK", (1, 2048, 2048, 1, 2, 128)),
+    ],
+)
+def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
+    """The Gluon backward (triton_flash_hopper) where BwOp takes it: masks of one sequence, lengths of partial
+    blocks and key blocks past the keys, Mq != Mk, groups, many query blocks (the ring's slots turn over)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    from mslk.attention.fmha import triton_flash_hopper
+
+    runs = []
+    run = triton_flash_hopper.run
+    monkeypatch.setattr(triton_flash_hopper, "run", lambda *args: runs.append(1) or run(*args))
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, "cuda")
+    _check_backward(q, k, v, bias, {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
+    assert runs
+
+
+def test_hopper_backward_declines_what_it_does_not_serve():
+    """The Gluon backward takes sm_90 GPUs, 16-bit operands of head dim 128 and rows TMA reads; the rest (here: CPU
+    tensors, fp32, head dims 64 and 96, Kv != K, stride-0 GQA heads) runs the Triton kernel."""
+    from mslk.attention.fmha import triton_flash_hopper
+
+    def takes(q, k, v):
+        return triton_flash_hopper.supports(q, k, v, q, triton_flash._flat_rows)
+
+    q = torch.randn(1, 64, 1, 2, 128, dtype=torch.bfloat16)
+    assert not takes(q, q, q)  # not a GPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        q = q.cuda()
+        assert takes(q, q, q)
+        assert not takes(q.float(), q.float(), q.float())
+        for dim in (64, 96):
+            part = q[..., :dim].contiguous()
+            assert not takes(part, part, part)
+        assert not takes(q, q, q[..., :64].contiguous())
+        assert not takes(q, q[:, :, :, :1].expand_as(q), q)
+
+
+@pytest.mark.gpu
 def test_deterministic_backward_repeats_bitwise(backward_mode):
     """Under torch.use_deterministic_algorithms two runs give the same bits; 4096 keys in 32 key blocks make
     the one-pass backward's atomic dQ sums land in varying orders (dK and dV are per program either way)."""

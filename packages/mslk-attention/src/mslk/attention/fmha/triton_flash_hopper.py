@@ -1,0 +1,272 @@
+"""The attention backward of triton_flash.BwOp on Hopper (sm_90), written in Gluon, for the common case: 16-bit
+Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, no tensor bias, no dropout, no
+varlen, dQ summed by atomics (not the deterministic mode).
+
+A program takes a block of BLOCK_N keys of one head and walks the query blocks that see them (the mirrored mask of
+triton_flash: causal and windowed ranges, their interior unmasked), as in FlashAttention-3's backward:
+
+- one warp loads K and V once, then each query block's Q and dO through TMA into a ring of STAGES slots;
+- two warpgroups (64 keys each) start Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, take Pᵀ = exp2(Sᵀ − LSE) while dPᵀ
+  is still running, then dSᵀ = Pᵀ ∘ (dPᵀ − delta); dV += Pᵀ·dO and dK += dSᵀ·Q start from registers while dSᵀ goes to
+  shared memory, from which both warpgroups take dQ = dS·K (64 head columns each) once it is whole; dQ's share is
+  added to the fp32 dQ with vector atomics.
+
+The Triton kernel (triton_flash._dkdv_over_queries) waits for each product before the next starts, which is where
+its time goes (RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mslk.attention.fmha.triton_flash import (
+    _heads_per_section,
+    _key_range,
+    _program_block,
+    _unmasked_key_range,
+    _visible,
+)
+from mslk.core import arch
+
+# Head dim 64 runs the Triton kernel, faster there (B=8 M=4096 H=16 causal, bf16: 324 against 305 TFLOP/s)
+HEAD_DIMS = (128,)
+BLOCK_M = 64  # queries a step
+BLOCK_N = 128  # keys a program: 64 per multiplying warpgroup
+STAGES = 2  # Q and dO slots of the ring
+NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
+LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg), which leaves 240 to the multiplying ones
+_LOG2E = gl.constexpr(1.4426950408889634)
+# The CTA barrier (named for a warp-specialized partition): gl.barrier from Triton 3.7 on, gl.thread_barrier before.
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _load_partition(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
+                    k_row, q_row0, q_col, kv_col, parts):  # fmt: skip
+    """The loading warp: K and V once, then the query blocks' Q and dO in order, query block i into slot
+    i % STAGES once the multiplying warps have released the block before it there."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_ready, v_smem)
+    i = 0
+    for part in gl.static_range(3):
+        for start in range(parts[part], parts[part + 1], BM):
+            slot = i % STAGES
+            # The first turn through the ring finds the slots free: a fresh barrier counts its phase before the
+            # first as complete.
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + start, q_col], bar, q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [q_row0 + start, q_col], bar, do_bufs.index(slot))
+            i += 1
+
+
+@gluon.jit
+def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_ptr, delta_ptr, dq_ptr,
+                  stride_dqm, start_row, end_row, cols, q_len, k_len, shift, window_left, window_right, qk_scale,
+                  sm_scale, MASKED: gl.constexpr):  # fmt: skip
+    """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) (ring blocks i on), each
+    block's dQ share added to dq_ptr's rows; only MASKED blocks evaluate the mask."""
+    BN: gl.constexpr = k_smem.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.shape[1]
+    BM: gl.constexpr = q_bufs.shape[1]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    # Sᵀ, dPᵀ [BN, BM] and dK, dV [BN, HEAD_DIM]: each warpgroup 64 keys. dQ [BM, HEAD_DIM]: each half the head dim.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BM, 16])  # fmt: skip
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])  # fmt: skip
+    # dQ's atomics: four consecutive fp32 a thread (one vector atomic), a warp over whole rows.
+    add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4], [gl.num_warps(), 1],
+                                                [1, 0])  # fmt: skip
+    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
+    for start in range(start_row, end_row, BM):
+        slot = i % STAGES
+        rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        in_sequence = rows < q_len
+        lse2 = gl.load(lse_ptr + rows, mask=in_sequence, other=0.0) * _LOG2E
+        delta = gl.load(delta_ptr + rows, mask=in_sequence, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = q_bufs.index(slot)
+        do = do_bufs.index(slot)
+        s = warpgroup_mma(k_smem, q.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                          is_async=True)  # fmt: skip
+        dp = warpgroup_mma(v_smem, do.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                           is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p = gl.exp2(s * qk_scale - lse2[None, :])
+        if MASKED:  # a query without any key (LSE −inf) has no weights
+            visible = _visible(cols, rows, k_len, q_len, -shift, window_right, window_left)
+            p = gl.where(visible & (lse2 > float("-inf"))[None, :], p, 0.0)
+        p_a = gl.convert_layout(p.to(q.dtype), a_layout)
+        dv = warpgroup_mma(p_a, do, dv, is_async=True)  # runs while dS is taken
+        dp = warpgroup_mma_wait(1, deps=(dp,))
+        ds = (p * (dp - delta[None, :])).to(q.dtype)
+        ds_a = gl.convert_layout(ds, a_layout)
+        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        # dSᵀ whole in shared memory (two slots: the other warpgroup may still read the last block's)
+        ds_smem = ds_bufs.index(i % 2)
+        ds_smem.store(ds)
+        fence_async_shared()
+        _partition_barrier()
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # fmt: skip
+        dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_a, ds_a))
+        mbarrier.arrive(empty.index(slot))
+        dq = gl.convert_layout(dq * sm_scale, add_layout)
+        dq_rows = start + gl.arange(0, BM, layout=gl.SliceLayout(1, add_layout))
+        gl.atomic_add(dq_ptr + dq_rows[:, None] * stride_dqm + dq_cols[None, :], dq,
+                      mask=(dq_rows < q_len)[:, None], sem="relaxed")  # fmt: skip
+        i += 1
+    return dk, dv, i
+
+
+@gluon.jit
+def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_ptr, delta_ptr, dq_ptr,
+                   dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, parts, q_len, k_len, shift,
+                   window_left, window_right, qk_scale, sm_scale):  # fmt: skip
+    """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), then dK and
+    dV's rows."""
+    BN: gl.constexpr = k_smem.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.shape[1]
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, q_bufs.shape[1], 16])  # fmt: skip
+    cols = first_col + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    i = 0
+    for part in gl.static_range(3):
+        dk, dv, i = _query_blocks(
+            dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_ptr, delta_ptr, dq_ptr, stride_dqm,
+            parts[part], parts[part + 1], cols, q_len, k_len, shift, window_left, window_right, qk_scale, sm_scale,
+            part != 1,
+        )  # fmt: skip
+    # Rows of 16 bytes a thread, masked past the keys.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [gl.num_warps(), 1],
+                                                [1, 0])  # fmt: skip
+    rows = first_col + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    mask = (rows < k_len)[:, None]
+    dk = gl.convert_layout((dk * sm_scale).to(dk_ptr.dtype.element_ty), out_layout)
+    gl.store(dk_ptr + rows[:, None] * stride_dkm + dims[None, :], dk, mask=mask)
+    dv = gl.convert_layout(dv.to(dv_ptr.dtype.element_ty), out_layout)
+    gl.store(dv_ptr + rows[:, None] * stride_dvm + dims[None, :], dv, mask=mask)
+
+
+@gluon.jit
+def _flash_backward_hopper_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, G, H, Mq, Mk, qk_scale, sm_scale,
+    window_left, window_right, stride_lb, stride_lg, stride_lh,
+    stride_dqb, stride_dqm, stride_dqg, stride_dqh,
+    stride_dkb, stride_dkm, stride_dkg, stride_dkh,
+    stride_dvb, stride_dvm, stride_dvg, stride_dvh, blocks, section,
+    BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """dK and dV (written) and dQ's shares (added to the fp32 dq_ptr) of [B, M, G, H, K] tensors read through
+    [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from the forward's LSE and
+    delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key block, batch·group·head) in triton_flash's order."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    rank, pid_bgh = _program_block(blocks, section)
+    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
+    b = b.to(gl.int64)
+    shift = Mk - Mq if BOTTOM_RIGHT else 0
+    first_col = rank * BN
+    # Query j sees key i as key i sees query j under the mirrored mask (shift and windows swapped).
+    lo, hi = _key_range(first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
+    full_lo, full_hi = _unmasked_key_range(lo, hi, first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
+    if first_col + BN > Mk:  # keys past the head's (the next batch element's rows under TMA): all masked
+        full_lo, full_hi = hi, hi
+    stat = b * stride_lb + g * stride_lg + h * stride_lh
+    dq_ptr += b * stride_dqb + g * stride_dqg + h * stride_dqh
+    dk_ptr += b * stride_dkb + g * stride_dkg + h * stride_dkh
+    dv_ptr += b * stride_dvb + g * stride_dvg + h * stride_dvh
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BN, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot was read
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_ptr + stat, delta_ptr + stat,
+                dq_ptr, dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, (lo, full_lo, full_hi, hi), Mq,
+                Mk, shift, window_left, window_right, qk_scale, sm_scale,
+            )),
+            (_load_partition, (
+                q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
+                (b * Mk + first_col).to(gl.int32), (b * Mq).to(gl.int32), (g * H + h) * HEAD_DIM,
+                (g * H + h) * HEAD_DIM, (lo, full_lo, full_hi, hi),
+            )),
+        ],
+        [1],
+        [LOAD_REGISTERS],
+    )  # fmt: skip
+
+
+def supports(q, k, v, do, flat_rows) -> bool:
+    """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
+    determinism): an sm_90 GPU, fp16 or bf16, one head dim of HEAD_DIMS, rows that TMA reads as [B·M, G·H·K]
+    matrices (`flat_rows`)."""
+    return (
+        q.is_cuda
+        and torch.version.hip is None
+        and arch.capability(q.device) == (9, 0)
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.dtype == k.dtype == v.dtype == do.dtype
+        and q.shape[-1] == v.shape[-1] in HEAD_DIMS
+        and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and flat_rows(t) for t in (q, k, v, do))
+        and all(s % 8 == 0 for t in (q, k, v, do) for s in t.stride()[:-1])
+        # a head's rows in int32 (dQ, dK and dV are contiguous like q and k)
+        and max(q[0].numel(), k[0].numel()) < 2**31
+    )
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """[rows, K] tiles of a [B, M, G, H, K] tensor seen as [B·M, G·H·K] (zeros past its last row)."""
+    b, m, g, h, k = t.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, k], gl.float16)  # (fp16 or bf16: the same layout)
+    return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], layout)
+
+
+def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right):
+    """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors."""
+    batch, mq, groups, heads, _ = q.shape
+    mk = k.shape[1]
+    blocks = -(-mk // BLOCK_N)
+    _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
+        _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+        lse, delta, dq_sum, dk, dv, groups, heads, mq, mk, scale * 1.4426950408889634, scale, window_left,
+        window_right, *lse.stride()[:3], *(s for t in (dq_sum, dk, dv) for s in t.stride()[:4]), blocks,
+        _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
