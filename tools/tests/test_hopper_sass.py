@@ -94,6 +94,12 @@ def attention_calls():
         ctx = Context(lse=torch.randn(b, h, m), out=torch.randn(b, m, h, dim).bfloat16())
         calls[f"attention_fwd_k{dim}"] = lambda inp=inp: tf.FwOp.apply(inp, False)
         calls[f"attention_bwd_k{dim}"] = lambda ctx=ctx, inp=inp, do=do: tf.BwOp.apply(ctx, inp, do)
+    # At head dim 128 the call above compiles the Gluon kernel (triton_flash_hopper); the Triton one serves the rest.
+    def triton_bwd(ctx=ctx, inp=inp, do=do):
+        from mslk.attention.fmha import triton_flash_hopper
+        triton_flash_hopper.supports = lambda *args: False
+        tf.BwOp.apply(ctx, inp, do)
+    calls["attention_bwd_k128_triton"] = triton_bwd
     return calls
 
 
@@ -156,7 +162,10 @@ SUITES = {
             "grouped",
         ],
     ),
-    "attention": ("mslk.attention", [f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")]),
+    "attention": (
+        "mslk.attention",
+        [*(f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")), "attention_bwd_k128_triton"],
+    ),
     "gemm": (
         "mslk.gemm",
         [
@@ -221,8 +230,9 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
     assert "C7515" not in report and "C7513" not in report, report[-3000:]
 
 
-# The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md): known, not a regression.
-SPILLING = {("attention", "attention_bwd_k128")}
+# The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md), and so does the Gluon one (a few
+# scalars, 260 bytes, out of its multiplying warps' 240 registers): known, not regressions.
+SPILLING = {("attention", "attention_bwd_k128"), ("attention", "attention_bwd_k128_triton")}
 
 
 @pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in SPILLING])
