@@ -7,12 +7,14 @@ triton_flash: causal and windowed ranges, their interior unmasked), as in FlashA
 
 - one warp loads K and V once, then each query block's Q and dO through TMA into a ring of STAGES slots;
 - two warpgroups (64 keys each) start Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, take Pᵀ = exp2(Sᵀ − LSE) while dPᵀ
-  is still running, then dSᵀ = Pᵀ ∘ (dPᵀ − delta); dV += Pᵀ·dO and dK += dSᵀ·Q start from registers while dSᵀ goes to
-  shared memory, from which both warpgroups take dQ = dS·K (64 head columns each) once it is whole; dQ's share is
-  added to the fp32 dQ with vector atomics.
+  is still running and start dV += Pᵀ·dO from registers, then dSᵀ = Pᵀ ∘ (dPᵀ − delta) and dK += dSᵀ·Q; dSᵀ goes to
+  shared memory, from which both warpgroups take dQ = dS·K (64 head columns each) once it is whole, and dQ's share
+  is added to the fp32 dQ with 16-byte vector atomics over whole rows.
 
-The Triton kernel (triton_flash._dkdv_over_queries) waits for each product before the next starts, which is where
-its time goes (RESULTS.md).
+H200, bf16, backward alone (RESULTS.md, twentieth session): B=4 M=4096 H=16 causal 1.78 ms against 2.11 for the
+Triton kernel (387 against 325 TFLOP/s), no mask 402 against 324, B=1 M=16384 causal 431 against 370. Measured
+slower: the atomics straight from the products' layout (two words a thread: 346 causal), an adding warp taking dQ's
+shares from shared memory (230), a third ring slot (no change); at head dim 64 this kernel ran at 305 against 324.
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ from mslk.attention.fmha.triton_flash import (
 )
 from mslk.core import arch
 
-# Head dim 64 runs the Triton kernel, faster there (B=8 M=4096 H=16 causal, bf16: 324 against 305 TFLOP/s)
-HEAD_DIMS = (128,)
+HEAD_DIMS = (128,)  # head dim 64 runs the Triton kernel, faster there (see above)
 BLOCK_M = 64  # queries a step
 BLOCK_N = 128  # keys a program: 64 per multiplying warpgroup
 STAGES = 2  # Q and dO slots of the ring
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg), which leaves 240 to the multiplying ones
 _LOG2E = gl.constexpr(1.4426950408889634)
-# The CTA barrier (named for a warp-specialized partition): gl.barrier from Triton 3.7 on, gl.thread_barrier before.
+# A barrier of the partition's warps (the CTA's outside warp specialization): gl.barrier from Triton 3.7 on,
+# gl.thread_barrier before.
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
