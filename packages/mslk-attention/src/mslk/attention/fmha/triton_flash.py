@@ -735,19 +735,15 @@ class BwOp(AttentionBwOpBase):
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             seqlen_k = None if varlen is None else varlen.seqlen_k
             wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
-            from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
-
             # The common case on Hopper: the Gluon kernel (one pass, its products overlapped)
-            hopper = (
-                not deterministic
-                and bias is None
-                and inp.p == 0.0
-                and varlen is None
-                and triton_flash_hopper.supports(q, k, v, do, _flat_rows)
-            )
+            hopper = not deterministic and bias is None and inp.p == 0.0 and varlen is None and q.is_cuda
             if hopper:
-                triton_flash_hopper.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left,
-                                        window_right, alignment == "bottom-right")  # fmt: skip
+                from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
+
+                hopper = triton_flash_hopper.supports(q, k, v, do, _flat_rows)
+                if hopper:
+                    triton_flash_hopper.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left,
+                                            window_right, alignment == "bottom-right")  # fmt: skip
             for dq_pass in () if hopper else (True, False) if deterministic else (False,):
                 block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
                 descriptors = (None, None, None)

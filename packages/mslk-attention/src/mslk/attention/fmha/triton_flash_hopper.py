@@ -19,6 +19,9 @@ shares from shared memory (230), a third ring slot (no change); at head dim 64 t
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,7 +41,7 @@ from mslk.attention.fmha.triton_flash import (
     _unmasked_key_range,
     _visible,
 )
-from mslk.core import arch
+from mslk.core import arch, launch
 
 HEAD_DIMS = (128,)  # head dim 64 runs the Triton kernel, faster there (see above)
 BLOCK_M = 64  # queries a step
@@ -54,14 +57,15 @@ _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
-                    k_row, q_row0, q_col, kv_col, parts):  # fmt: skip
+                    k_row, q_row0, head_col, parts):  # fmt: skip
     """The loading warp: K and V once, then the query blocks' Q and dO in order, query block i into slot
-    i % STAGES once the multiplying warps have released the block before it there."""
+    i % STAGES once the multiplying warps have released the block before it there. The head's tiles start at
+    column head_col of every descriptor."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_bufs.shape[0]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_ready, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [k_row, head_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, head_col], kv_ready, v_smem)
     i = 0
     for part in gl.static_range(3):
         for start in range(parts[part], parts[part + 1], BM):
@@ -71,8 +75,8 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + start, q_col], bar, q_bufs.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [q_row0 + start, q_col], bar, do_bufs.index(slot))
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + start, head_col], bar, q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [q_row0 + start, head_col], bar, do_bufs.index(slot))
             i += 1
 
 
@@ -227,7 +231,7 @@ def _flash_backward_hopper_kernel(
             (_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
                 (b * Mk + first_col).to(gl.int32), (b * Mq).to(gl.int32), (g * H + h) * HEAD_DIM,
-                (g * H + h) * HEAD_DIM, (lo, full_lo, full_hi, hi),
+                (lo, full_lo, full_hi, hi),
             )),
         ],
         [1],
@@ -248,23 +252,29 @@ def supports(q, k, v, do, flat_rows) -> bool:
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and flat_rows(t) for t in (q, k, v, do))
         and all(s % 8 == 0 for t in (q, k, v, do) for s in t.stride()[:-1])
-        # a head's rows in int32 (dQ, dK and dV are contiguous like q and k)
-        and max(q[0].numel(), k[0].numel()) < 2**31
+        # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
+        and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31
     )
+
+
+@functools.cache
+def _tile_layout(rows: int, width: int):
+    """Shared-memory layout of [rows, width] 16-bit tiles (fp16 and bf16 alike), made once: get_default_for costs
+    host time on every launch."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], gl.float16)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """[rows, K] tiles of a [B, M, G, H, K] tensor seen as [B·M, G·H·K] (zeros past its last row)."""
     b, m, g, h, k = t.shape
-    layout = gl.NVMMASharedLayout.get_default_for([rows, k], gl.float16)  # (fp16 or bf16: the same layout)
-    return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], layout)
+    return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], _tile_layout(rows, k))
 
 
 def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right):
     """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors."""
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
-    blocks = -(-mk // BLOCK_N)
+    blocks = launch.cdiv(mk, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         lse, delta, dq_sum, dk, dv, groups, heads, mq, mk, scale * 1.4426950408889634, scale, window_left,
