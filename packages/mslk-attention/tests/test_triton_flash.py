@@ -346,7 +346,7 @@ def test_hopper_backward_declines_what_it_does_not_serve():
     from mslk.attention.fmha import triton_flash_hopper
 
     def takes(q, k, v):
-        return triton_flash_hopper.supports(q, k, v, q, triton_flash._flat_rows)
+        return triton_flash_hopper.supports(q, k, v, q)
 
     q = torch.randn(1, 64, 1, 2, 128, dtype=torch.bfloat16)
     assert not takes(q, q, q)  # not a GPU

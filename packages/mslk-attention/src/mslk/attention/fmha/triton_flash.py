@@ -730,52 +730,58 @@ class BwOp(AttentionBwOpBase):
             lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
             delta = _delta(out, do)
             alignment, window_left, window_right = _alignment(inp.attn_bias)
-            bias, *bias_strides = _bias_args(given_bias)
-            db_args = _bias_args(db)
-            block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            seqlen_k = None if varlen is None else varlen.seqlen_k
-            wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
-            # The common case on Hopper: the Gluon kernel (one pass, its products overlapped)
-            hopper = not deterministic and bias is None and inp.p == 0.0 and varlen is None and q.is_cuda
-            if hopper:
-                from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
-
-                hopper = triton_flash_hopper.supports(q, k, v, do, _flat_rows)
-                if hopper:
-                    triton_flash_hopper.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left,
-                                            window_right, alignment == "bottom-right")  # fmt: skip
-            for dq_pass in () if hopper else (True, False) if deterministic else (False,):
-                block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
-                descriptors = (None, None, None)
-                if not dq_pass and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
-                    # dq_sum's is used only by the one-pass backward
-                    descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
-                kv_descriptors = (None, None)
-                if not dq_pass and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v) and seqlen_k is None:
-                    kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
-                blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
-                _flash_backward_kernel[(blocks * sequences * groups * heads,)](
-                    q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0],
-                    *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                    *descriptors, *kv_descriptors,
-                    groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
-                    window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
-                    *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], blocks,
-                    _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
-                    HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass, ATOMIC_DQ=not deterministic,
-                    VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
-                    BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
-                    UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-                    WIDE=wide,
-                    TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
-                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
-                    num_stages=stages,
-                )  # fmt: skip
+            gluon = _gluon_backward(q, k, v, do, given_bias, inp.p, varlen, deterministic)
+            if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
+                gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left, window_right,
+                          alignment == "bottom-right")  # fmt: skip
+            else:
+                bias, *bias_strides = _bias_args(given_bias)
+                db_args = _bias_args(db)
+                block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
+                seqlen_k = None if varlen is None else varlen.seqlen_k
+                wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
+                for dq_pass in (True, False) if deterministic else (False,):
+                    block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
+                    descriptors = (None, None, None)
+                    if not dq_pass and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
+                        # dq_sum's is used only by the one-pass backward
+                        descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
+                    kv_descriptors = (None, None)
+                    if not dq_pass and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v) and seqlen_k is None:
+                        kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
+                    blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
+                    _flash_backward_kernel[(blocks * sequences * groups * heads,)](
+                        q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0],
+                        *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
+                        *descriptors, *kv_descriptors,
+                        groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
+                        window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
+                        *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], blocks,
+                        _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
+                        HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass, ATOMIC_DQ=not deterministic,
+                        VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+                        BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
+                        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+                        WIDE=wide,
+                        TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
+                        num_stages=stages,
+                    )  # fmt: skip
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         if inp.query.dim() == 4:
             dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
         return Gradients(dq, dk, dv, db)
+
+
+def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
+    """triton_flash_hopper where its Gluon backward serves these [B, M, G, H, K] inputs (Hopper's common case: no
+    bias, dropout or varlen, the one-pass mode), else None."""
+    if deterministic or bias is not None or p > 0.0 or varlen is not None or not q.is_cuda:
+        return None
+    from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
+
+    return triton_flash_hopper if triton_flash_hopper.supports(q, k, v, do) else None
 
 
 def _delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.attention.fmha.triton_flash import (
+    _flat_rows,
     _heads_per_section,
     _key_range,
     _program_block,
+    _tma_readable,
     _unmasked_key_range,
     _visible,
 )
-from mslk.core import arch, launch
+from mslk.core import launch
 
 HEAD_DIMS = (128,)  # head dim 64 runs the Triton kernel, faster there (see above)
 BLOCK_M = 64  # queries a step
@@ -239,19 +241,15 @@ def _flash_backward_hopper_kernel(
     )  # fmt: skip
 
 
-def supports(q, k, v, do, flat_rows) -> bool:
+def supports(q, k, v, do) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    determinism): an sm_90 GPU, fp16 or bf16, one head dim of HEAD_DIMS, rows that TMA reads as [B·M, G·H·K]
-    matrices (`flat_rows`)."""
+    determinism): what triton_flash's TMA paths read (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of
+    a [B·M, G·H·K] matrix), one dtype and one head dim of HEAD_DIMS."""
     return (
-        q.is_cuda
-        and torch.version.hip is None
-        and arch.capability(q.device) == (9, 0)
-        and q.dtype in (torch.float16, torch.bfloat16)
+        _tma_readable(q, k, v, do)
+        and all(_flat_rows(t) for t in (q, k, v, do))
         and q.dtype == k.dtype == v.dtype == do.dtype
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
-        and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and flat_rows(t) for t in (q, k, v, do))
-        and all(s % 8 == 0 for t in (q, k, v, do) for s in t.stride()[:-1])
         # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
         and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31
     )
