@@ -94,12 +94,15 @@ def attention_calls():
         ctx = Context(lse=torch.randn(b, h, m), out=torch.randn(b, m, h, dim).bfloat16())
         calls[f"attention_fwd_k{dim}"] = lambda inp=inp: tf.FwOp.apply(inp, False)
         calls[f"attention_bwd_k{dim}"] = lambda ctx=ctx, inp=inp, do=do: tf.BwOp.apply(ctx, inp, do)
-    # At head dim 128 the call above compiles the Gluon kernel (triton_flash_hopper); the Triton one serves the rest.
-    def triton_bwd(ctx=ctx, inp=inp, do=do):
+    # The calls above compile the Gluon kernel (triton_flash_hopper); these the Triton one it stands in for.
+    def triton_bwd(bwd):
         from mslk.attention.fmha import triton_flash_hopper
+
         triton_flash_hopper.supports = lambda *args: False
-        tf.BwOp.apply(ctx, inp, do)
-    calls["attention_bwd_k128_triton"] = triton_bwd
+        bwd()
+
+    for dim in (64, 128):
+        calls[f"attention_bwd_k{dim}_triton"] = lambda bwd=calls[f"attention_bwd_k{dim}"]: triton_bwd(bwd)
     return calls
 
 
@@ -164,7 +167,10 @@ SUITES = {
     ),
     "attention": (
         "mslk.attention",
-        [*(f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")), "attention_bwd_k128_triton"],
+        [
+            *(f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")),
+            *(f"attention_bwd_k{d}_triton" for d in (64, 128)),
+        ],
     ),
     "gemm": (
         "mslk.gemm",

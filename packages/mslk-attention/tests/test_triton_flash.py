@@ -323,6 +323,8 @@ def test_backward_gpu(bias_id, dtype, head_dim, backward_mode):
         ("BMHK", (3, 129, 200, 1, 2, 128)),
         ("BMGHK", (2, 300, 513, 2, 2, 128)),
         ("BMHK", (1, 2048, 2048, 1, 2, 128)),
+        ("BMHK", (3, 129, 200, 1, 2, 64)),
+        ("BMGHK", (2, 300, 513, 2, 2, 64)),
     ],
 )
 def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
@@ -341,8 +343,8 @@ def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
 
 
 def test_hopper_backward_declines_what_it_does_not_serve():
-    """The Gluon backward takes sm_90 GPUs, 16-bit operands of head dim 128 and rows TMA reads; the rest (here: CPU
-    tensors, fp32, head dims 64 and 96, Kv != K, stride-0 GQA heads) runs the Triton kernel."""
+    """The Gluon backward takes sm_90 GPUs, 16-bit operands of head dims 64 and 128 and rows TMA reads; the rest
+    (here: CPU tensors, fp32, head dims 96 and 256, Kv != K, stride-0 GQA heads) runs the Triton kernel."""
     from mslk.attention.fmha import triton_flash_hopper
 
     def takes(q, k, v):
@@ -353,10 +355,11 @@ def test_hopper_backward_declines_what_it_does_not_serve():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         q = q.cuda()
         assert takes(q, q, q)
+        half = q[..., :64].contiguous()
+        assert takes(half, half, half)
         assert not takes(q.float(), q.float(), q.float())
-        for dim in (64, 96):
-            part = q[..., :dim].contiguous()
-            assert not takes(part, part, part)
+        for other in (q[..., :96].contiguous(), torch.cat([q, q], -1)):
+            assert not takes(other, other, other)
         assert not takes(q, q, q[..., :64].contiguous())
         assert not takes(q, q[:, :, :, :1].expand_as(q), q)
 

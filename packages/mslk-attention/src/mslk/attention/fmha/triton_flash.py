@@ -19,11 +19,11 @@ takes otherwise; the interior key blocks of a causal or windowed range skip the 
 `BwOp` is the matching backward, from any forward's output and LSE: one pass over key blocks that writes dK and
 dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under
 torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO, K and V tiles come through
-2D TMA descriptors where their rows allow, and at head dim 128 without bias, dropout or varlen the one-pass
-backward is triton_flash_hopper's warp-specialized Gluon kernel (1.16-1.24x this module's). The dispatcher tries
-both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the H200
-the forward runs at 0.90-1.02x cuDNN on dense attention and beats FlexAttention on sliding windows and varlen;
-forward+backward runs at 0.55-0.89x cuDNN's (RESULTS.md).
+2D TMA descriptors where their rows allow, and at head dims 64 and 128 without bias, dropout or varlen the
+one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this module's). The dispatcher
+tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the
+H200 the forward runs at 0.90-1.02x cuDNN on dense attention and beats FlexAttention on sliding windows and varlen;
+forward+backward runs at 0.90-0.95x cuDNN's on dense bf16 attention at head dims 64 and 128 (RESULTS.md).
 """
 
 from __future__ import annotations

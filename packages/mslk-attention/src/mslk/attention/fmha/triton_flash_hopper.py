@@ -1,20 +1,22 @@
 """The attention backward of triton_flash.BwOp on Hopper (sm_90), written in Gluon, for the common case: 16-bit
-Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, no tensor bias, no dropout, no
+Q, K, V of head dim 64 or 128 that TMA can read as [B·M, G·H·K] matrices, no tensor bias, no dropout, no
 varlen, dQ summed by atomics (not the deterministic mode).
 
 A program takes a block of BLOCK_N keys of one head and walks the query blocks that see them (the mirrored mask of
 triton_flash: causal and windowed ranges, their interior unmasked), as in FlashAttention-3's backward:
 
-- one warp loads K and V once, then each query block's Q and dO through TMA into a ring of STAGES slots;
+- one warp loads K and V once, then each query block's Q, dO, LSE and delta through TMA into a ring of STAGES slots;
 - two warpgroups (64 keys each) start Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, take Pᵀ = exp2(Sᵀ − LSE) while dPᵀ
   is still running and start dV += Pᵀ·dO from registers, then dSᵀ = Pᵀ ∘ (dPᵀ − delta) and dK += dSᵀ·Q; dSᵀ goes to
-  shared memory, from which both warpgroups take dQ = dS·K (64 head columns each) once it is whole, and dQ's share
-  is added to the fp32 dQ with 16-byte vector atomics over whole rows.
+  shared memory, from which both warpgroups take dQ = dS·K (half the head columns each) once it is whole, and dQ's
+  share is added to the fp32 dQ with 16-byte vector atomics over whole rows.
 
-H200, bf16, backward alone (RESULTS.md, twentieth session): B=4 M=4096 H=16 causal 1.78 ms against 2.11 for the
-Triton kernel (387 against 325 TFLOP/s), no mask 402 against 324, B=1 M=16384 causal 431 against 370. Measured
-slower: the atomics straight from the products' layout (two words a thread: 346 causal), an adding warp taking dQ's
-shares from shared memory (230), a third ring slot (no change); at head dim 64 this kernel ran at 305 against 324.
+H200, bf16, backward alone (RESULTS.md, twenty-first session): B=4 M=4096 H=16 K=128 causal 1.62 ms against 2.12
+for the Triton kernel (424 against 325 TFLOP/s), no mask 455 against 325, B=1 M=16384 causal 469 against 371,
+B=8 K=64 causal 362 against 329. LSE and delta through the ring rather than loaded by the multiplying warps gave
+8-14% (and took head dim 64 past the Triton kernel). Measured slower: the atomics straight from the products'
+layout (two words a thread: 346 causal, before the TMA'd statistics), an adding warp taking dQ's shares from shared
+memory (230), a third ring slot (no change), dQ's shares through shared memory added a block late (376).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from mslk.attention.fmha.triton_flash import (
 )
 from mslk.core import launch
 
-HEAD_DIMS = (128,)  # head dim 64 runs the Triton kernel, faster there (see above)
+HEAD_DIMS = (64, 128)
 BLOCK_M = 64  # queries a step
 BLOCK_N = 128  # keys a program: 64 per multiplying warpgroup
 STAGES = 2  # Q and dO slots of the ring
@@ -58,8 +60,8 @@ _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
-def _load_partition(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
-                    k_row, q_row0, head_col, parts):  # fmt: skip
+def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                    delta_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row, parts):  # fmt: skip
     """The loading warp: K and V once, then the query blocks' Q and dO in order, query block i into slot
     i % STAGES once the multiplying warps have released the block before it there. The head's tiles start at
     column head_col of every descriptor."""
@@ -76,14 +78,16 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_
             # first as complete.
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(lse_desc, [stat_row, start], bar, lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [stat_row, start], bar, delta_bufs.index(slot))
             tma.async_copy_global_to_shared(q_desc, [q_row0 + start, head_col], bar, q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, [q_row0 + start, head_col], bar, do_bufs.index(slot))
             i += 1
 
 
 @gluon.jit
-def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_ptr, delta_ptr, dq_ptr,
+def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_rows, delta_rows, dq_ptr,
                   stride_dqm, start_row, end_row, cols, q_len, k_len, shift, window_left, window_right, qk_scale,
                   sm_scale, MASKED: gl.constexpr):  # fmt: skip
     """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) (ring blocks i on), each
@@ -107,10 +111,9 @@ def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, em
     for start in range(start_row, end_row, BM):
         slot = i % STAGES
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-        in_sequence = rows < q_len
-        lse2 = gl.load(lse_ptr + rows, mask=in_sequence, other=0.0) * _LOG2E
-        delta = gl.load(delta_ptr + rows, mask=in_sequence, other=0.0)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        lse2 = lse_rows.index(slot).load(gl.SliceLayout(0, s_layout)) * _LOG2E
+        delta = delta_rows.index(slot).load(gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
         s = warpgroup_mma(k_smem, q.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
@@ -146,7 +149,7 @@ def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, em
 
 
 @gluon.jit
-def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_ptr, delta_ptr, dq_ptr,
+def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_rows, delta_rows, dq_ptr,
                    dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, parts, q_len, k_len, shift,
                    window_left, window_right, qk_scale, sm_scale):  # fmt: skip
     """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), then dK and
@@ -164,7 +167,7 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, em
     i = 0
     for part in gl.static_range(3):
         dk, dv, i = _query_blocks(
-            dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_ptr, delta_ptr, dq_ptr, stride_dqm,
+            dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_rows, delta_rows, dq_ptr, stride_dqm,
             parts[part], parts[part + 1], cols, q_len, k_len, shift, window_left, window_right, qk_scale, sm_scale,
             part != 1,
         )  # fmt: skip
@@ -182,8 +185,8 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, em
 
 @gluon.jit
 def _flash_backward_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, G, H, Mq, Mk, qk_scale, sm_scale,
-    window_left, window_right, stride_lb, stride_lg, stride_lh,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_ptr, dk_ptr, dv_ptr, G, H, Mq, Mk, qk_scale, sm_scale,
+    window_left, window_right,
     stride_dqb, stride_dqm, stride_dqg, stride_dqh,
     stride_dkb, stride_dkm, stride_dkg, stride_dkh,
     stride_dvb, stride_dvm, stride_dvg, stride_dvh, blocks, section,
@@ -205,7 +208,6 @@ def _flash_backward_hopper_kernel(
     full_lo, full_hi = _unmasked_key_range(lo, hi, first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
     if first_col + BN > Mk:  # keys past the head's (the next batch element's rows under TMA): all masked
         full_lo, full_hi = hi, hi
-    stat = b * stride_lb + g * stride_lg + h * stride_lh
     dq_ptr += b * stride_dqb + g * stride_dqg + h * stride_dqh
     dk_ptr += b * stride_dkb + g * stride_dkg + h * stride_dkh
     dv_ptr += b * stride_dvb + g * stride_dvg + h * stride_dvh
@@ -216,6 +218,11 @@ def _flash_backward_hopper_kernel(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_rows = lse_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
+    delta_rows = delta_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot was read
@@ -226,13 +233,14 @@ def _flash_backward_hopper_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (
-                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_ptr + stat, delta_ptr + stat,
+                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
                 dq_ptr, dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, (lo, full_lo, full_hi, hi), Mq,
                 Mk, shift, window_left, window_right, qk_scale, sm_scale,
             )),
             (_load_partition, (
-                q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, ready, empty,
-                (b * Mk + first_col).to(gl.int32), (b * Mq).to(gl.int32), (g * H + h) * HEAD_DIM,
+                q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                delta_bufs, kv_ready, ready, empty, (b * Mk + first_col).to(gl.int32), (b * Mq).to(gl.int32),
+                (g * H + h) * HEAD_DIM, ((b * G + g) * H + h).to(gl.int32),
                 (lo, full_lo, full_hi, hi),
             )),
         ],
@@ -268,6 +276,19 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], _tile_layout(rows, k))
 
 
+_STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
+    """[1, block] boxes of a [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows, padded to 16-byte
+    rows where Mq is not a multiple of 4 (TMA's stride alignment)."""
+    b, g, h, m = t.shape
+    if m % 4:
+        t = torch.nn.functional.pad(t, (0, 4 - m % 4))[..., :m]
+    rows = t.flatten(0, 2)
+    return TensorDescriptor(rows, [b * g * h, m], [rows.stride(0), 1], [1, block], _STAT_LAYOUT)
+
+
 def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right):
     """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors."""
     batch, mq, groups, heads, _ = q.shape
@@ -275,8 +296,9 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     blocks = launch.cdiv(mk, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        lse, delta, dq_sum, dk, dv, groups, heads, mq, mk, scale * 1.4426950408889634, scale, window_left,
-        window_right, *lse.stride()[:3], *(s for t in (dq_sum, dk, dv) for s in t.stride()[:4]), blocks,
+        *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), dq_sum, dk, dv, groups, heads, mq, mk,
+        scale * 1.4426950408889634, scale, window_left, window_right,
+        *(s for t in (dq_sum, dk, dv) for s in t.stride()[:4]), blocks,
         _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,
     )  # fmt: skip
