@@ -47,7 +47,7 @@ from mslk.attention.fmha.triton_flash import (
 )
 from mslk.core import launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # the same tiles at both
 BLOCK_M = 64  # queries a step
 BLOCK_N = 128  # keys a program: 64 per multiplying warpgroup
 STAGES = 2  # Q and dO slots of the ring
@@ -62,9 +62,9 @@ _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                     delta_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row, parts):  # fmt: skip
-    """The loading warp: K and V once, then the query blocks' Q and dO in order, query block i into slot
-    i % STAGES once the multiplying warps have released the block before it there. The head's tiles start at
-    column head_col of every descriptor."""
+    """The loading warp: K and V once, then the query blocks' Q, dO and their LSE and delta in order, query block i
+    into slot i % STAGES once the multiplying warps have released the block before it there. The head's tiles start
+    at column head_col of every tile descriptor, its statistics on row stat_row."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_bufs.shape[0]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -220,6 +220,7 @@ def _flash_backward_hopper_kernel(
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
+    # The [1, BM] boxes TMA writes, read back as [BM] rows (same bytes, no swizzle).
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_rows = lse_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
     delta_rows = delta_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
@@ -280,8 +281,8 @@ _STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, r
 
 
 def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
-    """[1, block] boxes of a [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows, padded to 16-byte
-    rows where Mq is not a multiple of 4 (TMA's stride alignment)."""
+    """[1, block] boxes of a [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows (zeros past Mq),
+    copied to 16-byte rows where Mq is not a multiple of 4 (TMA's stride alignment)."""
     b, g, h, m = t.shape
     if m % 4:
         t = torch.nn.functional.pad(t, (0, 4 - m % 4))[..., :m]
