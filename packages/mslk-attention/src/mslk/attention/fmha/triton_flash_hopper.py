@@ -298,7 +298,7 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), dq_sum, dk, dv, groups, heads, mq, mk,
-        scale * 1.4426950408889634, scale, window_left, window_right,
+        scale * _LOG2E.value, scale, window_left, window_right,
         *(s for t in (dq_sum, dk, dv) for s in t.stride()[:4]), blocks,
         _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,
