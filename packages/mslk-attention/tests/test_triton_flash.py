@@ -365,6 +365,75 @@ def test_hopper_backward_declines_what_it_does_not_serve():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("fmt", "sizes"),
+    [
+        ("BMHK", (2, 1000, 1000, 1, 3, 128)),
+        ("BMHK", (1, 7, 129, 1, 2, 128)),
+        ("BMHK", (3, 129, 200, 1, 2, 128)),
+        ("BMGHK", (2, 300, 513, 2, 2, 128)),
+        ("BMHK", (1, 1, 4100, 1, 2, 128)),
+        ("BMHK", (2, 4096, 4096, 1, 2, 128)),
+    ],
+)
+def test_hopper_forward_gpu(dtype, fmt, sizes, monkeypatch):
+    """The Gluon forward (triton_flash_hopper_fwd) at any length (FwOp takes it from _GLUON_FORWARD_MIN_KEYS keys
+    on): partial query and key blocks, Mq != Mk, groups, one query, many key blocks (the ring and the warpgroups'
+    turns go round), its output and LSE poisoned first; a custom scale and an fp32 output at one size."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    from mslk.attention.fmha import triton_flash_hopper_fwd
+
+    runs = []
+    run = triton_flash_hopper_fwd.run
+
+    def poisoned_run(q, k, v, out, lse, *args):
+        runs.append(1)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        run(q, k, v, out, lse, *args)
+
+    monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
+    monkeypatch.setattr(triton_flash, "_GLUON_FORWARD_MIN_KEYS", 0)
+    q, k, v, _ = _inputs("None", fmt, sizes, dtype, "cuda")
+    _check(q, k, v, None, dtype)
+    if sizes[1] == 129:
+        _check(q, k, v, None, dtype, scale=0.3, output_dtype=torch.float32)
+    assert len(runs) == (2 if sizes[1] == 129 else 1)
+
+
+def test_hopper_forward_declines_what_it_does_not_serve():
+    """FwOp takes the Gluon forward for unmasked attention over long keys only, and the kernel serves sm_90 GPUs,
+    16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here: masks, dropout, short
+    keys, CPU tensors, a negative scale, fp32, head dims 64 and 256, Kv != K, stride-0 GQA heads) runs the Triton
+    kernel."""
+    from mslk.attention.fmha import attn_bias, triton_flash_hopper_fwd
+
+    q = torch.randn(1, triton_flash._GLUON_FORWARD_MIN_KEYS, 1, 2, 128, dtype=torch.bfloat16)
+    q4 = q[:, :, 0]
+    for inp in (
+        common.Inputs(q4, q4, q4, attn_bias.LowerTriangularMask()),
+        common.Inputs(q4, q4, q4, p=0.1),
+        common.Inputs(q4[:, :-1], q4[:, :-1], q4[:, :-1]),
+    ):
+        k = triton_flash._bmghk(inp.key)
+        assert triton_flash._gluon_forward(k, k, k, inp, None) is None
+    takes = triton_flash_hopper_fwd.supports
+    assert not takes(q, q, q, 0.1)  # not a GPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        q = q.cuda()
+        assert takes(q, q, q, 0.1)
+        assert triton_flash._gluon_forward(q, q, q, common.Inputs(q, q, q), None) is triton_flash_hopper_fwd
+        assert not takes(q, q, q, -0.1)
+        assert not takes(q.float(), q.float(), q.float(), 0.1)
+        for other in (q[..., :64].contiguous(), torch.cat([q, q], -1)):
+            assert not takes(other, other, other, 0.1)
+        assert not takes(q, q, q[..., :64].contiguous(), 0.1)
+        assert not takes(q, q[:, :, :, :1].expand_as(q), q, 0.1)
+
+
+@pytest.mark.gpu
 def test_deterministic_backward_repeats_bitwise(backward_mode):
     """Under torch.use_deterministic_algorithms two runs give the same bits; 4096 keys in 32 key blocks make
     the one-pass backward's atomic dQ sums land in varying orders (dK and dV are per program either way)."""

@@ -1,0 +1,261 @@
+"""The attention forward of triton_flash.FwOp on Hopper (sm_90), written in Gluon, where it is measured faster
+than the Triton kernel: 16-bit Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, a positive
+scale, no mask, bias, dropout or varlen, long key sequences (triton_flash._gluon_forward decides).
+
+A program takes 128 queries of one head, as in FlashAttention-3's forward:
+
+- one warp loads the queries once, then K and V blocks of 128 keys through a ring of STAGES slots;
+- two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
+  two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
+  the other's products use the tensor cores ("ping-pong").
+
+H200, bf16, forward alone (RESULTS.md, twenty-first session; ms, TFLOP/s): B=4 M=4096 H=16 no mask 0.934 (589)
+against 1.014 (542) for the Triton kernel and 0.918 (599) for cuDNN. Slower than the Triton kernel, so left to it:
+causal (B=4 M=4096: 466 against 491; B=1 M=16384: 571 against 617) and short rows (B=16 M=1024 no mask: 406
+against 448); without the turns (session 20) 538 no mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from mslk.attention.fmha.triton_flash import (
+    _flat_rows,
+    _heads_per_section,
+    _key_range,
+    _program_block,
+    _tma_readable,
+    _unmasked_key_range,
+    _visible,
+)
+from mslk.attention.fmha.triton_flash_hopper import _descriptor
+from mslk.core import launch
+
+HEAD_DIMS = (128,)  # head dim 64 not tried
+BLOCK_M = 128  # queries a program: 64 per warpgroup
+BLOCK_N = 128  # keys a step
+STAGES = 3  # K and V slots of the ring (two left the loads exposed behind the turns)
+MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
+LOAD_REGISTERS = 24
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, ready, empty, q_row, k_row0, head_col,
+                    parts):  # fmt: skip
+    """The loading warp: the program's queries (two halves) once, then the key blocks' K and V in order, block i into
+    slot i % STAGES once both warpgroups have released the block before it there."""
+    HALF: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
+    i = 0
+    for part in gl.static_range(3):
+        for start in range(parts[part], parts[part + 1], BN):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
+            i += 1
+
+
+@gluon.jit
+def _scores(q, k_bufs, ready, turn, i, n, WG: gl.constexpr):
+    """Waits for ring block i, then, in this warpgroup's turn, starts its scores Q·Kᵀ (the n-th turn of the
+    warpgroup). Returns the pending product."""
+    BN: gl.constexpr = k_bufs.shape[1]
+    HALF: gl.constexpr = q.shape[0]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    # Warpgroup 0 goes first: its first wait passes on the fresh barrier (the phase before the first counts done).
+    mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+    return warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), gl.zeros([HALF, BN], gl.float32, s_layout),
+                         use_acc=False, is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_left, window_right, qk_scale,
+             MASKED: gl.constexpr):  # fmt: skip
+    """The online softmax step of one key block's raw scores: the new row maximum, the old accumulator's factor,
+    the weights and the new row sums."""
+    BN: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = s.type.layout
+    if MASKED:
+        cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, rows, start_col, end_col, q_len, k_len,
+            shift, window_left, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+    """Key blocks [start_col, end_col) (ring blocks i on, turns n on): block j's scores and block j-1's P·V start
+    together in this warpgroup's turn, then the other warpgroup's turn comes, whose products run under this one's
+    softmax. (The softmax under this warpgroup's own products too, as FlashAttention-3 does, spilled at 240
+    registers and ran slower.)"""
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    o_layout: gl.constexpr = acc.type.layout
+    for start in range(start_col, end_col, k_bufs.shape[1]):
+        s = _scores(q, k_bufs, ready, turn, i, n, WG)
+        prev = (i - 1) % STAGES
+        acc = warpgroup_mma(p_a, v_bufs.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG))
+        s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
+        mbarrier.arrive(empty.index(prev))
+        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_left, window_right,
+                                      qk_scale, MASKED)  # fmt: skip
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_a = gl.convert_layout(p.to(q.dtype), p_a.type.layout)
+        i += 1
+        n += 1
+    return acc, p_a, m_i, l_i, i, n
+
+
+@gluon.jit
+def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
+                       parts, q_len, k_len, shift, window_left, window_right, qk_scale, WG: gl.constexpr):  # fmt: skip
+    """One warpgroup: queries first_row + WG · 64 on, over the program's key blocks, then their output and LSE
+    (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it may be
+    an edge), so that the loop always has the previous block's weights to multiply; the last block's P·V follows
+    the loop."""
+    HALF: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    BN: gl.constexpr = k_bufs.shape[1]
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    q = q_smem.index(WG)
+    mbarrier.wait(q_ready, 0)
+    lo = parts[0]
+    hi = parts[3]
+    if lo < hi:
+        s = _scores(q, k_bufs, ready, turn, 0, 0, WG)
+        mbarrier.arrive(turn.index(1 - WG))
+        s = warpgroup_mma_wait(0, deps=(s,))
+        m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, lo, q_len, k_len, shift, window_left, window_right, qk_scale,
+                                  True)  # fmt: skip
+        p_a = gl.convert_layout(p.to(q.dtype), p_layout)
+        rest = gl.minimum(lo + BN, hi)
+        bounds = (rest, gl.maximum(parts[1], rest), gl.maximum(parts[2], rest), hi)
+        i = 1
+        n = 1
+        for part in gl.static_range(3):  # masked left edge, unmasked interior, masked right edge
+            acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, rows,
+                                               bounds[part], bounds[part + 1], q_len, k_len, shift, window_left,
+                                               window_right, qk_scale, WG, part != 1)  # fmt: skip
+        acc = warpgroup_mma(p_a, v_bufs.index((i - 1) % STAGES), acc, is_async=True)
+        acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
+    has_keys = l_i > 0.0
+    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / _LOG2E, float("-inf"))
+    gl.store(lse_ptr + rows, lse, mask=rows < q_len)
+    scale = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+    out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < q_len)[:, None])
+
+
+@gluon.jit
+def _flash_forward_hopper_kernel(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_left, window_right,
+    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, section,
+    BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] of [B, M, G, H, K] Q, K, V read through [B·M, G·H·K] descriptors
+    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Programs: (query block, batch·group·head) in triton_flash's
+    order, the heaviest first."""
+    HALF: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    BM: gl.constexpr = 2 * HALF
+    rank, pid_bgh = _program_block(blocks, section)
+    first_row = (blocks - 1 - rank) * BM  # the last query blocks see the most keys under a causal mask
+    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
+    b = b.to(gl.int64)
+    shift = Mk - Mq if BOTTOM_RIGHT else 0
+    lo, hi = _key_range(first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
+    full_lo, full_hi = _unmasked_key_range(lo, hi, first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
+    out_ptr += b * stride_ob + g * stride_og + h * stride_oh
+    lse_ptr += b * stride_lb + g * stride_lg + h * stride_lh
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # both warpgroups read it
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    gl.warp_specialize(
+        [
+            (_softmax_partition, (
+                q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
+                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, 0,
+            )),
+            (_softmax_partition, (
+                q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
+                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, 1,
+            )),
+            (_load_partition, (
+                q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, ready, empty,
+                (b * Mq + first_row).to(gl.int32), (b * Mk).to(gl.int32), (g * H + h) * HEAD_DIM,
+                (lo, full_lo, full_hi, hi),
+            )),
+        ],
+        [4, 1],
+        [MMA_REGISTERS, LOAD_REGISTERS],
+    )  # fmt: skip
+
+
+def supports(q, k, v, scale: float) -> bool:
+    """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
+    varlen): what triton_flash's TMA paths read (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of a
+    [B·M, G·H·K] matrix), one dtype, a head dim of HEAD_DIMS and a positive scale (scores stay raw, scaled inside the
+    exponent)."""
+    return (
+        _tma_readable(q, k, v)
+        and all(_flat_rows(t) for t in (q, k, v))
+        and q.dtype == k.dtype == v.dtype
+        and q.shape[-1] == v.shape[-1] in HEAD_DIMS
+        and scale > 0.0
+        # offsets within a batch element in int32 (the output is contiguous like q)
+        and math.prod(q.shape[1:]) < 2**31
+    )
+
+
+def run(q, k, v, out, lse, scale, window_left, window_right, bottom_right):
+    """out [B, Mq, G, H, K] and lse [B, G, H, Mq] (fp32, natural log) of [B, M, G, H, K] tensors."""
+    batch, mq, groups, heads, _ = q.shape
+    mk = k.shape[1]
+    blocks = launch.cdiv(mq, BLOCK_M)
+    _flash_forward_hopper_kernel[(blocks * batch * groups * heads,)](
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
+        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
+        _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, MMA_REGISTERS=MMA_REGISTERS,
+        LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
+    )  # fmt: skip
