@@ -194,17 +194,22 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
 
 
 @triton.jit
-def _program_block(blocks, section):
-    """(rank, sequence·group·head) of this program, one of `blocks` per head. The heads go in sections of `section`,
-    and a section's programs rank by rank across its heads, rank 0 first: the block that a causal mask gives the most
-    work. The last programs to start are then short ones, and the heads running at once (a section or two) share
-    their rows in L2."""
-    pid = tl.program_id(0)
+def _tile_block(tile, blocks, section, heads):
+    """(rank, sequence·group·head) of tile `tile`, one of `blocks` per head of `heads`. The heads go in sections of
+    `section`, and a section's tiles rank by rank across its heads, rank 0 first: the block that a causal mask gives
+    the most work. The last tiles to start are then short ones, and the heads running at once (a section or two)
+    share their rows in L2."""
     per_section = section * blocks
-    first_head = pid // per_section * section
-    width = tl.minimum(section, tl.num_programs(0) // blocks - first_head)  # the last section may be narrower
-    in_section = pid % per_section
+    first_head = tile // per_section * section
+    width = tl.minimum(section, heads - first_head)  # the last section may be narrower
+    in_section = tile % per_section
     return in_section // width, first_head + in_section % width
+
+
+@triton.jit
+def _program_block(blocks, section):
+    """_tile_block of this program, one program a tile."""
+    return _tile_block(tl.program_id(0), blocks, section, tl.num_programs(0) // blocks)
 
 
 def _heads_per_section(blocks: int, device: torch.device) -> int:

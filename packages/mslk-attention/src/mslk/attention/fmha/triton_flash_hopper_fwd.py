@@ -2,9 +2,10 @@
 than the Triton kernel: 16-bit Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, a positive
 scale, no mask, bias, dropout or varlen, long key sequences (triton_flash._gluon_forward decides).
 
-A program takes 128 queries of one head, as in FlashAttention-3's forward:
+Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward:
 
-- one warp loads the queries once, then K and V blocks of 128 keys through a ring of STAGES slots;
+- one warp loads a tile's queries once the warpgroups have done with the last tile's (so the next tile's loads run
+  under this one's last product and output), then K and V blocks of 128 keys through a ring of STAGES slots;
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong").
@@ -27,44 +28,70 @@ from mslk.attention.fmha.triton_flash import (
     _flat_rows,
     _heads_per_section,
     _key_range,
-    _program_block,
+    _tile_block,
     _tma_readable,
     _unmasked_key_range,
     _visible,
 )
 from mslk.attention.fmha.triton_flash_hopper import _descriptor
-from mslk.core import launch
+from mslk.core import arch, launch
 
 HEAD_DIMS = (128,)  # head dim 64 not tried
 BLOCK_M = 128  # queries a program: 64 per warpgroup
 BLOCK_N = 128  # keys a step
-STAGES = 3  # K and V slots of the ring (two left the loads exposed behind the turns)
+STAGES = 3  # K and V slots of the ring (block j-1's slot is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, ready, empty, q_row, k_row0, head_col,
-                    parts):  # fmt: skip
-    """The loading warp: the program's queries (two halves) once, then the key blocks' K and V in order, block i into
-    slot i % STAGES once both warpgroups have released the block before it there."""
+def _tile(t, blocks, section, heads, Mq, Mk, window_left, window_right, BOTTOM_RIGHT: gl.constexpr,
+          BM: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+    """Tile t's (batch·group·head, first query row, key range lo, full_lo, full_hi, hi) in triton_flash's program
+    order (heads in sections, the heaviest query blocks first)."""
+    rank, bgh = _tile_block(t, blocks, section, heads)
+    first_row = (blocks - 1 - rank) * BM  # the last query blocks see the most keys under a causal mask
+    shift = Mk - Mq if BOTTOM_RIGHT else 0
+    lo, hi = _key_range(first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
+    full_lo, full_hi = _unmasked_key_range(lo, hi, first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
+    return bgh, first_row, lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
+                    window_left, window_right, tiles, blocks, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
+    """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
+    tile's, then its key blocks' K and V in order through the ring (block i of the program into slot i % STAGES once
+    both warpgroups have released the block before it there)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_bufs.shape[0]
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
     i = 0
-    for part in gl.static_range(3):
-        for start in range(parts[part], parts[part + 1], BN):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
-            tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
-            i += 1
+    j = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        bgh, first_row, lo, full_lo, full_hi, hi = _tile(t, blocks, section, tiles // blocks, Mq, Mk, window_left,
+                                                         window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
+        b = bgh // (G * H)
+        head_col = (bgh % (G * H)) * HEAD_DIM
+        q_row = (b * Mq + first_row).to(gl.int32)
+        k_row0 = (b * Mk).to(gl.int32)
+        mbarrier.wait(q_empty, (j & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
+        parts = (lo, full_lo, full_hi, hi)
+        for part in gl.static_range(3):
+            for start in range(parts[part], parts[part + 1], BN):
+                slot = i % STAGES
+                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
+                i += 1
+        j += 1
 
 
 @gluon.jit
@@ -126,12 +153,14 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
 
 
 @gluon.jit
-def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
-                       parts, q_len, k_len, shift, window_left, window_right, qk_scale, WG: gl.constexpr):  # fmt: skip
-    """One warpgroup: queries first_row + WG · 64 on, over the program's key blocks, then their output and LSE
-    (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it may be
-    an edge), so that the loop always has the previous block's weights to multiply; the last block's P·V follows
-    the loop."""
+def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
+                       qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
+                       stride_lg, stride_lh, tiles, blocks, section, BOTTOM_RIGHT: gl.constexpr,
+                       WG: gl.constexpr):  # fmt: skip
+    """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
+    and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
+    may be an edge), so that the loop always has the previous block's weights to multiply; the last block's P·V
+    follows the loop, after the tile's queries are released to the loading warp."""
     HALF: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     BN: gl.constexpr = k_bufs.shape[1]
@@ -140,72 +169,78 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     q = q_smem.index(WG)
-    mbarrier.wait(q_ready, 0)
-    lo = parts[0]
-    hi = parts[3]
-    if lo < hi:
-        s = _scores(q, k_bufs, ready, turn, 0, 0, WG)
-        mbarrier.arrive(turn.index(1 - WG))
-        s = warpgroup_mma_wait(0, deps=(s,))
-        m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, lo, q_len, k_len, shift, window_left, window_right, qk_scale,
-                                  True)  # fmt: skip
-        p_a = gl.convert_layout(p.to(q.dtype), p_layout)
-        rest = gl.minimum(lo + BN, hi)
-        bounds = (rest, gl.maximum(parts[1], rest), gl.maximum(parts[2], rest), hi)
-        i = 1
-        n = 1
-        for part in gl.static_range(3):  # masked left edge, unmasked interior, masked right edge
-            acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, rows,
-                                               bounds[part], bounds[part + 1], q_len, k_len, shift, window_left,
-                                               window_right, qk_scale, WG, part != 1)  # fmt: skip
-        acc = warpgroup_mma(p_a, v_bufs.index((i - 1) % STAGES), acc, is_async=True)
-        acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
-    has_keys = l_i > 0.0
-    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / _LOG2E, float("-inf"))
-    gl.store(lse_ptr + rows, lse, mask=rows < q_len)
-    scale = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), gl.SliceLayout(1, o_layout))
-    out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-    out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < q_len)[:, None])
+    shift = Mk - Mq if BOTTOM_RIGHT else 0
+    i = 0
+    n = 0
+    j = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        bgh, first_row, lo, full_lo, full_hi, hi = _tile(t, blocks, section, tiles // blocks, Mq, Mk, window_left,
+                                                         window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
+        b = (bgh // (G * H)).to(gl.int64)
+        g = (bgh // H) % G
+        h = bgh % H
+        rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_ready, j & 1)
+        if lo < hi:
+            s = _scores(q, k_bufs, ready, turn, i, n, WG)
+            mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(0, deps=(s,))
+            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, lo, Mq, Mk, shift, window_left, window_right, qk_scale,
+                                      True)  # fmt: skip
+            p_a = gl.convert_layout(p.to(q.dtype), p_layout)
+            i += 1
+            n += 1
+            rest = gl.minimum(lo + BN, hi)
+            bounds = (rest, gl.maximum(full_lo, rest), gl.maximum(full_hi, rest), hi)
+            for part in gl.static_range(3):  # masked left edge, unmasked interior, masked right edge
+                acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn,
+                                                   rows, bounds[part], bounds[part + 1], Mq, Mk, shift, window_left,
+                                                   window_right, qk_scale, WG, part != 1)  # fmt: skip
+            mbarrier.arrive(q_empty)
+            last = (i - 1) % STAGES
+            acc = warpgroup_mma(p_a, v_bufs.index(last), acc, is_async=True)
+            acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
+            mbarrier.arrive(empty.index(last))
+        else:
+            mbarrier.arrive(q_empty)
+        has_keys = l_i > 0.0
+        lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / _LOG2E, float("-inf"))
+        gl.store(lse_ptr + b * stride_lb + g * stride_lg + h * stride_lh + rows, lse, mask=rows < Mq)
+        scale = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), gl.SliceLayout(1, o_layout))
+        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+        out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        out_base = out_ptr + b * stride_ob + g * stride_og + h * stride_oh
+        gl.store(out_base + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < Mq)[:, None])
+        j += 1
 
 
 @gluon.jit
 def _flash_forward_hopper_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_left, window_right,
-    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, section,
+    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, tiles, blocks, section,
     BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] of [B, M, G, H, K] Q, K, V read through [B·M, G·H·K] descriptors
-    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Programs: (query block, batch·group·head) in triton_flash's
-    order, the heaviest first."""
+    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Persistent: program p takes tiles p, p + programs, ... of the
+    (query block, batch·group·head) tiles in triton_flash's order."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    BM: gl.constexpr = 2 * HALF
-    rank, pid_bgh = _program_block(blocks, section)
-    first_row = (blocks - 1 - rank) * BM  # the last query blocks see the most keys under a causal mask
-    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
-    b = b.to(gl.int64)
-    shift = Mk - Mq if BOTTOM_RIGHT else 0
-    lo, hi = _key_range(first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
-    full_lo, full_hi = _unmasked_key_range(lo, hi, first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
-    out_ptr += b * stride_ob + g * stride_og + h * stride_oh
-    lse_ptr += b * stride_lb + g * stride_lg + h * stride_lh
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # both warpgroups read it
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for s in gl.static_range(STAGES):
@@ -214,17 +249,18 @@ def _flash_forward_hopper_kernel(
     gl.warp_specialize(
         [
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
-                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, 0,
+                q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
+                qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                stride_lh, tiles, blocks, section, BOTTOM_RIGHT, 0,
             )),
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, q_ready, ready, empty, turn, out_ptr, lse_ptr, stride_om, first_row,
-                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, 1,
+                q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
+                qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                stride_lh, tiles, blocks, section, BOTTOM_RIGHT, 1,
             )),
             (_load_partition, (
-                q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, ready, empty,
-                (b * Mq + first_row).to(gl.int32), (b * Mk).to(gl.int32), (g * H + h) * HEAD_DIM,
-                (lo, full_lo, full_hi, hi),
+                q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
+                window_left, window_right, tiles, blocks, section, BOTTOM_RIGHT,
             )),
         ],
         [4, 1],
@@ -253,9 +289,10 @@ def run(q, k, v, out, lse, scale, window_left, window_right, bottom_right):
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
     blocks = launch.cdiv(mq, BLOCK_M)
-    _flash_forward_hopper_kernel[(blocks * batch * groups * heads,)](
+    tiles = blocks * batch * groups * heads
+    _flash_forward_hopper_kernel[(min(tiles, arch.sm_count(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
-        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
+        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], tiles, blocks,
         _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, MMA_REGISTERS=MMA_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
