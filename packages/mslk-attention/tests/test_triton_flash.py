@@ -371,6 +371,7 @@ def test_hopper_backward_declines_what_it_does_not_serve():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B04", "B05"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     ("fmt", "sizes"),
@@ -380,7 +381,7 @@ def test_hopper_backward_declines_what_it_does_not_serve():
         ("BMHK", (2, 4096, 4096, 1, 2, 128)),
     ],
 )
-def test_hopper_forward_gpu(dtype, fmt, sizes, monkeypatch):
+def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
     """The Gluon forward (triton_flash_hopper_fwd) at any length (FwOp takes it from _GLUON_FORWARD_MIN_KEYS keys
     on): partial query and key blocks, Mq != Mk, groups, one query, many key blocks (the ring and the warpgroups'
     turns go round), its output and LSE poisoned first; a custom scale and an fp32 output at one size."""
@@ -399,24 +400,25 @@ def test_hopper_forward_gpu(dtype, fmt, sizes, monkeypatch):
 
     monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
     monkeypatch.setattr(triton_flash, "_GLUON_FORWARD_MIN_KEYS", 0)
-    q, k, v, _ = _inputs("None", fmt, sizes, dtype, "cuda")
-    _check(q, k, v, None, dtype)
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, "cuda")
+    _check(q, k, v, bias, dtype)
     if sizes[1] == 129:
-        _check(q, k, v, None, dtype, scale=0.3, output_dtype=torch.float32)
+        _check(q, k, v, bias, dtype, scale=0.3, output_dtype=torch.float32)
     assert len(runs) == (2 if sizes[1] == 129 else 1)
 
 
 def test_hopper_forward_declines_what_it_does_not_serve():
-    """FwOp takes the Gluon forward for unmasked attention over long keys only, and the kernel serves sm_90 GPUs,
-    16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here: masks, dropout, short
-    keys, CPU tensors, a negative scale, fp32, head dims 64 and 256, Kv != K, stride-0 GQA heads) runs the Triton
-    kernel."""
+    """FwOp takes the Gluon forward for one sequence's masks (none, causal, windows) over long keys only, and the
+    kernel serves sm_90 GPUs, 16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here:
+    a tensor bias, dropout, short keys, CPU tensors, a negative scale, fp32, head dims 64 and 256, Kv != K,
+    stride-0 GQA heads) runs the Triton kernel."""
     from mslk.attention.fmha import attn_bias, triton_flash_hopper_fwd
 
     q = torch.randn(1, triton_flash._GLUON_FORWARD_MIN_KEYS, 1, 2, 128, dtype=torch.bfloat16)
     q4 = q[:, :, 0]
+    scores_bias = torch.randn(()).expand(1, 2, q.shape[1], q.shape[1])
     for inp in (
-        common.Inputs(q4, q4, q4, attn_bias.LowerTriangularMask()),
+        common.Inputs(q4, q4, q4, attn_bias.LowerTriangularMaskWithTensorBias(scores_bias)),
         common.Inputs(q4, q4, q4, p=0.1),
         common.Inputs(q4[:, :-1], q4[:, :-1], q4[:, :-1]),
     ):

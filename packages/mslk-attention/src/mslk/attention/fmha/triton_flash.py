@@ -791,7 +791,9 @@ _GLUON_FORWARD_MIN_KEYS = 4096
 def _gluon_forward(q, k, v, inp, varlen):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
     (no mask, bias, dropout or varlen; at least _GLUON_FORWARD_MIN_KEYS keys), else None."""
-    if inp.attn_bias is not None or inp.p > 0.0 or varlen is not None or k.shape[1] < _GLUON_FORWARD_MIN_KEYS:
+    if tensor_bias(inp.attn_bias) is not None or inp.p > 0.0 or varlen is not None:
+        return None
+    if k.shape[1] < _GLUON_FORWARD_MIN_KEYS:
         return None
     from mslk.attention.fmha import triton_flash_hopper_fwd  # (imports this module)
 

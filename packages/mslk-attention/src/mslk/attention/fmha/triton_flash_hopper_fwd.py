@@ -46,21 +46,32 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _tile(t, blocks, section, heads, Mq, Mk, window_left, window_right, BOTTOM_RIGHT: gl.constexpr,
+def _tile(k, blocks, section, all_heads, Mq, Mk, window_left, window_right, BOTTOM_RIGHT: gl.constexpr,
           BM: gl.constexpr, BN: gl.constexpr):  # fmt: skip
-    """Tile t's (batch·group·head, first query row, key range lo, full_lo, full_hi, hi) in triton_flash's program
-    order (heads in sections, the heaviest query blocks first)."""
-    rank, bgh = _tile_block(t, blocks, section, heads)
-    first_row = (blocks - 1 - rank) * BM  # the last query blocks see the most keys under a causal mask
+    """This program's k-th tile: (batch·group·head, first query row, key range lo, full_lo, full_hi, hi). Program p
+    takes units p, p + programs, ... in triton_flash's order (_tile_block), a unit the query blocks blocks - 1 - j and
+    j of one head, the heavier first: under a causal mask every unit then has as many keys, where programs taking
+    single blocks in turn were unevenly loaded. An odd middle block is paired with one past the rows, which has no
+    keys and writes nothing."""
+    j, bgh = _tile_block(gl.program_id(0) + k // 2 * gl.num_programs(0), (blocks + 1) // 2, section, all_heads)
+    query_block = blocks - 1 - j if k % 2 == 0 else gl.where(2 * j + 1 == blocks, blocks, j)
+    first_row = query_block * BM
     shift = Mk - Mq if BOTTOM_RIGHT else 0
     lo, hi = _key_range(first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
+    hi = gl.where(first_row < Mq, hi, lo)
     full_lo, full_hi = _unmasked_key_range(lo, hi, first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
     return bgh, first_row, lo, full_lo, full_hi, hi
 
 
 @gluon.jit
+def _program_tiles(blocks, all_heads):
+    """How many tiles this program takes: two a unit (_tile)."""
+    return 2 * gl.cdiv((blocks + 1) // 2 * all_heads - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                    window_left, window_right, tiles, blocks, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
+                    window_left, window_right, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
     """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
     tile's, then its key blocks' K and V in order through the ring (block i of the program into slot i % STAGES once
     both warpgroups have released the block before it there)."""
@@ -70,8 +81,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_e
     STAGES: gl.constexpr = k_bufs.shape[0]
     i = 0
     j = 0
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        bgh, first_row, lo, full_lo, full_hi, hi = _tile(t, blocks, section, tiles // blocks, Mq, Mk, window_left,
+    for k in range(0, _program_tiles(blocks, all_heads)):
+        bgh, first_row, lo, full_lo, full_hi, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_left,
                                                          window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
         b = bgh // (G * H)
         head_col = (bgh % (G * H)) * HEAD_DIM
@@ -155,7 +166,7 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
 @gluon.jit
 def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
                        qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
-                       stride_lg, stride_lh, tiles, blocks, section, BOTTOM_RIGHT: gl.constexpr,
+                       stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr,
                        WG: gl.constexpr):  # fmt: skip
     """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
     and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
@@ -174,8 +185,8 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
     i = 0
     n = 0
     j = 0
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        bgh, first_row, lo, full_lo, full_hi, hi = _tile(t, blocks, section, tiles // blocks, Mq, Mk, window_left,
+    for k in range(0, _program_tiles(blocks, all_heads)):
+        bgh, first_row, lo, full_lo, full_hi, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_left,
                                                          window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
         b = (bgh // (G * H)).to(gl.int64)
         g = (bgh // H) % G
@@ -222,12 +233,12 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
 @gluon.jit
 def _flash_forward_hopper_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_left, window_right,
-    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, tiles, blocks, section,
+    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
     BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] of [B, M, G, H, K] Q, K, V read through [B·M, G·H·K] descriptors
-    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Persistent: program p takes tiles p, p + programs, ... of the
-    (query block, batch·group·head) tiles in triton_flash's order."""
+    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Persistent: each program takes its units' tiles (_tile): pairs of
+    the `blocks` query blocks of each of the `all_heads` batch·group·heads."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -251,16 +262,16 @@ def _flash_forward_hopper_kernel(
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
                 qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, tiles, blocks, section, BOTTOM_RIGHT, 0,
+                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 0,
             )),
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
                 qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, tiles, blocks, section, BOTTOM_RIGHT, 1,
+                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 1,
             )),
             (_load_partition, (
                 q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                window_left, window_right, tiles, blocks, section, BOTTOM_RIGHT,
+                window_left, window_right, blocks, all_heads, section, BOTTOM_RIGHT,
             )),
         ],
         [4, 1],
@@ -289,10 +300,11 @@ def run(q, k, v, out, lse, scale, window_left, window_right, bottom_right):
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
     blocks = launch.cdiv(mq, BLOCK_M)
-    tiles = blocks * batch * groups * heads
-    _flash_forward_hopper_kernel[(min(tiles, arch.sm_count(q.device)),)](
+    units = (blocks + 1) // 2  # pairs of query blocks (_tile)
+    all_heads = batch * groups * heads
+    _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
-        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], tiles, blocks,
-        _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, MMA_REGISTERS=MMA_REGISTERS,
-        LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
+        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
+        all_heads, _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES,
+        MMA_REGISTERS=MMA_REGISTERS, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
