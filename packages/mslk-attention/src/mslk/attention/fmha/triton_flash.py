@@ -648,9 +648,9 @@ class FwOp(AttentionFwOpBase):
         # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync).
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         if out.numel() and max_q:
-            gluon = _gluon_forward(q, k, v, inp, varlen)
-            if gluon is not None:  # long unmasked rows on Hopper: warpgroups that take turns
-                gluon.run(q, k, v, out, lse, inp.scale_float, window_left, window_right, alignment == "bottom-right")
+            gluon = _gluon_forward(q, k, v, inp, varlen, window_left)
+            if gluon is not None:  # Hopper, no mask or causal: warpgroups that take turns
+                gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right")
             else:
                 block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
                 # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
@@ -783,15 +783,16 @@ class BwOp(AttentionBwOpBase):
         return Gradients(dq, dk, dv, db)
 
 
-# Keys from which the Gluon forward runs unmasked attention faster than the Triton kernel (H200: 1.09x at 4096
-# keys, 0.91x at 1024; 2048 not measured).
-_GLUON_FORWARD_MIN_KEYS = 4096
+# Keys from which the Gluon forward is measured faster than the Triton kernel (H200, K=128: 1.14x at 512 keys,
+# 1.03-1.07x from 2048 to 16384, causal or not; RESULTS.md, twenty-second session). Fewer not measured.
+_GLUON_FORWARD_MIN_KEYS = 512
 
 
-def _gluon_forward(q, k, v, inp, varlen):
+def _gluon_forward(q, k, v, inp, varlen, window_left):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
-    (no mask, bias, dropout or varlen; at least _GLUON_FORWARD_MIN_KEYS keys), else None."""
-    if tensor_bias(inp.attn_bias) is not None or inp.p > 0.0 or varlen is not None:
+    (no mask or a causal one, top-left or bottom-right; at least _GLUON_FORWARD_MIN_KEYS keys), else None. Not
+    with a left window (sliding windows: 0.96x the Triton kernel), a tensor bias, dropout or varlen."""
+    if window_left >= 0 or tensor_bias(inp.attn_bias) is not None or inp.p > 0.0 or varlen is not None:
         return None
     if k.shape[1] < _GLUON_FORWARD_MIN_KEYS:
         return None

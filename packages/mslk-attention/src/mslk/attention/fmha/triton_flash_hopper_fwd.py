@@ -46,9 +46,10 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _tile(k, blocks, section, all_heads, Mq, Mk, window_left, window_right, BOTTOM_RIGHT: gl.constexpr,
-          BM: gl.constexpr, BN: gl.constexpr):  # fmt: skip
-    """This program's k-th tile: (batch·group·head, first query row, key range lo, full_lo, full_hi, hi). Program p
+def _tile(k, blocks, section, all_heads, Mq, Mk, window_right, BOTTOM_RIGHT: gl.constexpr, BM: gl.constexpr,
+          BN: gl.constexpr):  # fmt: skip
+    """This program's k-th tile: (batch·group·head, first query row, its keys [0, hi) of which [0, full_hi) unmasked
+    from the second block on; no left window). Program p
     takes units p, p + programs, ... in triton_flash's order (_tile_block), a unit the query blocks blocks - 1 - j and
     j of one head, the heavier first: under a causal mask every unit then has as many keys, where programs taking
     single blocks in turn were unevenly loaded. An odd middle block is paired with one past the rows, which has no
@@ -57,10 +58,10 @@ def _tile(k, blocks, section, all_heads, Mq, Mk, window_left, window_right, BOTT
     query_block = blocks - 1 - j if k % 2 == 0 else gl.where(2 * j + 1 == blocks, blocks, j)
     first_row = query_block * BM
     shift = Mk - Mq if BOTTOM_RIGHT else 0
-    lo, hi = _key_range(first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
-    hi = gl.where(first_row < Mq, hi, lo)
-    full_lo, full_hi = _unmasked_key_range(lo, hi, first_row, Mq, Mk, shift, window_left, window_right, BM, BN)
-    return bgh, first_row, lo, full_lo, full_hi, hi
+    _, hi = _key_range(first_row, Mq, Mk, shift, -1, window_right, BM, BN)
+    hi = gl.where(first_row < Mq, hi, 0)
+    _, full_hi = _unmasked_key_range(0, hi, first_row, Mq, Mk, shift, -1, window_right, BM, BN)
+    return bgh, first_row, full_hi, hi
 
 
 @gluon.jit
@@ -71,7 +72,7 @@ def _program_tiles(blocks, all_heads):
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                    window_left, window_right, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
+                    window_right, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
     """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
     tile's, then its key blocks' K and V in order through the ring (block i of the program into slot i % STAGES once
     both warpgroups have released the block before it there)."""
@@ -82,8 +83,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_e
     i = 0
     j = 0
     for k in range(0, _program_tiles(blocks, all_heads)):
-        bgh, first_row, lo, full_lo, full_hi, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_left,
-                                                         window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
+        bgh, first_row, _, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_right, BOTTOM_RIGHT, 2 * HALF, BN)
         b = bgh // (G * H)
         head_col = (bgh % (G * H)) * HEAD_DIM
         q_row = (b * Mq + first_row).to(gl.int32)
@@ -92,16 +92,14 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_e
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
-        parts = (lo, full_lo, full_hi, hi)
-        for part in gl.static_range(3):
-            for start in range(parts[part], parts[part + 1], BN):
-                slot = i % STAGES
-                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
-                tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
-                i += 1
+        for start in range(0, hi, BN):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
+            i += 1
         j += 1
 
 
@@ -122,15 +120,14 @@ def _scores(q, k_bufs, ready, turn, i, n, WG: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_left, window_right, qk_scale,
-             MASKED: gl.constexpr):  # fmt: skip
+def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED: gl.constexpr):
     """The online softmax step of one key block's raw scores: the new row maximum, the old accumulator's factor,
     the weights and the new row sums."""
     BN: gl.constexpr = s.shape[1]
     s_layout: gl.constexpr = s.type.layout
     if MASKED:
         cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(_visible(rows, cols, q_len, k_len, shift, window_left, window_right), s, float("-inf"))
+        s = gl.where(_visible(rows, cols, q_len, k_len, shift, -1, window_right), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
     alpha = gl.exp2(m_i - m_safe)
@@ -140,7 +137,7 @@ def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_left, window_
 
 @gluon.jit
 def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, rows, start_col, end_col, q_len, k_len,
-            shift, window_left, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+            shift, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """Key blocks [start_col, end_col) (ring blocks i on, turns n on): block j's scores and block j-1's P·V start
     together in this warpgroup's turn, then the other warpgroup's turn comes, whose products run under this one's
     softmax. (The softmax under this warpgroup's own products too, as FlashAttention-3 does, spilled at 240
@@ -154,8 +151,7 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
         mbarrier.arrive(turn.index(1 - WG))
         s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
         mbarrier.arrive(empty.index(prev))
-        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_left, window_right,
-                                      qk_scale, MASKED)  # fmt: skip
+        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_a = gl.convert_layout(p.to(q.dtype), p_a.type.layout)
         i += 1
@@ -165,13 +161,13 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
 
 @gluon.jit
 def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                       qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
+                       qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
                        stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr,
                        WG: gl.constexpr):  # fmt: skip
     """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
     and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
-    may be an edge), so that the loop always has the previous block's weights to multiply; the last block's P·V
-    follows the loop, after the tile's queries are released to the loading warp."""
+    may be the diagonal or the last), so that the loop always has the previous block's weights to multiply; the last
+    block's P·V follows the loop, after the tile's queries are released to the loading warp."""
     HALF: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     BN: gl.constexpr = k_bufs.shape[1]
@@ -186,8 +182,8 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
     n = 0
     j = 0
     for k in range(0, _program_tiles(blocks, all_heads)):
-        bgh, first_row, lo, full_lo, full_hi, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_left,
-                                                         window_right, BOTTOM_RIGHT, 2 * HALF, BN)  # fmt: skip
+        bgh, first_row, full_hi, hi = _tile(k, blocks, section, all_heads, Mq, Mk, window_right, BOTTOM_RIGHT, 2 * HALF,
+                                            BN)  # fmt: skip
         b = (bgh // (G * H)).to(gl.int64)
         g = (bgh // H) % G
         h = bgh % H
@@ -196,21 +192,20 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(q_ready, j & 1)
-        if lo < hi:
+        if hi > 0:
             s = _scores(q, k_bufs, ready, turn, i, n, WG)
             mbarrier.arrive(turn.index(1 - WG))
             s = warpgroup_mma_wait(0, deps=(s,))
-            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, lo, Mq, Mk, shift, window_left, window_right, qk_scale,
-                                      True)  # fmt: skip
+            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
             p_a = gl.convert_layout(p.to(q.dtype), p_layout)
             i += 1
             n += 1
-            rest = gl.minimum(lo + BN, hi)
-            bounds = (rest, gl.maximum(full_lo, rest), gl.maximum(full_hi, rest), hi)
-            for part in gl.static_range(3):  # masked left edge, unmasked interior, masked right edge
+            rest = gl.minimum(BN, hi)
+            bounds = (rest, gl.maximum(full_hi, rest), hi)
+            for part in gl.static_range(2):  # unmasked interior, masked right edge (the diagonal, the last keys)
                 acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn,
-                                                   rows, bounds[part], bounds[part + 1], Mq, Mk, shift, window_left,
-                                                   window_right, qk_scale, WG, part != 1)  # fmt: skip
+                                                   rows, bounds[part], bounds[part + 1], Mq, Mk, shift, window_right,
+                                                   qk_scale, WG, part == 1)  # fmt: skip
             mbarrier.arrive(q_empty)
             last = (i - 1) % STAGES
             acc = warpgroup_mma(p_a, v_bufs.index(last), acc, is_async=True)
@@ -232,7 +227,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
 
 @gluon.jit
 def _flash_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_left, window_right,
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
     stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
     BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
@@ -261,17 +256,17 @@ def _flash_forward_hopper_kernel(
         [
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
                 stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 0,
             )),
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                qk_scale, window_left, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
                 stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 1,
             )),
             (_load_partition, (
                 q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                window_left, window_right, blocks, all_heads, section, BOTTOM_RIGHT,
+                window_right, blocks, all_heads, section, BOTTOM_RIGHT,
             )),
         ],
         [4, 1],
@@ -295,7 +290,7 @@ def supports(q, k, v, scale: float) -> bool:
     )
 
 
-def run(q, k, v, out, lse, scale, window_left, window_right, bottom_right):
+def run(q, k, v, out, lse, scale, window_right, bottom_right):
     """out [B, Mq, G, H, K] and lse [B, G, H, Mq] (fp32, natural log) of [B, M, G, H, K] tensors."""
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
@@ -304,7 +299,7 @@ def run(q, k, v, out, lse, scale, window_left, window_right, bottom_right):
     all_heads = batch * groups * heads
     _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
-        mk, scale * 1.4426950408889634, window_left, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
+        mk, scale * 1.4426950408889634, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
         all_heads, _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES,
         MMA_REGISTERS=MMA_REGISTERS, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
