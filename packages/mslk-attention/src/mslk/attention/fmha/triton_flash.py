@@ -14,7 +14,9 @@ in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen 
 
 On Hopper (SM90) the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
 aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
-takes otherwise; the interior key blocks of a causal or windowed range skip the mask.
+takes otherwise; the interior key blocks of a causal or windowed range skip the mask. At head dim 128 without a mask
+or with a causal one (no bias, dropout, varlen or left window) the forward is triton_flash_hopper_fwd's
+warp-specialized Gluon kernel (1.03-1.14x this module's from 512 keys).
 
 `BwOp` is the matching backward, from any forward's output and LSE: one pass over key blocks that writes dK and
 dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under
@@ -22,8 +24,9 @@ torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO
 2D TMA descriptors where their rows allow, and at head dims 64 and 128 without bias, dropout or varlen the
 one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this module's). The dispatcher
 tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the
-H200 the forward runs at 0.90-1.02x cuDNN on dense attention and beats FlexAttention on sliding windows and varlen;
-forward+backward runs at 0.90-0.95x cuDNN's on dense bf16 attention at head dims 64 and 128 (RESULTS.md).
+H200 the forward runs at 0.79-1.04x cuDNN on dense attention (0.93-1.04x from 4096 keys) and beats FlexAttention on
+sliding windows and varlen; forward+backward runs at 0.87-0.95x cuDNN's on dense bf16 attention at head dims 64 and
+128 (RESULTS.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The attention forward of triton_flash.FwOp on Hopper (sm_90), written in Gluon, where it is measured faster
 than the Triton kernel: 16-bit Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, a positive
-scale, no mask, bias, dropout or varlen, long key sequences (triton_flash._gluon_forward decides).
+scale, no mask or a causal one (top-left or bottom-right), no bias, dropout, varlen or left window, enough keys
+(triton_flash._gluon_forward decides).
 
-Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward:
+Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward,
+in pairs of query blocks that a causal mask gives as many keys together (_tile):
 
 - one warp loads a tile's queries once the warpgroups have done with the last tile's (so the next tile's loads run
   under this one's last product and output), then K and V blocks of 128 keys through a ring of STAGES slots;
@@ -10,10 +12,10 @@ Persistent programs (one an SM) take tiles of 128 queries of one head in turn, a
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong").
 
-H200, bf16, forward alone (RESULTS.md, twenty-first session; ms, TFLOP/s): B=4 M=4096 H=16 no mask 0.934 (589)
-against 1.014 (542) for the Triton kernel and 0.918 (599) for cuDNN. Slower than the Triton kernel, so left to it:
-causal (B=4 M=4096: 466 against 491; B=1 M=16384: 571 against 617) and short rows (B=16 M=1024 no mask: 406
-against 448); without the turns (session 20) 538 no mask.
+H200, bf16, H=16, forward alone (RESULTS.md, twenty-second session; TFLOP/s, bench specs): B=4 M=4096 causal 498
+and no mask 556 against cuDNN's 516 and 598, B=1 M=16384 causal 570 against 548; 1.03-1.14x the Triton kernel
+from 512 to 16384 keys, causal or not. Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge
+spilled here). Still short of cuDNN on short rows (B=16 M=1024: 453 against 571).
 """
 
 from __future__ import annotations
