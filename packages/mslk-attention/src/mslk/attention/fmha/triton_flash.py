@@ -787,7 +787,7 @@ class BwOp(AttentionBwOpBase):
 
 
 # Keys from which the Gluon forward is measured faster than the Triton kernel (H200, K=128: 1.14x at 512 keys,
-# 1.03-1.07x from 2048 to 16384, causal or not; RESULTS.md, twenty-second session). Fewer not measured.
+# 1.03-1.15x from 1024 to 16384, causal or not; RESULTS.md, twenty-second session). Fewer not measured.
 _GLUON_FORWARD_MIN_KEYS = 512
 
 
