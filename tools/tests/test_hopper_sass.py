@@ -94,25 +94,25 @@ def attention_calls():
         ctx = Context(lse=torch.randn(b, h, m), out=torch.randn(b, m, h, dim).bfloat16())
         calls[f"attention_fwd_k{dim}"] = lambda inp=inp: tf.FwOp.apply(inp, False)
         calls[f"attention_bwd_k{dim}"] = lambda ctx=ctx, inp=inp, do=do: tf.BwOp.apply(ctx, inp, do)
-    # BwOp runs the Gluon backward (triton_flash_hopper); these the Triton one it stands in for.
-    def triton_bwd(bwd):
-        from mslk.attention.fmha import triton_flash_hopper
+    # FwOp and BwOp run the Gluon kernels (triton_flash_hopper_fwd, triton_flash_hopper); these the Triton ones they
+    # stand in for.
+    from mslk.attention.fmha import triton_flash_hopper
 
-        triton_flash_hopper.supports = lambda *args: False
-        bwd()
+    def gluon_off(call, module, name, value):
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            call()
+        finally:
+            setattr(module, name, saved)
 
     for dim in (64, 128):
-        calls[f"attention_bwd_k{dim}_triton"] = lambda bwd=calls[f"attention_bwd_k{dim}"]: triton_bwd(bwd)
-    # FwOp at head dim 128 runs the Gluon forward (triton_flash_hopper_fwd); this the Triton one it stands in for.
-    def triton_fwd(fwd):
-        tf._GLUON_FORWARD_MIN_KEYS = 1 << 62
-        try:
-            fwd()
-        finally:
-            tf._GLUON_FORWARD_MIN_KEYS = keys
-
-    keys = tf._GLUON_FORWARD_MIN_KEYS
-    calls["attention_fwd_k128_triton"] = lambda: triton_fwd(calls["attention_fwd_k128"])
+        calls[f"attention_bwd_k{dim}_triton"] = lambda bwd=calls[f"attention_bwd_k{dim}"]: gluon_off(
+            bwd, triton_flash_hopper, "supports", lambda *args: False
+        )
+    calls["attention_fwd_k128_triton"] = lambda: gluon_off(
+        calls["attention_fwd_k128"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
+    )
     return calls
 
 

@@ -650,35 +650,34 @@ class FwOp(AttentionFwOpBase):
         alignment, window_left, window_right = _alignment(inp.attn_bias)
         # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync).
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
-        if out.numel() and max_q:
-            gluon = _gluon_forward(q, k, v, inp, varlen, window_left)
-            if gluon is not None:  # Hopper, no mask or causal: warpgroups that take turns
-                gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right")
-            else:
-                block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-                # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
-                # NaN included, where the pointer path reads zeros.
-                tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
-                short = varlen is not None and max_q <= 512
-                block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
-                seqlen_k = None if varlen is None else varlen.seqlen_k
-                blocks = launch.cdiv(max_q, block_m)
-                bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
-                descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
-                _flash_forward_kernel[(blocks * sequences * groups * heads,)](
-                    q, k, v, out, lse, bias,
-                    *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                    *descriptors or (None, None),
-                    groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
-                    *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
-                    _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
-                    HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and inp.scale_float > 0.0,
-                    VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
-                    BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
-                    UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
-                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
-                    num_warps=warps, num_stages=stages,
-                )  # fmt: skip
+        gluon = _gluon_forward(q, k, v, inp, varlen, window_left) if out.numel() and max_q else None
+        if gluon is not None:  # Hopper, no mask or causal: warpgroups that take turns
+            gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right")
+        elif out.numel() and max_q:
+            block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
+            # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
+            # NaN included, where the pointer path reads zeros.
+            tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
+            short = varlen is not None and max_q <= 512
+            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
+            seqlen_k = None if varlen is None else varlen.seqlen_k
+            blocks = launch.cdiv(max_q, block_m)
+            bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
+            descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
+            _flash_forward_kernel[(blocks * sequences * groups * heads,)](
+                q, k, v, out, lse, bias,
+                *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
+                *descriptors or (None, None),
+                groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
+                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
+                _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
+                HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and inp.scale_float > 0.0,
+                VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+                BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
+                UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
         elif out.numel():
             out.zero_()
         if max_q == 0 or out.numel() == 0:

@@ -250,14 +250,17 @@ def _flash_backward_hopper_kernel(
     )  # fmt: skip
 
 
+def _tma_operands(*tensors: torch.Tensor) -> bool:
+    """Whether the Gluon attention kernels read these [B, M, G, H, K] operands: what triton_flash's TMA paths read
+    (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of a [B·M, G·H·K] matrix), all of one dtype."""
+    return _tma_readable(*tensors) and all(_flat_rows(t) for t in tensors) and len({t.dtype for t in tensors}) == 1
+
+
 def supports(q, k, v, do) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    determinism): what triton_flash's TMA paths read (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of
-    a [B·M, G·H·K] matrix), one dtype and one head dim of HEAD_DIMS."""
+    determinism): _tma_operands, and one head dim of HEAD_DIMS."""
     return (
-        _tma_readable(q, k, v, do)
-        and all(_flat_rows(t) for t in (q, k, v, do))
-        and q.dtype == k.dtype == v.dtype == do.dtype
+        _tma_operands(q, k, v, do)
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
         and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31

@@ -26,16 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from mslk.attention.fmha.triton_flash import (
-    _flat_rows,
-    _heads_per_section,
-    _key_range,
-    _tile_block,
-    _tma_readable,
-    _unmasked_key_range,
-    _visible,
-)
-from mslk.attention.fmha.triton_flash_hopper import _descriptor
+from mslk.attention.fmha.triton_flash import _heads_per_section, _key_range, _tile_block, _unmasked_key_range, _visible
+from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _descriptor, _tma_operands
 from mslk.core import arch, launch
 
 HEAD_DIMS = (128,)  # head dim 64 not tried
@@ -44,7 +36,6 @@ BLOCK_N = 128  # keys a step
 STAGES = 3  # K and V slots of the ring (block j-1's slot is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
-_LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -278,13 +269,10 @@ def _flash_forward_hopper_kernel(
 
 def supports(q, k, v, scale: float) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    varlen): what triton_flash's TMA paths read (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of a
-    [B·M, G·H·K] matrix), one dtype, a head dim of HEAD_DIMS and a positive scale (scores stay raw, scaled inside the
-    exponent)."""
+    varlen): triton_flash_hopper._tma_operands, a head dim of HEAD_DIMS and a positive scale (scores stay raw, scaled
+    inside the exponent)."""
     return (
-        _tma_readable(q, k, v)
-        and all(_flat_rows(t) for t in (q, k, v))
-        and q.dtype == k.dtype == v.dtype
+        _tma_operands(q, k, v)
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         and scale > 0.0
         # offsets within a batch element in int32 (the output is contiguous like q)
@@ -301,7 +289,7 @@ def run(q, k, v, out, lse, scale, window_right, bottom_right):
     all_heads = batch * groups * heads
     _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
-        mk, scale * 1.4426950408889634, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
+        mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
         all_heads, _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES,
         MMA_REGISTERS=MMA_REGISTERS, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
