@@ -335,14 +335,22 @@ _HOPPER_SIZES = [
 )
 def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
     """The Gluon backward (triton_flash_hopper) where BwOp takes it: masks of one sequence, lengths of partial
-    blocks and key blocks past the keys, Mq != Mk, groups, many query blocks (the ring's slots turn over)."""
+    blocks and key blocks past the keys, Mq != Mk, groups, many query blocks (the ring's slots turn over); dK and
+    dV poisoned first."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
     from mslk.attention.fmha import triton_flash_hopper
 
     runs = []
     run = triton_flash_hopper.run
-    monkeypatch.setattr(triton_flash_hopper, "run", lambda *args: runs.append(1) or run(*args))
+
+    def poisoned_run(q, k, v, do, lse, delta, dq_sum, dk, dv, *args):  # dQ is summed into zeros: not poisoned
+        runs.append(1)
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+        run(q, k, v, do, lse, delta, dq_sum, dk, dv, *args)
+
+    monkeypatch.setattr(triton_flash_hopper, "run", poisoned_run)
     q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, "cuda")
     _check_backward(q, k, v, bias, {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
     assert runs

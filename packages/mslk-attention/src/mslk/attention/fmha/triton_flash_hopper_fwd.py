@@ -30,7 +30,7 @@ from mslk.attention.fmha.triton_flash import _heads_per_section, _key_range, _ti
 from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _descriptor, _tma_operands
 from mslk.core import arch, launch
 
-HEAD_DIMS = (128,)  # head dim 64 not tried
+HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
 BLOCK_M = 128  # queries a program: 64 per warpgroup
 BLOCK_N = 128  # keys a step
 STAGES = 3  # K and V slots of the ring (block j-1's slot is still read by its P·V while block j+1 loads)
