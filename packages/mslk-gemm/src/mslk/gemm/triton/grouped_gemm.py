@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
+from mslk.gemm.triton import grouped_gemm_hopper
 from mslk.gemm.triton.fp8_blockwise_gemm import GROUP_K, _block_scaled_reference, quantize_blocks
 from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, quantize_rows, tile_coordinates, tma_descriptors
 
@@ -220,6 +221,14 @@ def _run_grouped(
         row_tiles = groups * launch.cdiv(rows, cfg["BLOCK_M"])
     programs = num_sms or (arch.sm_count(a.device) if a.is_cuda else 4)
     programs = max(1, min(programs, row_tiles * launch.cdiv(n, cfg["BLOCK_N"])))
+    if (
+        grouping == STACKED and sizes is not None and scales != GROUPWISE and bias is None and token_weights is None
+        and scatter is None and not accumulate and (fast_accum or a.element_size() == 2)
+        and grouped_gemm_hopper.supports(a, b, out)
+    ):  # fmt: skip
+        return grouped_gemm_hopper.run(
+            a, b, out, sizes, ends=ends, a_scale=a_scale, b_scale=b_scale, zero_fill=zero_fill, programs=num_sms
+        )
     b_strides = b.stride() if b.dim() == 3 else (0, *b.stride())
     out_strides = out.stride() if out.dim() == 3 else (0, *out.stride())
     b_scale_strides = b_scale.stride()[:2] if scales == GROUPWISE else (n, 0)

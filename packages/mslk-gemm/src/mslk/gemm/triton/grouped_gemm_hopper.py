@@ -1,0 +1,241 @@
+"""The stacked grouped GEMMs of grouped_gemm.py on Hopper (sm_90), written in Gluon:
+
+    out[rows of group g] = X[rows of g] · W[g]ᵀ                                         (bf16 / fp16)
+    out[rows of group g] = (XQ[rows of g] · WQ[g]ᵀ) · x_scale[row] · w_scale[g, col]     (FP8 rowwise, bf16 out)
+
+for K-major operands that TMA can read (X [ΣM, K], W [G, N, K] seen as [G·N, K]). The Triton kernel's compiler
+keeps the loads and the products of a program in the same warps; here, as in CUTLASS's Hopper kernels, the
+program is persistent and warp-specialized: one warp loads the K steps of the program's tiles through a ring of
+TMA stages, running ahead across tiles (so the next tile's first steps land during a tile's epilogue), and two
+warpgroups multiply, 64 rows of the tile each, with one wgmma in flight while the next step's operands are
+waited for. Tiles are walked as in the Triton kernel: the groups in order, every P-th tile of the concatenated
+tile list, the sizes read on the device (CUDA graphs record the call; no host sync). Rows of a tile past its
+group read the next group's rows (or TMA's zeros past X) and are never stored; so are columns past N.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mslk.core import arch, launch
+from mslk.gemm.triton.fp8_gemm import tma_ready
+from mslk.gemm.triton.gluon_tile_order import tile_offsets
+
+BLOCK_M = 128  # rows of a tile: 64 per multiplying warpgroup
+NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
+# Per thread of the loading warp (setmaxnreg). The compiler gives the multiplying warps 240 whatever this is: with
+# 32 the 12 warps asked for more than the CTA holds, and the launch hung on the H200.
+LOAD_REGISTERS = 24
+GROUP_M = gl.constexpr(16)  # a group's tiles go in bands of 16 rows of tiles, column by column (operands shared in L2)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _config(fp8: bool, small_groups: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, STAGES): 128-byte-deep K steps; the ring takes what shared memory the epilogue's
+    layout change leaves."""
+    block_k = 128 if fp8 else 64
+    return (128, block_k, 5) if small_groups else (256, block_k, 3)
+
+
+@gluon.jit
+def _group_size(sizes_ptr, g, first, ROWS, SIZES_ARE_ENDS: gl.constexpr):
+    """Rows of group g, which starts at row `first`: sizes[g] (or sizes[g] − first for cumulative ends), clamped
+    to [0, ROWS − first] as the Triton kernel clamps them."""
+    size = gl.load(sizes_ptr + g).to(gl.int32)
+    if SIZES_ARE_ENDS:
+        size -= first
+    return gl.minimum(gl.maximum(size, 0), ROWS - first)
+
+
+@gluon.jit
+def _tiles_taken(next_tile, first_tile, tiles):
+    """How many tiles of a group spanning [first_tile, first_tile + tiles) of the concatenated tile list the program
+    takes: every P-th from its next tile, next_tile."""
+    return gl.maximum(gl.cdiv(first_tile + tiles - next_tile, gl.num_programs(0)), 0)
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, ROWS, N, K,
+                    SIZES_ARE_ENDS: gl.constexpr):  # fmt: skip
+    """The loading warp: the K steps of the program's tiles, in order, into the ring. Step c (counted over all the
+    program's tiles) goes to stage c % STAGES once the multiplying warps have released the step before it there."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    steps = gl.cdiv(K, BK)
+    tiles_n = gl.cdiv(N, BN)
+    first = 0  # the group's first row
+    first_tile = 0  # the group's first tile in the concatenated list
+    next_tile = gl.program_id(0)  # the program's next tile there
+    c = 0
+    for g in range(G):
+        size = _group_size(sizes_ptr, g, first, ROWS, SIZES_ARE_ENDS)
+        tiles = gl.cdiv(size, BM) * tiles_n
+        # Counted from 0, not as range(next_tile - first_tile, tiles, P): the loading warp's compiled loop then
+        # kept next_tile and first_tile at their first values (Triton 3.6 and 3.7: other programs' tiles, a hang).
+        taken = _tiles_taken(next_tile, first_tile, tiles)
+        for i in range(taken):
+            off_m, off_n = tile_offsets(next_tile - first_tile + i * gl.num_programs(0), size, N, BM, BN, GROUP_M)
+            for step in range(steps):
+                stage = c % STAGES
+                # The first turn through the ring finds the stages free: a fresh barrier counts its phase before
+                # the first as complete.
+                mbarrier.wait(empty.index(stage), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [first + off_m, step * BK], bar, a_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_desc, [g * N + off_n, step * BK], bar, b_bufs.index(stage))
+                c += 1
+        first += size
+        next_tile += taken * gl.num_programs(0)
+        first_tile += tiles
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K,
+                   stride_om, SIZES_ARE_ENDS: gl.constexpr, SCALED: gl.constexpr,
+                   ZERO_FILL: gl.constexpr):  # fmt: skip
+    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its stores
+    (rowwise-scaled when SCALED); with ZERO_FILL, zeros in the rows past the groups' sum."""
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = b_bufs.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    # wgmma: warps stacked along M (16 rows each), an instruction spans the tile's N and 32 bytes of K.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 256 // a_bufs.dtype.primitive_bitwidth]
+    )
+    # Stores of 16 bytes a thread, a warp along a row.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [gl.num_warps(), 1], [1, 0])
+    steps = gl.cdiv(K, BK)
+    tiles_n = gl.cdiv(N, BN)
+    first = 0  # the group's first row
+    first_tile = 0  # the group's first tile in the concatenated list
+    next_tile = gl.program_id(0)  # the program's next tile there
+    c = 0
+    for g in range(G):
+        size = _group_size(sizes_ptr, g, first, ROWS, SIZES_ARE_ENDS)
+        tiles = gl.cdiv(size, BM) * tiles_n
+        taken = _tiles_taken(next_tile, first_tile, tiles)
+        for i in range(taken):
+            off_m, off_n = tile_offsets(next_tile - first_tile + i * gl.num_programs(0), size, N, BM, BN, GROUP_M)
+            acc = gl.zeros([BM, BN], gl.float32, mma_layout)
+            for step in range(steps):
+                stage = c % STAGES
+                mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+                # The step before this one is done: its stage goes back to the loading warp.
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                if step > 0:
+                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+                c += 1
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))  # of the group
+            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+            if SCALED:  # rows and columns past the group read scales in range (their results are not stored)
+                acc *= gl.load(a_scale_ptr + first + gl.minimum(rows, size - 1))[:, None]
+                acc *= gl.load(b_scale_ptr + g * N + gl.minimum(cols, N - 1))[None, :]
+            out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            mask = (rows < size)[:, None] & (cols < N)[None, :]
+            gl.store(out_ptr + (first + rows).to(gl.int64)[:, None] * stride_om + cols[None, :], out, mask=mask)
+        first += size
+        next_tile += taken * gl.num_programs(0)
+        first_tile += tiles
+    if ZERO_FILL:  # the rows past the groups' sum, as one more group of the tile list
+        tail = ROWS - first
+        zeros = gl.zeros([BM, BN], out_ptr.dtype.element_ty, out_layout)
+        for tile in range(next_tile - first_tile, gl.cdiv(tail, BM) * tiles_n, gl.num_programs(0)):
+            rows = tile // tiles_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+            cols = tile % tiles_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            mask = (rows < tail)[:, None] & (cols < N)[None, :]
+            gl.store(out_ptr + (first + rows).to(gl.int64)[:, None] * stride_om + cols[None, :], zeros, mask=mask)
+
+
+@gluon.jit
+def _grouped_wgmma_kernel(
+    a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K, stride_om,
+    SIZES_ARE_ENDS: gl.constexpr, SCALED: gl.constexpr, ZERO_FILL: gl.constexpr, STAGES: gl.constexpr,
+    LOAD_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """out [ROWS, N] (unit column stride, row stride stride_om) of the stacked groups of A [ROWS, K] and B [G·N, K]
+    (TMA descriptors of [BM, BK] and [BN, BK] tiles), sizes [G] row counts (or cumulative ends); SCALED: times
+    a_scale [ROWS] and b_scale [G·N] (fp32). Persistent: program p takes tiles p, p + programs, ..."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize(
+        [
+            (_mma_partition, (
+                a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K, stride_om,
+                SIZES_ARE_ENDS, SCALED, ZERO_FILL,
+            )),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, ROWS, N, K, SIZES_ARE_ENDS)),
+        ],
+        [1],
+        [LOAD_REGISTERS],
+    )  # fmt: skip
+
+
+def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the kernel serves a [R, K] and b [G, N, K] into out [R, N]: an sm_90 GPU, 16-bit or FP8 e4m3
+    operands of one dtype that TMA can read as [R, K] and [G·N, K] (K-contiguous, 16-byte aligned rows, b's
+    groups back to back), out with unit column stride."""
+    return (
+        a.is_cuda
+        and torch.version.hip is None
+        and arch.capability(a.device) == (9, 0)
+        and a.dtype in _GL_DTYPES
+        and b.dtype == a.dtype
+        and b.dim() == 3
+        and b.stride(0) == b.shape[1] * b.stride(1)
+        and out.dim() == 2
+        and out.stride(1) == 1
+        and tma_ready(a)
+        and tma_ready(b.view(-1, b.shape[2]))
+    )
+
+
+@functools.cache
+def _tile_layout(rows: int, width: int, dtype: torch.dtype):
+    """Shared-memory layout of [rows, width] operand tiles, made once (get_default_for costs host time on every
+    launch)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
+
+
+def run(a, b, out, sizes, *, ends=False, a_scale=None, b_scale=None, zero_fill=True, programs=None):
+    """out [R, N] of a [R, K] and b [G, N, K] (see _grouped_wgmma_kernel and supports()); a_scale [R] and b_scale
+    [G, N] contiguous fp32 for FP8 rowwise; `programs` caps the persistent programs (default: one per SM)."""
+    (rows, k), (groups, n, _) = a.shape, b.shape
+    fp8 = a.element_size() == 1
+    block_n, block_k, stages = _config(fp8, rows <= 256 * groups)
+    a_desc = TensorDescriptor(
+        a, [rows, k], [a.stride(0), 1], [BLOCK_M, block_k], _tile_layout(BLOCK_M, block_k, a.dtype)
+    )
+    b_desc = TensorDescriptor(
+        b, [groups * n, k], [b.stride(1), 1], [block_n, block_k], _tile_layout(block_n, block_k, b.dtype)
+    )
+    tiles = (launch.cdiv(rows, BLOCK_M) + groups + 1) * launch.cdiv(n, block_n)  # at most, the tail included
+    grid = (max(1, min(programs or arch.sm_count(a.device), tiles)),)
+    _grouped_wgmma_kernel[grid](
+        a_desc, b_desc, out, a_scale, b_scale, sizes, groups, rows, n, k, out.stride(0), SIZES_ARE_ENDS=ends,
+        SCALED=a_scale is not None, ZERO_FILL=zero_fill, STAGES=stages, LOAD_REGISTERS=LOAD_REGISTERS,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
