@@ -93,19 +93,13 @@ def test_grouped_gpu(groups, rows_per_group, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize(
-    ("sizes", "n", "k"),
-    [
-        ([300, 0, 77, 1024, 5], 600, 528),  # groups of more than 256 rows on average: 128 x 256 tiles
-        ([64] * 37 + [0, 3, 200], 136, 256),  # small groups: 128 x 128 tiles
-    ],
-    ids=["wide", "small"],
+    ("sizes", "n", "k"), [([300, 0, 77, 1024, 5], 600, 528), ([64] * 37 + [0, 3, 200], 136, 256)], ids=str
 )
-def test_hopper_kernel_serves_the_stacked_forward(fp8, sizes, n, k, monkeypatch):
-    """On sm_90 the stacked forward runs grouped_gemm_hopper's Gluon kernel: ragged and empty groups, rows past
-    the groups' sum (zeros), N and K off the tiles, 3 programs walking all tiles, into a poisoned output whose
-    rows are padded; FP8 also as torch._grouped_mm's offsets (cumulative ends)."""
+def test_hopper_kernel_serves_the_fp8_stacked_forward(sizes, n, k, monkeypatch):
+    """On sm_90 the stacked rowwise FP8 forward runs grouped_gemm_hopper's Gluon kernel: ragged and empty groups,
+    rows past the groups' sum (zeros), N and K off the tiles, 3 programs walking all tiles, into a poisoned output
+    whose rows are padded; also as torch._grouped_mm's offsets (cumulative ends). bf16 stays on the Triton kernel."""
     from mslk.core import arch
     from mslk.gemm.triton import grouped_gemm_forms, grouped_gemm_hopper
 
@@ -116,26 +110,20 @@ def test_hopper_kernel_serves_the_stacked_forward(fp8, sizes, n, k, monkeypatch)
     monkeypatch.setattr(grouped_gemm_hopper, "run", lambda *args, **kwargs: launches.append(1) or run(*args, **kwargs))
     rows = sum(sizes) + 50
     m_sizes = torch.tensor(sizes, device="cuda")
+    xq, x_scale = quantize_rows(testing.randn(rows, k, device="cuda", std=3.0))
+    wq, w_scale = quantize_rows(testing.randn(len(sizes), n, k, device="cuda"))
+    expected = oracle(xq, wq, sizes, x_scale, w_scale)
     out = testing.padded_rows(testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device="cuda"))
-    if fp8:
-        xq, x_scale = quantize_rows(testing.randn(rows, k, device="cuda", std=3.0))
-        wq, w_scale = quantize_rows(testing.randn(len(sizes), n, k, device="cuda"))
-        expected = oracle(xq, wq, sizes, x_scale, w_scale)
-        g._run_grouped(xq, wq, out, m_sizes, a_scale=x_scale, b_scale=w_scale, scales=g.ROWWISE, num_sms=3)
-        testing.assert_rel_close(out, expected, 1e-2)
-        assert (out[sum(sizes) :] == 0).all()
-        offsets = m_sizes.cumsum(0).to(torch.int32)
-        output = testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_forms.f8f8bf16_rowwise_grouped_mm(xq, wq.mT, x_scale, w_scale, offsets, output)
-        testing.assert_rel_close(output[: sum(sizes)], expected[: sum(sizes)], 1e-2)
-        assert len(launches) == 2
-    else:
-        x = testing.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        w = testing.randn(len(sizes), n, k, dtype=torch.bfloat16, device="cuda")
-        assert kernel(g.bf16bf16bf16_grouped_stacked_op)(x, w, m_sizes, out, 3) is out
-        testing.assert_rel_close(out, oracle(x, w, sizes), 1e-2)
-        assert (out[sum(sizes) :] == 0).all()
-        assert len(launches) == 1
+    g._run_grouped(xq, wq, out, m_sizes, a_scale=x_scale, b_scale=w_scale, scales=g.ROWWISE, num_sms=3)
+    testing.assert_rel_close(out, expected, 1e-2)
+    assert (out[sum(sizes) :] == 0).all()
+    output = testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_forms.f8f8bf16_rowwise_grouped_mm(xq, wq.mT, x_scale, w_scale, m_sizes.cumsum(0).int(), output)
+    testing.assert_rel_close(output[: sum(sizes)], expected[: sum(sizes)], 1e-2)
+    assert len(launches) == 2
+    x = testing.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    g.bf16bf16bf16_grouped_stacked(x, testing.randn(len(sizes), n, k, dtype=torch.bfloat16, device="cuda"), m_sizes)
+    assert len(launches) == 2
 
 
 @pytest.mark.gpu

@@ -222,13 +222,11 @@ def _run_grouped(
     programs = num_sms or (arch.sm_count(a.device) if a.is_cuda else 4)
     programs = max(1, min(programs, row_tiles * launch.cdiv(n, cfg["BLOCK_N"])))
     if (
-        grouping == STACKED and sizes is not None and scales != GROUPWISE and bias is None and token_weights is None
-        and scatter is None and not accumulate and (fast_accum or a.element_size() == 2)
-        and grouped_gemm_hopper.supports(a, b, out)
+        grouping == STACKED and sizes is not None and scales == ROWWISE and fast_accum and bias is None
+        and token_weights is None and scatter is None and not accumulate and grouped_gemm_hopper.supports(a, b, out)
     ):  # fmt: skip
-        return grouped_gemm_hopper.run(
-            a, b, out, sizes, ends=ends, a_scale=a_scale, b_scale=b_scale, zero_fill=zero_fill, programs=num_sms
-        )
+        return grouped_gemm_hopper.run(a, b, out, sizes, a_scale, b_scale, ends=ends, zero_fill=zero_fill,
+                                       programs=num_sms)  # fmt: skip
     b_strides = b.stride() if b.dim() == 3 else (0, *b.stride())
     out_strides = out.stride() if out.dim() == 3 else (0, *out.stride())
     b_scale_strides = b_scale.stride()[:2] if scales == GROUPWISE else (n, 0)

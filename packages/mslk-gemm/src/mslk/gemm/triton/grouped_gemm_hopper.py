@@ -1,21 +1,24 @@
-"""The stacked grouped GEMMs of grouped_gemm.py on Hopper (sm_90), written in Gluon:
+"""The stacked rowwise FP8 grouped GEMM of grouped_gemm.py on Hopper (sm_90), written in Gluon:
 
-    out[rows of group g] = X[rows of g] · W[g]ᵀ                                         (bf16 / fp16)
-    out[rows of group g] = (XQ[rows of g] · WQ[g]ᵀ) · x_scale[row] · w_scale[g, col]     (FP8 rowwise, bf16 out)
+    out[rows of group g] = (XQ[rows of g] · WQ[g]ᵀ) · x_scale[row] · w_scale[g, col]     (bf16 out)
 
-for K-major operands that TMA can read (X [ΣM, K], W [G, N, K] seen as [G·N, K]). The Triton kernel's compiler
-keeps the loads and the products of a program in the same warps; here, as in CUTLASS's Hopper kernels, the
-program is persistent and warp-specialized: one warp loads the K steps of the program's tiles through a ring of
-TMA stages, running ahead across tiles (so the next tile's first steps land during a tile's epilogue), and two
+for K-major e4m3 operands that TMA can read (XQ [ΣM, K], WQ [G, N, K] seen as [G·N, K]). The Triton kernel's
+compiler keeps the loads and the products of a program in the same warps; here, as in CUTLASS's Hopper kernels,
+the program is persistent and warp-specialized: one warp loads the K steps of the program's tiles through a ring
+of TMA stages, running ahead across tiles (so the next tile's first steps land during a tile's epilogue), and two
 warpgroups multiply, 64 rows of the tile each, with one wgmma in flight while the next step's operands are
 waited for. Tiles are walked as in the Triton kernel: the groups in order, every P-th tile of the concatenated
 tile list, the sizes read on the device (CUDA graphs record the call; no host sync). Rows of a tile past its
-group read the next group's rows (or TMA's zeros past X) and are never stored; so are columns past N.
+group read the next group's rows (or TMA's zeros past XQ) and are never stored; so are columns past N.
+
+H200, ms, direct calls, N = 2048 (4096 at G = 8), K = 7168 (5120 at G = 16), against the Triton kernel in the same
+run (RESULTS.md, twenty-third session): G=8 x 2048 rows 0.698 / 0.778, G=64 x 128 0.288 / 0.304, G=16 x 512
+0.154 / 0.164, G=128 x 64 0.568 / 0.618. The same kernel on bf16 (64-deep K steps) was not faster than the Triton
+kernel there (G=8 x 2048: 1.353 ms with 128 x 256 tiles on 3 stages, 1.486 with 128 x 128 on 5, Triton 1.233;
+G=64 x 128: 0.528 / 0.529): 16-bit grouped GEMMs stay on the Triton kernel.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -33,14 +36,12 @@ NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
 # 32 the 12 warps asked for more than the CTA holds, and the launch hung on the H200.
 LOAD_REGISTERS = 24
 GROUP_M = gl.constexpr(16)  # a group's tiles go in bands of 16 rows of tiles, column by column (operands shared in L2)
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
-
-
-def _config(fp8: bool, small_groups: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, STAGES): 128-byte-deep K steps; the ring takes what shared memory the epilogue's
-    layout change leaves."""
-    block_k = 128 if fp8 else 64
-    return (128, block_k, 5) if small_groups else (256, block_k, 3)
+# 128 x 128 tiles, 128-byte-deep K steps on 5 stages (160 KiB; the epilogue's layout change takes 32 more). 128 x 256
+# tiles on 3 stages measured faster at G=16 x 512 only (0.145 against 0.154 ms) and slower at the other three shapes.
+BLOCK_N = BLOCK_K = 128
+STAGES = 5
+# Shared-memory layout of the [128, 128] operand tiles, made once (get_default_for costs host time on every launch).
+_TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
 
 
 @gluon.jit
@@ -100,10 +101,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K,
-                   stride_om, SIZES_ARE_ENDS: gl.constexpr, SCALED: gl.constexpr,
-                   ZERO_FILL: gl.constexpr):  # fmt: skip
-    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its stores
-    (rowwise-scaled when SCALED); with ZERO_FILL, zeros in the rows past the groups' sum."""
+                   stride_om, SIZES_ARE_ENDS: gl.constexpr, ZERO_FILL: gl.constexpr):  # fmt: skip
+    """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its
+    rowwise-scaled stores; with ZERO_FILL, zeros in the rows past the groups' sum."""
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = b_bufs.shape[1]
@@ -140,9 +140,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_p
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))  # of the group
             cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-            if SCALED:  # rows and columns past the group read scales in range (their results are not stored)
-                acc *= gl.load(a_scale_ptr + first + gl.minimum(rows, size - 1))[:, None]
-                acc *= gl.load(b_scale_ptr + g * N + gl.minimum(cols, N - 1))[None, :]
+            # Rows and columns past the group read scales in range (their results are not stored).
+            acc *= gl.load(a_scale_ptr + first + gl.minimum(rows, size - 1))[:, None]
+            acc *= gl.load(b_scale_ptr + g * N + gl.minimum(cols, N - 1))[None, :]
             out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
             rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
             cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
@@ -164,12 +164,11 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_p
 @gluon.jit
 def _grouped_wgmma_kernel(
     a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K, stride_om,
-    SIZES_ARE_ENDS: gl.constexpr, SCALED: gl.constexpr, ZERO_FILL: gl.constexpr, STAGES: gl.constexpr,
-    LOAD_REGISTERS: gl.constexpr,
+    SIZES_ARE_ENDS: gl.constexpr, ZERO_FILL: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """out [ROWS, N] (unit column stride, row stride stride_om) of the stacked groups of A [ROWS, K] and B [G·N, K]
-    (TMA descriptors of [BM, BK] and [BN, BK] tiles), sizes [G] row counts (or cumulative ends); SCALED: times
-    a_scale [ROWS] and b_scale [G·N] (fp32). Persistent: program p takes tiles p, p + programs, ..."""
+    (TMA descriptors of [BM, BK] and [BN, BK] tiles), sizes [G] row counts (or cumulative ends), times a_scale
+    [ROWS] and b_scale [G·N] (fp32). Persistent: program p takes tiles p, p + programs, ..."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -184,7 +183,7 @@ def _grouped_wgmma_kernel(
         [
             (_mma_partition, (
                 a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_ptr, sizes_ptr, G, ROWS, N, K, stride_om,
-                SIZES_ARE_ENDS, SCALED, ZERO_FILL,
+                SIZES_ARE_ENDS, ZERO_FILL,
             )),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, ROWS, N, K, SIZES_ARE_ENDS)),
         ],
@@ -194,15 +193,14 @@ def _grouped_wgmma_kernel(
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the kernel serves a [R, K] and b [G, N, K] into out [R, N]: an sm_90 GPU, 16-bit or FP8 e4m3
-    operands of one dtype that TMA can read as [R, K] and [G·N, K] (K-contiguous, 16-byte aligned rows, b's
-    groups back to back), out with unit column stride."""
+    """Whether the kernel serves a [R, K] and b [G, N, K] into out [R, N]: an sm_90 GPU, FP8 e4m3 operands that
+    TMA can read as [R, K] and [G·N, K] (K-contiguous, 16-byte aligned rows, b's groups back to back), out with
+    unit column stride."""
     return (
         a.is_cuda
         and torch.version.hip is None
         and arch.capability(a.device) == (9, 0)
-        and a.dtype in _GL_DTYPES
-        and b.dtype == a.dtype
+        and a.dtype == b.dtype == torch.float8_e4m3fn
         and b.dim() == 3
         and b.stride(0) == b.shape[1] * b.stride(1)
         and out.dim() == 2
@@ -212,30 +210,16 @@ def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
-def _tile_layout(rows: int, width: int, dtype: torch.dtype):
-    """Shared-memory layout of [rows, width] operand tiles, made once (get_default_for costs host time on every
-    launch)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
-
-
-def run(a, b, out, sizes, *, ends=False, a_scale=None, b_scale=None, zero_fill=True, programs=None):
-    """out [R, N] of a [R, K] and b [G, N, K] (see _grouped_wgmma_kernel and supports()); a_scale [R] and b_scale
-    [G, N] contiguous fp32 for FP8 rowwise; `programs` caps the persistent programs (default: one per SM)."""
+def run(a, b, out, sizes, a_scale, b_scale, *, ends=False, zero_fill=True, programs=None):
+    """out [R, N] of a [R, K] and b [G, N, K] with a_scale [R] and b_scale [G, N] contiguous fp32 (see
+    _grouped_wgmma_kernel and supports()); `programs` caps the persistent programs (default: one per SM)."""
     (rows, k), (groups, n, _) = a.shape, b.shape
-    fp8 = a.element_size() == 1
-    block_n, block_k, stages = _config(fp8, rows <= 256 * groups)
-    a_desc = TensorDescriptor(
-        a, [rows, k], [a.stride(0), 1], [BLOCK_M, block_k], _tile_layout(BLOCK_M, block_k, a.dtype)
-    )
-    b_desc = TensorDescriptor(
-        b, [groups * n, k], [b.stride(1), 1], [block_n, block_k], _tile_layout(block_n, block_k, b.dtype)
-    )
-    tiles = (launch.cdiv(rows, BLOCK_M) + groups + 1) * launch.cdiv(n, block_n)  # at most, the tail included
+    a_desc = TensorDescriptor(a, [rows, k], [a.stride(0), 1], [BLOCK_M, BLOCK_K], _TILE_LAYOUT)
+    b_desc = TensorDescriptor(b, [groups * n, k], [b.stride(1), 1], [BLOCK_N, BLOCK_K], _TILE_LAYOUT)
+    tiles = (launch.cdiv(rows, BLOCK_M) + groups + 1) * launch.cdiv(n, BLOCK_N)  # at most, the tail included
     grid = (max(1, min(programs or arch.sm_count(a.device), tiles)),)
     _grouped_wgmma_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, sizes, groups, rows, n, k, out.stride(0), SIZES_ARE_ENDS=ends,
-        SCALED=a_scale is not None, ZERO_FILL=zero_fill, STAGES=stages, LOAD_REGISTERS=LOAD_REGISTERS,
-        num_warps=NUM_WARPS,
+        ZERO_FILL=zero_fill, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
