@@ -224,6 +224,7 @@ def _run_grouped(
     if (
         grouping == STACKED and sizes is not None and scales == ROWWISE and fast_accum and bias is None
         and token_weights is None and scatter is None and not accumulate and grouped_gemm_hopper.supports(a, b, out)
+        and a.shape[0] * n * a.shape[1] >= grouped_gemm_hopper.MIN_MACS
     ):  # fmt: skip
         return grouped_gemm_hopper.run(a, b, out, sizes, a_scale, b_scale, ends=ends, zero_fill=zero_fill,
                                        programs=num_sms)  # fmt: skip

@@ -40,6 +40,11 @@ GROUP_M = gl.constexpr(16)  # a group's tiles go in bands of 16 rows of tiles, c
 # tiles on 3 stages measured faster at G=16 x 512 only (0.145 against 0.154 ms) and slower at the other three shapes.
 BLOCK_N = BLOCK_K = 128
 STAGES = 5
+# Dispatch takes this kernel from this many multiply-adds (rows · N · K) up: its launch costs more host time than the
+# Triton kernel's, and `mslk bench` (eager, L2 flushed) measured G=16 x 512 rows, N=2048, K=5120 (8.6e10) at 0.232
+# ms through the op against 0.154 for the kernel alone and 0.162-0.188 for the Triton kernel in earlier sessions;
+# from G=64 x 128, N=2048, K=7168 (1.2e11) on the op measured faster.
+MIN_MACS = 10**11
 # Shared-memory layout of the [128, 128] operand tiles, made once (get_default_for costs host time on every launch).
 _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
 
