@@ -22,7 +22,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import tile_offsets
+from mslk.gemm.triton.gluon_tile_order import ring_barriers, tile_offsets
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
@@ -172,11 +172,7 @@ def _blockwise_wgmma_kernel(
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(STAGES)
     # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
     # constexprs into tensors.
     gl.warp_specialize(
