@@ -1,5 +1,6 @@
 """Grouped GEMMs for MoE (spec §5: G-06, G-12, G-13, G-14, G-17, G-53..G-55, G-58; metadata §7.6): one
-persistent Triton kernel for every grouped form.
+persistent Triton kernel for every grouped form (on sm_90, large rowwise FP8 stacked products run
+grouped_gemm_hopper's warp-specialized Gluon kernel instead).
 
     out[rows of group g] = X[rows of group g] · W[g]ᵀ                                   (bf16 / fp16)
     out[rows of group g] = (XQ · WQ[g]ᵀ) · x_scale[row] · w_scale[g, col]               (FP8 rowwise)
@@ -196,7 +197,8 @@ def _run_grouped(
     a, b, out, sizes, *, grouping=STACKED, ends=False, rows=None, a_scale=None, b_scale=None, scales=NO_SCALES,
     bias=None, token_weights=None, scatter=None, zero_fill=True, accumulate=False, fast_accum=True, num_sms=None,
 ):  # fmt: skip
-    """Launch the grouped kernel (modes and math: see `_grouped_gemm_kernel`) and return `out`.
+    """Launch the grouped kernel (modes and math: see `_grouped_gemm_kernel`; grouped_gemm_hopper's for the stacked
+    rowwise FP8 products it serves from MIN_MACS multiply-adds) and return `out`.
 
     a [R, RED] and b [G, N, RED] (or [N, RED], shared by the groups: K_GROUPED) with any strides; out [R, N]
     (STACKED, PADDED; a scatter target [T, N]) or [G, R, N] (K_GROUPED), any strides; sizes [G] int32/int64
