@@ -1,5 +1,5 @@
-"""Pieces of the persistent Gluon GEMMs for Hopper (fp8_blockwise_hopper.py, grouped_gemm_hopper.py, int4_hopper.py):
-the output tile order and the barriers of a TMA ring."""
+"""Pieces of the Gluon GEMMs for Hopper (fp8_blockwise_hopper.py, grouped_gemm_hopper.py, int4_hopper.py,
+int4_decode_hopper.py): the output tile order of the persistent ones and the barriers of a TMA ring."""
 
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
+from mslk.gemm.triton.gluon_tile_order import ring_barriers
 from mslk.gemm.triton.int4_ptx import WORD_PAIRS_PTX
 from mslk.gemm.triton.split_k import dependent_launch, splitk_reduce
 
@@ -241,11 +242,7 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
     s_rows = s_bufs._reinterpret(s_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
     z_rows = z_bufs._reinterpret(z_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
     sums_rows = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS * RUNS, BM], rows_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage has landed
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())  # a stage was read
-    for i in gl.static_range(SLOTS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(SLOTS)
     # The K groups' sums but the first's, for it to add: [KGROUPS - 1, BN, BM] fp32 and their barriers.
     partial_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     partial = gl.allocate_shared_memory(gl.float32, [_KGROUPS - 1, BN, BM], partial_layout)

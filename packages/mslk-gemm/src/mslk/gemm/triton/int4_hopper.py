@@ -25,7 +25,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import tile_offsets
+from mslk.gemm.triton.gluon_tile_order import ring_barriers, tile_offsets
 from mslk.gemm.triton.int4_ptx import DEQUANT_BYTES_PTX
 
 BLOCK_N = 128  # weight rows of a tile (wgmma's M): 64 per multiplying warpgroup
@@ -215,16 +215,8 @@ def _int4_wgmma_kernel(
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=w_desc.layout.swizzle_byte_width,
                                                      element_bitwidth=8, rank=2)  # fmt: skip
     w_tiles = w_bufs._reinterpret(w_desc.dtype, [2 * W_SLOTS, BN, BK // 2], tile_layout)
-    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())  # a stage has landed
-    x_empty = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())  # a stage was read
-    w_ready = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(X_STAGES):
-        mbarrier.init(x_ready.index(i), count=1)
-        mbarrier.init(x_empty.index(i), count=1)
-    for i in gl.static_range(W_SLOTS):
-        mbarrier.init(w_ready.index(i), count=1)
-        mbarrier.init(w_empty.index(i), count=1)
+    x_ready, x_empty = ring_barriers(X_STAGES)
+    w_ready, w_empty = ring_barriers(W_SLOTS)
     # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
     # constexprs into tensors.
     gl.warp_specialize(
