@@ -113,15 +113,52 @@ def test_every_impl_gets_the_same_inputs_built_once_per_shape(timings):
     )
     bench.run([spec], device="cpu")
     assert built == [(1, torch.device("cpu")), (2, torch.device("cpu"))]
-    assert len(seen) == 6
-    assert seen[0] is seen[1] is seen[2]
-    assert seen[3] is seen[4] is seen[5]
-    assert seen[0] is not seen[3]
+    assert len(seen) == 2 * 3 * bench.ROUNDS
+    first, second = seen[: 3 * bench.ROUNDS], seen[3 * bench.ROUNDS :]
+    assert all(inputs is first[0] for inputs in first)
+    assert all(inputs is second[0] for inputs in second)
+    assert first[0] is not second[0]
+
+
+def test_rounds_rotate_the_order_and_report_median_and_spread(timings):
+    order, times = [], {"mslk": [3.0, 1.0, 2.0], "a": [5.0, 4.0, 4.0], "b": [1.0, 1.0, 1.0]}
+
+    def impl(name):
+        def timed(inputs):
+            order.append(name)
+            return times[name][sum(1 for done in order if done == name) - 1]
+
+        return timed
+
+    spec = make_spec("rounds", run=impl("mslk"), baselines={"a": impl("a"), "b": impl("b")})
+    mslk_row, a_row, b_row = bench.run([spec], device="cpu", rounds=3)
+    # Each implementation takes each place once: no one is always first.
+    assert order == ["mslk", "a", "b", "a", "b", "mslk", "b", "mslk", "a"]
+    assert (mslk_row.ms, a_row.ms, b_row.ms) == (2.0, 4.0, 1.0)
+    assert mslk_row.spread == pytest.approx(1.0) and a_row.spread == pytest.approx(0.25) and b_row.spread == 0.0
+    assert mslk_row.ratio == pytest.approx(2.0)
+    (once,) = bench.run([make_spec("once")], device="cpu", rounds=1)
+    assert once.ms == 1.0 and once.spread == 0.0
+
+
+def test_an_implementation_that_fails_sits_out_the_later_rounds(timings):
+    calls = []
+
+    def flaky(inputs):
+        calls.append("flaky")
+        if len(calls) == 2:
+            raise RuntimeError("second call fails")
+        return 1.0
+
+    mslk_row, base_row = bench.run([make_spec("flaky", run=flaky, baselines={"b": lambda i: 2.0})], "cpu", rounds=4)
+    assert calls == ["flaky", "flaky"]
+    assert mslk_row.error == "RuntimeError: second call fails" and mslk_row.ms is None and mslk_row.ratio is None
+    assert base_row.ms == 2.0 and base_row.error is None
 
 
 def test_cuda_graph_flag_reaches_measure(timings):
     bench.run([make_spec("graphed", cuda_graph=True, baselines={"b": lambda i: 1.0}), make_spec("plain")], "cpu")
-    assert timings == [True, True, False]
+    assert timings == [True, True] * bench.ROUNDS + [False] * bench.ROUNDS
 
 
 def test_errors_become_rows_and_the_run_goes_on(timings):
@@ -213,6 +250,7 @@ def test_format_table():
             baseline="torch._scaled_mm",
             baseline_ms=0.92,
             ratio=0.92 / 0.8765432,
+            spread=0.0123,
         ),
         bench.Row(
             "f8f8bf16_rowwise",
@@ -225,12 +263,12 @@ def test_format_table():
         bench.Row("f8f8bf16_rowwise", {"M": 1, "N": 8, "K": 8}, "mslk", error="NotSupportedError: no\ndetails"),
     ]
     lines = bench.format_table(rows).splitlines()
-    assert lines[0].split() == ["bench", "shape", "impl", "ms", "TFLOP/s", "GB/s", "vs", "baseline", "error"]
+    assert lines[0].split() == ["bench", "shape", "impl", "ms", "spread", "TFLOP/s", "GB/s", "vs", "baseline", "error"]
     assert set(lines[1]) == {"-", " "}
     assert len(lines) == 5  # header, rule, one line per row: the error's details stay out
     first = lines[2]
     assert "M=8192 N=8192 K=8192" in first
-    assert "0.8765 " in first and "1254.3" in first and "230.0" in first and "1.05x" in first
+    assert "0.8765 " in first and "1.2%" in first and "1254.3" in first and "230.0" in first and "1.05x" in first
     assert "1.05x" not in lines[3] and "0.92" in lines[3]
     assert lines[4].endswith("NotSupportedError: no")
     # Fixed width: every column starts at the same offset on every line.
@@ -322,14 +360,16 @@ def test_shape_filter_and_no_baselines(timings):
     assert [r.impl for r in rows] == ["mslk"] * 3 and all(r.ratio is None for r in rows)
 
 
-def test_cli_passes_shape_and_no_baselines(monkeypatch):
+def test_cli_passes_shape_no_baselines_and_rounds(monkeypatch):
     from mslk.core import cli
 
     seen = []
     monkeypatch.setattr(bench, "main", lambda *args: seen.append(args) or 0)
     assert cli.main(["bench", "--op", "x", "--shape", "K=64", "--shape", "M=1 ", "--no-baselines"]) == 0
-    assert cli.main(["bench"]) == 0
-    assert seen == [("x", None, ["K=64", "M=1 "], False), (None, None, (), True)]
+    assert cli.main(["bench", "--rounds", "5"]) == 0
+    assert seen == [("x", None, ["K=64", "M=1 "], False, bench.ROUNDS), (None, None, (), True, 5)]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--rounds", "0"])
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 
 A domain declares what to measure with a `BenchSpec` and `register`s it: the shapes, how to build random
 inputs for one shape, the MSLK call, and the torch baselines that run on the same inputs. The runner times
-every implementation of every shape in one run (median of `triton.testing.do_bench`) and reports, per row:
+every implementation of every shape in one run, in rounds of rotating order (the median of the rounds' medians
+of `triton.testing.do_bench`), and reports, per row:
 
     TFLOP/s = flops(shape) / (ms · 1e-3) / 1e12
     GB/s    = bytes(shape) / (ms · 1e-3) / 1e9        (bytes: each input read once, each output written once)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -111,6 +113,7 @@ class Row:
     baseline: str | None = None
     baseline_ms: float | None = None
     ratio: float | None = None  # baseline_ms / ms: > 1 means MSLK is faster
+    spread: float | None = None  # (slowest - fastest round) / ms
     error: str | None = None
 
 
@@ -118,27 +121,51 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _timed_row(spec: BenchSpec, shape: dict, impl: str, fn: Callable[[Any], Any], inputs: Any) -> Row:
+ROUNDS = 3  # timings of each implementation per shape; the median is reported
+
+
+def _timings(impls: Mapping[str, Callable[[Any], Any]], inputs: Any, cuda_graph: bool, rounds: int) -> dict:
+    """name -> per-round milliseconds, or the error text of the implementation's first failure (it then sits out
+    the later rounds). Round r starts r places further along the implementations: the first heavy call of a shape
+    tends to run faster (clocks, power; session 16 of RESULTS.md measured one kernel at 0.95-1.10x of itself by its
+    place alone), so each implementation takes each place in turn."""
+    names = list(impls)
+    results: dict[str, list[float] | str] = {name: [] for name in names}
+    for r in range(rounds):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            if isinstance(results[name], str):
+                continue
+            try:
+                results[name].append(measure(lambda fn=impls[name]: fn(inputs), cuda_graph))
+            except Exception as exc:  # e.g. NotSupportedError for this shape: report it, keep benchmarking
+                results[name] = _error_text(exc)
+    return results
+
+
+def _timed_row(spec: BenchSpec, shape: dict, impl: str, result: list[float] | str) -> Row:
     row = Row(spec.name, shape, impl)
-    try:
-        row.ms = measure(lambda: fn(inputs), spec.cuda_graph)
-        if spec.flops is not None:
-            row.tflops = spec.flops(shape) / row.ms / 1e9  # FLOP / (ms·1e-3 s) / 1e12
-        if spec.bytes is not None:
-            row.gbps = spec.bytes(shape) / row.ms / 1e6  # B / (ms·1e-3 s) / 1e9
-    except Exception as exc:  # e.g. NotSupportedError for this shape: report it, keep benchmarking
-        row.error = _error_text(exc)
+    if isinstance(result, str):
+        row.error = result
+        return row
+    row.ms = statistics.median(result)
+    row.spread = (max(result) - min(result)) / row.ms
+    if spec.flops is not None:
+        row.tflops = spec.flops(shape) / row.ms / 1e9  # FLOP / (ms·1e-3 s) / 1e12
+    if spec.bytes is not None:
+        row.gbps = spec.bytes(shape) / row.ms / 1e6  # B / (ms·1e-3 s) / 1e9
     return row
 
 
-def _run_shape(spec: BenchSpec, shape: dict, device: torch.device, baselines: bool) -> list[Row]:
+def _run_shape(spec: BenchSpec, shape: dict, device: torch.device, baselines: bool, rounds: int) -> list[Row]:
     try:
         inputs = spec.make_inputs(shape, device)
     except Exception as exc:
         return [Row(spec.name, shape, MSLK, error=f"make_inputs: {_error_text(exc)}")]
     # Every implementation runs on the same inputs in the same run, so the ratio compares like with like.
-    mslk = _timed_row(spec, shape, MSLK, spec.run, inputs)
-    others = [_timed_row(spec, shape, name, fn, inputs) for name, fn in (spec.baselines if baselines else {}).items()]
+    impls = {MSLK: spec.run, **(spec.baselines if baselines else {})}
+    timings = _timings(impls, inputs, spec.cuda_graph, rounds)
+    mslk, *others = (_timed_row(spec, shape, name, result) for name, result in timings.items())
     if others:
         first = others[0]
         mslk.baseline, mslk.baseline_ms = first.impl, first.ms
@@ -152,10 +179,11 @@ def run(
     device: torch.device | str | None = None,
     shape_filter: Sequence[str] = (),
     baselines: bool = True,
+    rounds: int = ROUNDS,
 ) -> list[Row]:
     """Time MSLK and every baseline (none when `baselines` is False) of every spec and shape (only those whose
-    text, e.g. "M=16 N=8192 K=8192", contains one of `shape_filter` when given); failures become rows with
-    `error` set."""
+    text, e.g. "M=16 N=8192 K=8192", contains one of `shape_filter` when given) `rounds` times in rotating
+    order; failures become rows with `error` set."""
     device = torch.device("cuda" if device is None else device)
     # Inputs live only inside _run_shape, so one shape's tensors are freed before the next shape's are built.
     return [
@@ -163,7 +191,7 @@ def run(
         for spec in bench_specs
         for shape in spec.shapes
         if not shape_filter or any(part in _shape_text(shape) for part in shape_filter)
-        for row in _run_shape(spec, dict(shape), device, baselines)
+        for row in _run_shape(spec, dict(shape), device, baselines, rounds)
     ]
 
 
@@ -176,19 +204,20 @@ def _rate_text(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Fixed-width table: bench, shape, impl, ms (4 significant digits), TFLOP/s, GB/s, vs baseline, error.
+    """Fixed-width table: bench, shape, impl, ms (4 significant digits), spread, TFLOP/s, GB/s, vs baseline, error.
 
-    "vs baseline" is the ratio on MSLK rows (1.05x: MSLK 5% faster than the first baseline); the error column
-    shows the first line of the error (the JSON has it whole).
+    "spread" is (slowest - fastest round) / ms; "vs baseline" is the ratio on MSLK rows (1.05x: MSLK 5% faster than
+    the first baseline); the error column shows the first line of the error (the JSON has it whole).
     """
-    header = ("bench", "shape", "impl", "ms", "TFLOP/s", "GB/s", "vs baseline", "error")
-    right_aligned = {"ms", "TFLOP/s", "GB/s", "vs baseline"}
+    header = ("bench", "shape", "impl", "ms", "spread", "TFLOP/s", "GB/s", "vs baseline", "error")
+    right_aligned = {"ms", "spread", "TFLOP/s", "GB/s", "vs baseline"}
     cells = [header] + [
         (
             row.spec,
             _shape_text(row.shape),
             row.impl,
             "" if row.ms is None else f"{row.ms:.4g}",
+            "" if row.spread is None else f"{row.spread:.1%}",
             _rate_text(row.tflops),
             _rate_text(row.gbps),
             "" if row.ratio is None else f"{row.ratio:.2f}x",
@@ -238,10 +267,14 @@ NO_SPECS_MESSAGE = "no bench specs are registered: install a domain package (pip
 
 
 def main(
-    op_filter: str | None = None, json_path: str | None = None, shape_filter: Sequence[str] = (), baselines: bool = True
+    op_filter: str | None = None,
+    json_path: str | None = None,
+    shape_filter: Sequence[str] = (),
+    baselines: bool = True,
+    rounds: int = ROUNDS,
 ) -> int:
-    """`mslk bench [--op NAME] [--shape TEXT ...] [--no-baselines] [--json PATH]`; the last two serve A/B runs of two
-    source trees (one process each, PYTHONPATH picking the tree), MSLK's rows alone.
+    """`mslk bench [--op NAME] [--shape TEXT ...] [--no-baselines] [--rounds N] [--json PATH]`; --no-baselines and
+    --json serve A/B runs of two source trees (one process each, PYTHONPATH picking the tree), MSLK's rows alone.
 
     Exit code: 0 when every row ran (also with no GPU or no specs), 1 when a row has an error, 2 when
     `op_filter` matches no spec.
@@ -259,7 +292,7 @@ def main(
             for spec in SPECS.values():
                 print(f"  {spec.name}  ({spec.op}{', ' + spec.domain if spec.domain else ''})", file=out)
         return 0 if op_filter is None else 2
-    rows = run(selected, shape_filter=shape_filter, baselines=baselines)
+    rows = run(selected, shape_filter=shape_filter, baselines=baselines, rounds=rounds)
     info = environment()
     print(
         f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "

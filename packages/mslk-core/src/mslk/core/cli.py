@@ -130,10 +130,17 @@ def cmd_check(_: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from mslk.core import bench
 
-    return bench.main(args.op, args.json, args.shape or (), not args.no_baselines)
+    return bench.main(args.op, args.json, args.shape or (), not args.no_baselines, args.rounds or bench.ROUNDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", action="append", help="only the shapes whose text (e.g. 'M=16 N=8192') contains this (repeatable)"
     )
     bench_parser.add_argument("--no-baselines", action="store_true", help="MSLK's rows only (A/B of two trees)")
+    bench_parser.add_argument(
+        "--rounds", type=_positive_int, help="timings per implementation, in rotating order (median kept; default 3)"
+    )
     bench_parser.add_argument("--json", help="also write the results to this JSON file")
     bench_parser.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)
