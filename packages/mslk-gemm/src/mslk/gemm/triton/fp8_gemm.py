@@ -138,14 +138,16 @@ def load_k_step(a_ptrs, b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _rowwise_tile(
-    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Output tile (pid_m, pid_n) of BLOCK_M x BLOCK_N. a_desc / b_desc (or None): TMA descriptors of A and B (in
     [BLOCK_M | BLOCK_N, BLOCK_K] tiles) with their batches' rows back to back (a batch stride of 0: one matrix for
-    every batch)."""
+    every batch); c_desc (or None): the output's (one batch) in [BLOCK_M, BLOCK_N / 2] tiles: the tile goes out
+    by TMA from shared memory, in two halves (half the shared memory to stage it), while the next tile's products
+    run."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -181,13 +183,19 @@ def _rowwise_tile(
             acc += tl.load(bias_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
         else:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    if c_desc is not None:  # TMA clips rows and columns past the output's edges
+        left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(c_desc.dtype))
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(c_desc.dtype))
+    else:
+        c_ptrs = c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+        c_ptrs += cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
 def _fp8_rowwise_kernel(
-    a_ptr, b_ptr, a_desc, b_desc, b_half_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, b_half_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     tail_tiles,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
@@ -205,23 +213,24 @@ def _fp8_rowwise_kernel(
         for tile in tl.range(pid, tiles - tail_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _rowwise_tile(
-                pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
-                stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-                HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
+                M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab,
+                stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if HALF_TAIL and pid < 2 * tail_tiles:
             pid_m, pid_n = tile_coordinates(tiles - tail_tiles + pid // 2, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _rowwise_tile(
-                pid_m, 2 * pid_n + pid % 2, batch, a_ptr, b_ptr, a_desc, b_half_desc, c_ptr, a_scale_ptr, b_scale_ptr,
-                bias_ptr, M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn,
-                stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N // 2, BLOCK_K,
+                pid_m, 2 * pid_n + pid % 2, batch, a_ptr, b_ptr, a_desc, b_half_desc, c_ptr, None, a_scale_ptr,
+                b_scale_ptr, bias_ptr, M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm,
+                stride_cn, stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N // 2,
+                BLOCK_K,
             )  # fmt: skip
     else:
         pid_m, pid_n = tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _rowwise_tile(
-            pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K,
-            stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-            HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
+            M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab,
+            stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
@@ -240,8 +249,9 @@ _SWAP_MAX_M = 128
 def _rowwise_config(m: int, n: int, k: int) -> dict:
     """Tiles by shape class, measured on the H200 (RESULTS.md): decode swaps the operands; M >= 2048 loops
     persistent programs over 128 x 256 x 128 tiles in groups of 16 tile rows (0.97-1.00x of torch._scaled_mm
-    at 8192^3 and Llama shapes, against 0.94-0.97x for one program per tile); 3 stages of shared memory,
-    3 · (128 + 256) · 128 B = 144 KiB."""
+    at 8192^3 and Llama shapes, against 0.94-0.97x for one program per tile) on 4 stages of shared memory,
+    4 · (128 + 256) · 128 B = 192 KiB, and 32 KiB to stage the half-tiles the TMA stores: 2048 x 7168 x 2048 in
+    51.6 us against 55.2 on 3 stages with pointer stores, 8192^3 835 against 845 (session 24); else 3 stages."""
     if m <= _SWAP_MAX_M:  # 256-deep K steps: 16 x 8192 x 8192 in 19.2 us against 20.7 with 128 on 6 stages
         block_n = max(16, launch.next_power_of_2(m))
         return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 256, "GROUP_M": 1, "PERSISTENT": False,
@@ -251,7 +261,7 @@ def _rowwise_config(m: int, n: int, k: int) -> dict:
                 "num_warps": 8}  # fmt: skip
     persistent = m >= 2048
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 16 if persistent else 8,
-            "PERSISTENT": persistent, "num_stages": 3, "num_warps": 8}  # fmt: skip
+            "PERSISTENT": persistent, "num_stages": 4 if persistent else 3, "num_warps": 8}  # fmt: skip
 
 
 def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
@@ -282,13 +292,15 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
     a_batch, b_batch = _batch_stride(a), _batch_stride(b)
     a_rows, b_rows = _stacked_rows(a, a_batch), _stacked_rows(b, b_batch)
-    a_desc, b_desc, b_half_desc = None, None, None
+    a_desc, b_desc, b_half_desc, c_desc = None, None, None, None
     if a_rows is not None and b_rows is not None:
         a_desc, b_desc = tma_descriptors(a_rows, b_rows, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
         if tail and a_desc is not None:  # (tma_descriptors gives both or neither)
             b_half_desc = row_tiles(b_rows, cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
+    if cfg["PERSISTENT"] and a_desc is not None and out.dim() == 2 and tma_ready(out):
+        c_desc = row_tiles(out, cfg["BLOCK_M"], cfg["BLOCK_N"] // 2)  # (a 2-D descriptor: one batch)
     _fp8_rowwise_kernel[grid](
-        a, b, a_desc, b_desc, b_half_desc, out, sa, sb, bias,
+        a, b, a_desc, b_desc, b_half_desc, out, c_desc, sa, sb, bias,
         rows, cols, k, a_batch, a.stride(-2), b_batch, b.stride(-2), *c_strides,
         sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0, tail,
         HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0,
