@@ -413,7 +413,7 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
 
 
 # Rows of X above which cuBLAS (torch._scaled_mm) serves the rowwise GEMMs on SM90: measured there at 0.97x
-# (8192^3) to 1.00x of it for M >= 2048 and 0.87x at 2048 x 7168 x 2048, while the Triton kernel leads at
+# (8192^3) to 1.00x of it for M >= 2048 and 0.90-0.96x at 2048 x 7168 x 2048, while the Triton kernel leads at
 # M <= 1024 (1.02x at 1024 x 8192 x 28672, 1.07-1.20x when decoding; RESULTS.md).
 _SCALED_MM_MIN_M = 1025
 
