@@ -238,9 +238,9 @@ def _stream_k_tail(
     """Tiles first_tile .. first_tile + tail_tiles - 1 (fewer than the programs) split along K among all programs
     (stream-K): program p takes K steps [p · W / P, (p + 1) · W / P) of the W = tail_tiles · k_steps steps laid
     out tile after tile, at most a tile's worth, so parts of at most two tiles. Each part goes to its slot of
-    partials [P, 2, BLOCK_M, BLOCK_N] (fp32), then the program adds its step count to the tile's arrivals
-    [tail_tiles] (int32, zeros before the launch); the program whose count completes the tile sums the tile's
-    parts and writes it. No program waits for another. One batch (a grid of several has no last round)."""
+    partials [batches, P, 2, BLOCK_M, BLOCK_N] (fp32), then the program adds its step count to the tile's arrivals
+    [batches, tail_tiles] (int32, zeros before the launch); the program whose count completes the tile sums the
+    tile's parts and writes it. No program waits for another."""
     programs = tl.num_programs(0)
     k_steps = tl.cdiv(K, BLOCK_K)
     work = tail_tiles.to(tl.int64) * k_steps
@@ -258,11 +258,11 @@ def _stream_k_tail(
                 stride_bn, k_first, k_last, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             tile_rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-            slots = partials_ptr + tile_rows
+            slots = partials_ptr + (batch * programs).to(tl.int64) * (2 * BLOCK_M * BLOCK_N) + tile_rows
             tl.store(slots + (2 * pid + part) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :], acc)
             # Every thread's part is out before the count says so (the barrier, then the count's release).
             tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + t, k_last - k_first, sem="acq_rel")
+            arrived = tl.atomic_add(arrivals_ptr + batch * tail_tiles + t, k_last - k_first, sem="acq_rel")
             if arrived + k_last - k_first == k_steps:  # the tile's last part: sum them, half a tile at a time
                 # Parts of tile t: programs from the one holding its first step (the last q with q · W / P at or
                 # before it) to the one holding its last, but those with no step (W < P).
@@ -396,12 +396,12 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     # the rounds are few (_HALF_TAIL_MAX_ROUNDS).
     tail = tiles % programs
     few_rounds = programs < tiles <= _HALF_TAIL_MAX_ROUNDS * programs
-    stream = STREAM_TAIL and cfg["PERSISTENT"] and batches == 1 and programs < tiles <= STREAM_MAX_ROUNDS * programs
+    stream = STREAM_TAIL and cfg["PERSISTENT"] and programs < tiles <= STREAM_MAX_ROUNDS * programs
     tail = tail if stream or (cfg["PERSISTENT"] and few_rounds and 2 * tail <= programs) else 0
     partials, arrivals = None, None
     if stream and tail:
-        partials = torch.empty(programs, 2, cfg["BLOCK_M"], cfg["BLOCK_N"], device=out.device)
-        arrivals = torch.zeros(tail, dtype=torch.int32, device=out.device)
+        partials = torch.empty(batches, programs, 2, cfg["BLOCK_M"], cfg["BLOCK_N"], device=out.device)
+        arrivals = torch.zeros(batches, tail, dtype=torch.int32, device=out.device)
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
     a_batch, b_batch = _batch_stride(a), _batch_stride(b)
     a_rows, b_rows = _stacked_rows(a, a_batch), _stacked_rows(b, b_batch)
