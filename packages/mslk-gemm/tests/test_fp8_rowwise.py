@@ -69,34 +69,6 @@ def test_persistent_tile_loop(m, n, k, group_m, monkeypatch):
     testing.assert_rel_close(g._run_rowwise(xq, wq, x_scale, w_scale, bias, True, out), expected, 1e-2)
 
 
-@pytest.mark.parametrize(
-    ("programs", "m", "n", "k"),
-    [(3, 200, 1200, 896), (3, 256, 1024, 512), (7, 256, 1024, 256), (3, 256, 1000, 500), (3, 256, 1024, 128)],
-    ids=str,
-)
-def test_stream_k_tail(programs, m, n, k, monkeypatch):
-    """The persistent kernel's last tiles split along K among all programs (stream-K), under the interpreter with
-    `programs` programs: 3 parts of one tile (K steps 2, 2, 3); a program's steps spanning two tiles (8 tiles on 3
-    programs: 2 left, 4 steps each, 3 per program); programs with no step between a tile's parts (1 tile of 2
-    steps on 7 programs: programs 3 and 6 hold them); pointer loads with K = 500 (the last step partial) and N past
-    the last tile; one step a tile. The output is NaN-poisoned first; the GPU runs the same through
-    test_persistent_tile_loop (2048 x 7168 x 256: 52 tiles of 2 steps on 132 programs)."""
-    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PERSISTENT": True, "num_stages": 4,
-           "num_warps": 8}  # fmt: skip
-    monkeypatch.setattr(g, "_rowwise_config", lambda *shape: cfg)
-    if DEVICE == "cpu":
-        monkeypatch.setattr(g, "_INTERPRETER_PROGRAMS", programs)
-    xq, x_scale = g.quantize_rows(testing.randn(m, k, device=DEVICE))
-    wq, w_scale = g.quantize_rows(testing.randn(n, k, device=DEVICE))
-    bias = testing.randn(n, device=DEVICE)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    empty = torch.empty  # the parts' workspace NaN-poisoned too: a slot read before it is written shows
-    monkeypatch.setattr(torch, "empty", lambda *shape, **kwargs: empty(*shape, **kwargs).fill_(float("nan")))
-    g._run_rowwise(xq, wq, x_scale, w_scale, bias, True, out)
-    monkeypatch.undo()
-    testing.assert_rel_close(out, oracle(xq, wq, x_scale, w_scale, bias), 1e-2)
-
-
 def test_fp16_output_3d_activations_and_strides():
     xq, x_scale = g.quantize_rows(testing.randn(3, 7, 96, device=DEVICE))
     wq, w_scale = g.quantize_rows(testing.randn(50, 96, device=DEVICE))

@@ -137,30 +137,32 @@ def load_k_step(a_ptrs, b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _rowwise_products(
-    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_ab, stride_am, stride_bb, stride_bn,
-    k_first, k_last,
-    FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _rowwise_tile(
+    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
+    HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """fp32 [BLOCK_M, BLOCK_N]: output tile (pid_m, pid_n)'s A · Bᵀ over K steps [k_first, k_last). a_desc / b_desc
-    (or None): TMA descriptors of A and B (in [BLOCK_M | BLOCK_N, BLOCK_K] tiles) with their batches' rows back to
-    back (a batch stride of 0: one matrix for every batch)."""
+    """Output tile (pid_m, pid_n) of BLOCK_M x BLOCK_N. a_desc / b_desc (or None): TMA descriptors of A and B (in
+    [BLOCK_M | BLOCK_N, BLOCK_K] tiles) with their batches' rows back to back (a batch stride of 0: one matrix for
+    every batch); c_desc (or None): the output's (one batch) in [BLOCK_M, BLOCK_N / 2] tiles: the tile goes out
+    by TMA from shared memory, in two halves (half the shared memory to stage it), while the next tile's products
+    run."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     # Out-of-range rows/cols read row 0 (in bounds); their results are never stored.
     a_ptrs = a_ptr + batch.to(tl.int64) * stride_ab + tl.where(rows < M, rows, 0).to(tl.int64)[:, None] * stride_am
     b_ptrs = b_ptr + batch.to(tl.int64) * stride_bb + tl.where(cols < N, cols, 0).to(tl.int64)[:, None] * stride_bn
-    a_ptrs += k_first * BLOCK_K + ks[None, :]
-    b_ptrs += k_first * BLOCK_K + ks[None, :]
+    a_ptrs += ks[None, :]
+    b_ptrs += ks[None, :]
     if a_desc is not None:
         # The tile's first rows in the descriptors' stacked views; TMA coordinates are int32 (a batch of 2**31
         # elements or more makes its stride, and the product, int64).
         a_row = (batch * (stride_ab // stride_am)).to(tl.int32) + pid_m * BLOCK_M
         b_row = (batch * (stride_bb // stride_bn)).to(tl.int32) + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_first, k_last):  # software-pipelined with the launch's num_stages
+    for k in range(tl.cdiv(K, BLOCK_K)):  # software-pipelined with the launch's num_stages
         if a_desc is not None:  # rows/cols past M/N read the next batch's (never stored) or zeros
             a = a_desc.load([a_row, k * BLOCK_K])
             b = b_desc.load([b_row, k * BLOCK_K])
@@ -172,15 +174,7 @@ def _rowwise_products(
             acc += tl.dot(a, b.T)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    return acc
 
-
-@triton.jit
-def _rowwise_finish(
-    acc, rows, cols, batch, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, stride_sab, stride_sbb,
-    HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr,
-):  # fmt: skip
-    """acc [rows, cols] times the rows' and columns' scales, plus the bias: the output's values in fp32."""
     a_scale = tl.load(a_scale_ptr + batch * stride_sab + rows, mask=rows < M, other=0.0)
     b_scale = tl.load(b_scale_ptr + batch * stride_sbb + cols, mask=cols < N, other=0.0)
     acc = acc * a_scale[:, None] * b_scale[None, :]
@@ -189,120 +183,30 @@ def _rowwise_finish(
             acc += tl.load(bias_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
         else:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _store_rows(c_ptr, values, rows, cols, batch, M, N, stride_cb, stride_cm, stride_cn):
-    """values [rows, cols] into C[batch] through pointers, those past M or N left out."""
-    c_ptrs = c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
-    c_ptrs += cols[None, :] * stride_cn
-    tl.store(c_ptrs, values.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def _rowwise_tile(
-    pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
-    M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-    HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Output tile (pid_m, pid_n) of BLOCK_M x BLOCK_N, whole (operand descriptors: _rowwise_products). c_desc (or
-    None): the output's (one batch) in [BLOCK_M, BLOCK_N / 2] tiles: the tile goes out by TMA from shared memory,
-    in two halves (half the shared memory to stage it), while the next tile's products run."""
-    acc = _rowwise_products(
-        pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_ab, stride_am, stride_bb, stride_bn,
-        0, tl.cdiv(K, BLOCK_K), FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _rowwise_finish(
-        acc, rows, cols, batch, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M
-    )
     if c_desc is not None:  # TMA clips rows and columns past the output's edges
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(c_desc.dtype))
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(c_desc.dtype))
     else:
-        _store_rows(c_ptr, acc, rows, cols, batch, M, N, stride_cb, stride_cm, stride_cn)
-
-
-@triton.jit
-def _stream_k_tail(
-    pid, batch, first_tile, tail_tiles, partials_ptr, arrivals_ptr, a_ptr, b_ptr, a_desc, b_desc, c_ptr,
-    a_scale_ptr, b_scale_ptr, bias_ptr,
-    M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
-    HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """Tiles first_tile .. first_tile + tail_tiles - 1 (fewer than the programs) split along K among all programs
-    (stream-K): program p takes K steps [p · W / P, (p + 1) · W / P) of the W = tail_tiles · k_steps steps laid
-    out tile after tile, at most a tile's worth, so parts of at most two tiles. Each part goes to its slot of
-    partials [batches, P, 2, BLOCK_M, BLOCK_N] (fp32), then the program adds its step count to the tile's arrivals
-    [batches, tail_tiles] (int32, zeros before the launch); the program whose count completes the tile sums the
-    tile's parts and writes it. No program waits for another."""
-    programs = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    work = tail_tiles.to(tl.int64) * k_steps
-    begin = pid * work // programs
-    end = (pid + 1) * work // programs
-    for part in range(2):
-        start = begin if part == 0 else (begin // k_steps + 1) * k_steps
-        stop = tl.minimum(end, (start // k_steps + 1) * k_steps)
-        if start < stop:
-            t = (start // k_steps).to(tl.int32)
-            k_first, k_last = (start - t * k_steps).to(tl.int32), (stop - t * k_steps).to(tl.int32)
-            pid_m, pid_n = tile_coordinates(first_tile + t, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _rowwise_products(
-                pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_ab, stride_am, stride_bb,
-                stride_bn, k_first, k_last, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            tile_rows = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-            slots = partials_ptr + (batch * programs).to(tl.int64) * (2 * BLOCK_M * BLOCK_N) + tile_rows
-            tl.store(slots + (2 * pid + part) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :], acc)
-            # Every thread's part is out before the count says so (the barrier, then the count's release).
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + batch * tail_tiles + t, k_last - k_first, sem="acq_rel")
-            if arrived + k_last - k_first == k_steps:  # the tile's last part: sum them, half a tile at a time
-                # Parts of tile t: programs from the one holding its first step (the last q with q · W / P at or
-                # before it) to the one holding its last, but those with no step (W < P).
-                tile_start = start - k_first
-                owner_first = ((tile_start + 1) * programs + work - 1) // work - 1
-                owner_last = ((tile_start + k_steps) * programs + work - 1) // work - 1
-                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                for half in range(2):
-                    offsets = half * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                    total = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
-                    for q in range(owner_first, owner_last + 1):
-                        q_begin = q * work // programs
-                        if q_begin < (q + 1) * work // programs:
-                            q_part = (q_begin < tile_start).to(tl.int64)  # 1: q's steps began in the tile before
-                            q_slot = slots + (2 * q + q_part) * (BLOCK_M * BLOCK_N) + offsets[None, :]
-                            total += tl.load(q_slot, cache_modifier=".cg")
-                    cols = pid_n * BLOCK_N + offsets
-                    total = _rowwise_finish(
-                        total, rows, cols, batch, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, stride_sab, stride_sbb,
-                        HAS_BIAS, BIAS_ON_M,
-                    )  # fmt: skip
-                    _store_rows(c_ptr, total, rows, cols, batch, M, N, stride_cb, stride_cm, stride_cn)
+        c_ptrs = c_ptr + batch.to(tl.int64) * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+        c_ptrs += cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
 def _fp8_rowwise_kernel(
     a_ptr, b_ptr, a_desc, b_desc, b_half_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
-    partials_ptr, arrivals_ptr,
     M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb,
     tail_tiles,
     HAS_BIAS: tl.constexpr, BIAS_ON_M: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr, STREAM_TAIL: tl.constexpr,
+    PERSISTENT: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):  # fmt: skip
     """C[b] = (A[b] · B[b]ᵀ) · a_scale[b, m] · b_scale[b, n] (+ bias), A [M, K] and B [N, K] K-contiguous.
     Program (pid, batch) computes tile pid, or, PERSISTENT, every tile pid + i · programs (the tile loops
-    flattened, so that the next tile's loads overlap this one's epilogue) but the last tail_tiles, a round of few
-    tiles that would leave most SMs idle for a whole tile's time: STREAM_TAIL splits them along K among all
-    programs (_stream_k_tail); HALF_TAIL makes them twice as many tiles half as wide (b_half_desc: B's
-    descriptor for them), one per program."""
+    flattened, so that the next tile's loads overlap this one's epilogue); HALF_TAIL: but the last tail_tiles, which
+    then go as twice as many tiles half as wide (b_half_desc: B's descriptor for them), one per program: a last
+    round of few tiles would leave most SMs idle for a whole tile's time."""
     pid, batch = tl.program_id(0), tl.program_id(1)
     if PERSISTENT:
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -312,13 +216,6 @@ def _fp8_rowwise_kernel(
                 pid_m, pid_n, batch, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr,
                 M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab,
                 stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        if STREAM_TAIL:
-            _stream_k_tail(
-                pid, batch, tiles - tail_tiles, tail_tiles, partials_ptr, arrivals_ptr, a_ptr, b_ptr, a_desc, b_desc,
-                c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_ab, stride_am, stride_bb, stride_bn,
-                stride_cb, stride_cm, stride_cn, stride_sab, stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
         if HALF_TAIL and pid < 2 * tail_tiles:
             pid_m, pid_n = tile_coordinates(tiles - tail_tiles + pid // 2, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -342,11 +239,6 @@ def _fp8_rowwise_kernel(
 # tiles, 52 in the last round of 132) 53.5 against 56 us; at 4096 x 28672 x 8192 (28 rounds) the change was noise,
 # and with fewer tiles than SMs (all of them halved) none (RESULTS.md, sixteenth session).
 _HALF_TAIL_MAX_ROUNDS = 4
-STREAM_TAIL = True  # (session 24 A/B switch)
-STREAM_MAX_ROUNDS = 4
-
-# Programs of the persistent kernel under the interpreter: a few tiles each.
-_INTERPRETER_PROGRAMS = 3
 
 # Rows of X up to which the operands are swapped: the weight rows go on the MMA's 64-row side, so that even
 # one token keeps N/64 programs streaming the weights, and the tokens on the narrow side (16 wide at least).
@@ -390,34 +282,29 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
     c_strides = (c_batch, c_cols, c_rows) if swap else (c_batch, c_rows, c_cols)
     rows, cols = (n, m) if swap else (m, n)
     tiles = launch.cdiv(rows, cfg["BLOCK_M"]) * launch.cdiv(cols, cfg["BLOCK_N"])
-    programs = arch.sm_count(out.device) if out.is_cuda else _INTERPRETER_PROGRAMS
+    programs = arch.sm_count(out.device) if out.is_cuda else 3  # 3: a few tiles each under the interpreter
     batches = XQ.shape[0] if XQ.dim() == 3 else 1
     # Persistent: the last round's tiles go half as wide when twice as many fit in one round of the programs and
     # the rounds are few (_HALF_TAIL_MAX_ROUNDS).
     tail = tiles % programs
     few_rounds = programs < tiles <= _HALF_TAIL_MAX_ROUNDS * programs
-    stream = STREAM_TAIL and cfg["PERSISTENT"] and programs < tiles <= STREAM_MAX_ROUNDS * programs
-    tail = tail if stream or (cfg["PERSISTENT"] and few_rounds and 2 * tail <= programs) else 0
-    partials, arrivals = None, None
-    if stream and tail:
-        partials = torch.empty(batches, programs, 2, cfg["BLOCK_M"], cfg["BLOCK_N"], device=out.device)
-        arrivals = torch.zeros(batches, tail, dtype=torch.int32, device=out.device)
+    tail = tail if cfg["PERSISTENT"] and few_rounds and 2 * tail <= programs else 0
     grid = (min(tiles, programs) if cfg["PERSISTENT"] else tiles, batches)
     a_batch, b_batch = _batch_stride(a), _batch_stride(b)
     a_rows, b_rows = _stacked_rows(a, a_batch), _stacked_rows(b, b_batch)
     a_desc, b_desc, b_half_desc, c_desc = None, None, None, None
     if a_rows is not None and b_rows is not None:
         a_desc, b_desc = tma_descriptors(a_rows, b_rows, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
-        if tail and not stream and a_desc is not None:  # (tma_descriptors gives both or neither)
+        if tail and a_desc is not None:  # (tma_descriptors gives both or neither)
             b_half_desc = row_tiles(b_rows, cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     if cfg["PERSISTENT"] and a_desc is not None and out.dim() == 2 and tma_ready(out):
         c_desc = row_tiles(out, cfg["BLOCK_M"], cfg["BLOCK_N"] // 2)  # (a 2-D descriptor: one batch)
     _fp8_rowwise_kernel[grid](
-        a, b, a_desc, b_desc, b_half_desc, out, c_desc, sa, sb, bias, partials, arrivals,
+        a, b, a_desc, b_desc, b_half_desc, out, c_desc, sa, sb, bias,
         rows, cols, k, a_batch, a.stride(-2), b_batch, b.stride(-2), *c_strides,
         sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0, tail,
         HAS_BIAS=bias is not None, BIAS_ON_M=swap, FAST_ACCUM=use_fast_accum, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        HALF_TAIL=tail > 0 and not stream, STREAM_TAIL=tail > 0 and stream, **cfg,
+        HALF_TAIL=tail > 0, **cfg,
     )  # fmt: skip
     return out
 
