@@ -54,7 +54,7 @@ def test_persistent_tile_loop(m, n, k, group_m, monkeypatch):
     without a last round of half-wide tiles: on the GPU 2048 x 7168 (448 tiles: 52 left for the 132 programs'
     last round) and 1500 x 4000 (192: 60); under the interpreter's 3 programs 200 x 1200 (10: 1) and 200 x 500
     (4: 1), both halves of their last tile inside N. Whole tiles go out by TMA where the output's rows are 16-byte
-    aligned (N = 1200, 4000, 7168) and through pointers where not (N = 500); the output is NaN-poisoned first."""
+    aligned (N = 1200, 4000, 7168) and through pointers where not (N = 500, 1100); the output is NaN-poisoned first."""
     if testing.interpreting() and m > 300:
         pytest.skip("large for the interpreter")
     cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": group_m, "PERSISTENT": True, "num_stages": 4,
