@@ -217,7 +217,7 @@ def _fp8_rowwise_kernel(
                 M, N, K, stride_ab, stride_am, stride_bb, stride_bn, stride_cb, stride_cm, stride_cn, stride_sab,
                 stride_sbb, HAS_BIAS, BIAS_ON_M, FAST_ACCUM, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-        if HALF_TAIL and pid < 2 * tail_tiles:
+        if HALF_TAIL and pid < 2 * tail_tiles:  # pointer stores: TMA ones here took 7-10 us more (RESULTS.md)
             pid_m, pid_n = tile_coordinates(tiles - tail_tiles + pid // 2, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _rowwise_tile(
                 pid_m, 2 * pid_n + pid % 2, batch, a_ptr, b_ptr, a_desc, b_half_desc, c_ptr, None, a_scale_ptr,
