@@ -22,7 +22,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers, tile_offsets
+from mslk.gemm.triton.gluon_tile_order import ring_barriers, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
@@ -112,12 +112,8 @@ def _mma_partition(
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = b_bufs.shape[1]
-    # wgmma: warps stacked along M (16 rows each), an instruction spans the tile's N, k = 32 bytes of FP8.
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 256 // a_bufs.dtype.primitive_bitwidth]
-    )
-    # Epilogue: bf16 rows of 16 bytes per thread, masked at the edges of C.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [gl.num_warps(), 1], [1, 0])
+    mma_layout: gl.constexpr = wgmma_layout(BN, a_bufs.dtype, gl.num_warps())
+    out_layout: gl.constexpr = row_store_layout(BN, gl.num_warps())  # bf16 rows, masked at the output's edges
     steps = gl.cdiv(K, BK)
     # No wgmma is in flight across a loop's back edge: copying an in-flight product's registers there (a product
     # carried from one iteration to the next) makes ptxas serialize every wgmma (C7514). Each product is restarted

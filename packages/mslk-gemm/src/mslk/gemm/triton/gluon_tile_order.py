@@ -1,5 +1,6 @@
 """Pieces of the Gluon GEMMs for Hopper (fp8_blockwise_hopper.py, grouped_gemm_hopper.py, int4_hopper.py,
-int4_decode_hopper.py): the output tile order of the persistent ones and the barriers of a TMA ring."""
+int4_decode_hopper.py): the output tile order of the persistent ones, the barriers of a TMA ring, and the layouts
+of a wgmma product over shared-memory operands and of its row-wise stores."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ def ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     return ready, empty
+
+
+@gluon.constexpr_function
+def wgmma_layout(block_n, dtype, num_warps):
+    """The layout of a [BM, block_n] fp32 wgmma product of `dtype` operands: warps stacked along M (16 rows each),
+    an instruction spanning the tile's N and 32 bytes of K."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 256 // dtype.primitive_bitwidth]
+    )
+
+
+@gluon.constexpr_function
+def row_store_layout(block_n, num_warps):
+    """Stores of a [BM, block_n] 16-bit tile: 16 bytes a thread, a warp along a row."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // block_n, block_n // 8], [num_warps, 1], [1, 0])

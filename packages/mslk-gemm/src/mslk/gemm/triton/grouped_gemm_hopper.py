@@ -28,7 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers, tile_offsets
+from mslk.gemm.triton.gluon_tile_order import ring_barriers, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = 128  # rows of a tile: 64 per multiplying warpgroup
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
@@ -109,12 +109,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_p
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = b_bufs.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
-    # wgmma: warps stacked along M (16 rows each), an instruction spans the tile's N and 32 bytes of K.
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 256 // a_bufs.dtype.primitive_bitwidth]
-    )
-    # Stores of 16 bytes a thread, a warp along a row.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [gl.num_warps(), 1], [1, 0])
+    mma_layout: gl.constexpr = wgmma_layout(BN, a_bufs.dtype, gl.num_warps())
+    out_layout: gl.constexpr = row_store_layout(BN, gl.num_warps())  # bf16 rows, masked at the output's edges
     steps = gl.cdiv(K, BK)
     tiles_n = gl.cdiv(N, BN)
     first = 0  # the group's first row
