@@ -22,7 +22,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers, row_store_layout, tile_offsets, wgmma_layout
+from mslk.gemm.triton.gluon_tile_order import operand_ring, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
@@ -163,12 +163,7 @@ def _blockwise_wgmma_kernel(
     tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS 1 or a
     multiple of BM, B_SCALE_ROWS a multiple of BN), kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles
     p, p + programs, ..."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    ready, empty = ring_barriers(STAGES)
+    a_bufs, b_bufs, ready, empty = operand_ring(a_desc, b_desc, STAGES)
     # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
     # constexprs into tensors.
     gl.warp_specialize(

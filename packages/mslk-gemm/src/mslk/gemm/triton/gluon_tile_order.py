@@ -1,5 +1,5 @@
 """Pieces of the Gluon GEMMs for Hopper (fp8_blockwise_hopper.py, grouped_gemm_hopper.py, int4_hopper.py,
-int4_decode_hopper.py): the output tile order of the persistent ones, the barriers of a TMA ring, and the layouts
+int4_decode_hopper.py): the output tile order of the persistent ones, a TMA ring and its barriers, and the layouts
 of a wgmma product over shared-memory operands and of its row-wise stores."""
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ def ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     return ready, empty
+
+
+@gluon.jit
+def operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """(a_bufs, b_bufs, ready, empty): STAGES shared-memory slots for a tile of each TMA descriptor's block, and
+    the ring's barriers (ring_barriers)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    ready, empty = ring_barriers(STAGES)
+    return a_bufs, b_bufs, ready, empty
 
 
 @gluon.constexpr_function

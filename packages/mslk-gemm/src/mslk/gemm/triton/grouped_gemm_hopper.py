@@ -28,7 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers, row_store_layout, tile_offsets, wgmma_layout
+from mslk.gemm.triton.gluon_tile_order import operand_ring, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = 128  # rows of a tile: 64 per multiplying warpgroup
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
@@ -164,12 +164,7 @@ def _grouped_wgmma_kernel(
     """out [ROWS, N] (unit column stride, row stride stride_om) of the stacked groups of A [ROWS, K] and B [G·N, K]
     (TMA descriptors of [BM, BK] and [BN, BK] tiles), sizes [G] row counts (or cumulative ends), times a_scale
     [ROWS] and b_scale [G·N] (fp32). Persistent: program p takes tiles p, p + programs, ..."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-    ready, empty = ring_barriers(STAGES)
+    a_bufs, b_bufs, ready, empty = operand_ring(a_desc, b_desc, STAGES)
     gl.warp_specialize(
         [
             (_mma_partition, (
