@@ -1,6 +1,6 @@
 """The attention backward of triton_flash.BwOp on Hopper (sm_90), written in Gluon, for the common case: 16-bit
 Q, K, V of head dim 64 or 128 that TMA can read as [B·M, G·H·K] matrices, no tensor bias, no dropout, no
-varlen, dQ summed by atomics (not the deterministic mode).
+varlen, dQ summed in fp32 by TMA reduce-adds (not the deterministic mode).
 
 A program takes a block of BLOCK_N keys of one head and walks the query blocks that see them (the mirrored mask of
 triton_flash: causal and windowed ranges, their interior unmasked), as in FlashAttention-3's backward:
@@ -8,15 +8,16 @@ triton_flash: causal and windowed ranges, their interior unmasked), as in FlashA
 - one warp loads K and V once, then each query block's Q, dO, LSE and delta through TMA into a ring of STAGES slots;
 - two warpgroups (64 keys each) start Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ together, take Pᵀ = exp2(Sᵀ − LSE) while dPᵀ
   is still running and start dV += Pᵀ·dO from registers, then dSᵀ = Pᵀ ∘ (dPᵀ − delta) and dK += dSᵀ·Q; dSᵀ goes to
-  shared memory, from which both warpgroups take dQ = dS·K (half the head columns each) once it is whole, and dQ's
-  share is added to the fp32 dQ with 16-byte vector atomics over whole rows.
+  shared memory, from which both warpgroups take dQ = dS·K (half the head columns each) once it is whole; dQ's
+  share goes to shared memory too, and one TMA reduce-add puts it into the fp32 dQ while the next block runs;
+- dK and dV leave through the Q and dO slots by TMA stores.
 
-H200, bf16, backward alone (RESULTS.md, twenty-first session): B=4 M=4096 H=16 K=128 causal 1.62 ms against 2.12
-for the Triton kernel (424 against 325 TFLOP/s), no mask 455 against 325, B=1 M=16384 causal 469 against 371,
-B=8 K=64 causal 362 against 329. LSE and delta through the ring rather than loaded by the multiplying warps gave
-8-14% (and took head dim 64 past the Triton kernel). Measured slower: the atomics straight from the products'
-layout (two words a thread: 346 causal, before the TMA'd statistics), an adding warp taking dQ's shares from shared
-memory (230), a third ring slot (no change), dQ's shares through shared memory added a block late (376).
+H200, bf16, backward alone (RESULTS.md, twenty-fifth session): B=4 M=4096 H=16 K=128 no mask 2.73 ms against 3.02
+with dQ's shares added by 16-byte vector atomics from registers (503 against 455 TFLOP/s), causal 481 against 436,
+B=1 M=16384 causal 524 against 467, B=8 K=64 causal 378 against 384 (no gain at head dim 64). Earlier (twenty-first
+session): LSE and delta through the ring rather than loaded by the multiplying warps gave 8-14%; measured slower:
+the atomics straight from the products' layout (two words a thread), an adding warp taking dQ's shares from shared
+memory with atomics, a third ring slot (no change; no room for one now).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import functools
 import math
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -59,6 +62,27 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """Adds the shared-memory tile src to tensor_desc's box at coord (cp.reduce.async.bulk.tensor, waited for like
+    a TMA store): Gluon wraps no TMA reduction on Hopper, its builder has one in Triton 3.6 and 3.7."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _box(desc, tile):
+    """The [rows, K] shared-memory tile as the [1, rows, K] box of a _box_descriptor."""
+    return tile._reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _add_dq(dq_desc, dq_bufs, i, start, box_at):
+    """Adds ring block i's dQ share, in dq_bufs slot i % 2, to the query block from row `start` of the batch
+    element and column box_at (TMA leaves out the rows past the sequence's queries)."""
+    _tma_add(dq_desc, [box_at[0], start, box_at[1]], _box(dq_desc, dq_bufs.index(i % 2)))
+
+
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                     delta_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row, parts):  # fmt: skip
@@ -87,11 +111,12 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_sme
 
 
 @gluon.jit
-def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_rows, delta_rows, dq_ptr,
-                  stride_dqm, start_row, end_row, cols, q_len, k_len, shift, window_left, window_right, qk_scale,
-                  sm_scale, MASKED: gl.constexpr):  # fmt: skip
-    """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) (ring blocks i on), each
-    block's dQ share added to dq_ptr's rows; only MASKED blocks evaluate the mask."""
+def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
+                  delta_rows, dq_desc, box_at, start_row, end_row, cols, q_len, k_len, shift, window_left,
+                  window_right, qk_scale, sm_scale, MASKED: gl.constexpr):  # fmt: skip
+    """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) (ring blocks i on, the
+    block before them from row last_start); each block's dQ share goes to dq_bufs and is added to dq_desc's rows
+    (batch element and column box_at) by TMA while the next block runs. Only MASKED blocks evaluate the mask."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     BM: gl.constexpr = q_bufs.shape[1]
@@ -104,10 +129,6 @@ def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, em
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, HEAD_DIM // 2, 16])  # fmt: skip
-    # dQ's atomics: four consecutive fp32 a thread (one vector atomic), a warp over whole rows.
-    add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HEAD_DIM, HEAD_DIM // 4], [gl.num_warps(), 1],
-                                                [1, 0])  # fmt: skip
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, add_layout))
     for start in range(start_row, end_row, BM):
         slot = i % STAGES
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
@@ -135,25 +156,28 @@ def _query_blocks(dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, em
         ds_smem = ds_bufs.index(i % 2)
         ds_smem.store(ds)
         fence_async_shared()
+        # The add of block i - 2's dQ share has read its slot (i - 1's was issued after the last barrier).
+        tma.store_wait(0)
         _partition_barrier()
+        if i > 0:  # block i - 1's share is whole in shared memory
+            _add_dq(dq_desc, dq_bufs, i - 1, last_start, box_at)
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)  # fmt: skip
         dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_a, ds_a))
         mbarrier.arrive(empty.index(slot))
-        dq = gl.convert_layout(dq * sm_scale, add_layout)
-        dq_rows = start + gl.arange(0, BM, layout=gl.SliceLayout(1, add_layout))
-        gl.atomic_add(dq_ptr + dq_rows[:, None] * stride_dqm + dq_cols[None, :], dq,
-                      mask=(dq_rows < q_len)[:, None], sem="relaxed")  # fmt: skip
+        dq_bufs.index(i % 2).store(dq * sm_scale)
+        fence_async_shared()
+        last_start = start
         i += 1
-    return dk, dv, i
+    return dk, dv, i, last_start
 
 
 @gluon.jit
-def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_rows, delta_rows, dq_ptr,
-                   dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, parts, q_len, k_len, shift,
-                   window_left, window_right, qk_scale, sm_scale):  # fmt: skip
-    """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), then dK and
-    dV's rows."""
+def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
+                   dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_len, k_len, shift, window_left, window_right,
+                   qk_scale, sm_scale):  # fmt: skip
+    """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), the last
+    block's dQ share, then dK and dV through shared memory (the batch element and column box_at)."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -165,36 +189,40 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, em
     dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
     i = 0
+    last_start = 0
     for part in gl.static_range(3):
-        dk, dv, i = _query_blocks(
-            dk, dv, i, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, ready, empty, lse_rows, delta_rows, dq_ptr, stride_dqm,
-            parts[part], parts[part + 1], cols, q_len, k_len, shift, window_left, window_right, qk_scale, sm_scale,
-            part != 1,
+        dk, dv, i, last_start = _query_blocks(
+            dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
+            delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_len, k_len, shift, window_left,
+            window_right, qk_scale, sm_scale, part != 1,
         )  # fmt: skip
-    # Rows of 16 bytes a thread, masked past the keys.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [gl.num_warps(), 1],
-                                                [1, 0])  # fmt: skip
-    rows = first_col + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-    mask = (rows < k_len)[:, None]
-    dk = gl.convert_layout((dk * sm_scale).to(dk_ptr.dtype.element_ty), out_layout)
-    gl.store(dk_ptr + rows[:, None] * stride_dkm + dims[None, :], dk, mask=mask)
-    dv = gl.convert_layout(dv.to(dv_ptr.dtype.element_ty), out_layout)
-    gl.store(dv_ptr + rows[:, None] * stride_dvm + dims[None, :], dv, mask=mask)
+    _partition_barrier()
+    if i > 0:
+        _add_dq(dq_desc, dq_bufs, i - 1, last_start, box_at)
+    # dK and dV go out by TMA (which leaves out the rows past the keys) from the Q and dO slots, whose blocks have
+    # all been read: [STAGES, BM, K] holds [BN, K].
+    gl.static_assert(q_bufs.shape[0] * q_bufs.shape[1] == BN)
+    dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
+    dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
+    dk_tile.store((dk * sm_scale).to(dk_tile.dtype))
+    dv_tile.store(dv.to(dv_tile.dtype))
+    fence_async_shared()
+    _partition_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [box_at[0], first_col, box_at[1]], _box(dk_desc, dk_tile))
+    tma.async_copy_shared_to_global(dv_desc, [box_at[0], first_col, box_at[1]], _box(dv_desc, dv_tile))
+    tma.store_wait(0)  # before the kernel ends: the copies read shared memory
 
 
 @gluon.jit
 def _flash_backward_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_ptr, dk_ptr, dv_ptr, G, H, Mq, Mk, qk_scale, sm_scale,
-    window_left, window_right,
-    stride_dqb, stride_dqm, stride_dqg, stride_dqh,
-    stride_dkb, stride_dkm, stride_dkg, stride_dkh,
-    stride_dvb, stride_dvm, stride_dvg, stride_dvh, blocks, section,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, G, H, Mq, Mk, qk_scale,
+    sm_scale, window_left, window_right, blocks, section,
     BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """dK and dV (written) and dQ's shares (added to the fp32 dq_ptr) of [B, M, G, H, K] tensors read through
-    [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from the forward's LSE and
-    delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key block, batch·group·head) in triton_flash's order."""
+    """dK and dV (written) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K]
+    boxes) of [B, M, G, H, K] tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V
+    tiles [BLOCK_N, K]), from the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key
+    block, batch·group·head) in triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -208,9 +236,6 @@ def _flash_backward_hopper_kernel(
     full_lo, full_hi = _unmasked_key_range(lo, hi, first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
     if first_col + BN > Mk:  # keys past the head's (the next batch element's rows under TMA): all masked
         full_lo, full_hi = hi, hi
-    dq_ptr += b * stride_dqb + g * stride_dqg + h * stride_dqh
-    dk_ptr += b * stride_dkb + g * stride_dkg + h * stride_dkh
-    dv_ptr += b * stride_dvb + g * stride_dvg + h * stride_dvh
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_DIM], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BM, HEAD_DIM], do_desc.layout)
@@ -218,6 +243,9 @@ def _flash_backward_hopper_kernel(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
+    # dQ's shares: one being added by TMA while the next is made
+    dq_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], gl.float32)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM], dq_tile_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
     # The [1, BM] boxes TMA writes, read back as [BM] rows (same bytes, no swizzle).
@@ -234,9 +262,9 @@ def _flash_backward_hopper_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (
-                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
-                dq_ptr, dk_ptr, dv_ptr, stride_dqm, stride_dkm, stride_dvm, first_col, (lo, full_lo, full_hi, hi), Mq,
-                Mk, shift, window_left, window_right, qk_scale, sm_scale,
+                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
+                dq_desc, dk_desc, dv_desc, (b.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
+                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, sm_scale,
             )),
             (_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
@@ -283,6 +311,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 _STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+_GL_DTYPES = {torch.float32: gl.float32, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def _box_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """[1, rows, K] boxes of a contiguous [B, M, G, H, K] tensor (dQ's fp32 sum, dK, dV) as [B, M, G·H·K]: TMA cuts
+    a box at the sequence's last row, where a [B·M, G·H·K] tile would reach the next sequence's rows."""
+    b, m, g, h, k = t.shape
+    flat = t.view(b, m, g * h * k)
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, k], _GL_DTYPES[t.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, rows, k], layout)
+
+
 def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
     """[1, block] boxes of a [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows (zeros past Mq),
     copied to 16-byte rows where Mq is not a multiple of 4 (TMA's stride alignment)."""
@@ -300,9 +340,9 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     blocks = launch.cdiv(mk, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), dq_sum, dk, dv, groups, heads, mq, mk,
-        scale * _LOG2E.value, scale, window_left, window_right,
-        *(s for t in (dq_sum, dk, dv) for s in t.stride()[:4]), blocks,
+        *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), _box_descriptor(dq_sum, BLOCK_M),
+        _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), groups, heads, mq, mk, scale * _LOG2E.value, scale,
+        window_left, window_right, blocks,
         _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,
     )  # fmt: skip
