@@ -256,7 +256,7 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
 
 
 # The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md), and so do the Gluon ones (a few
-# scalars out of their multiplying warps' 240 registers: about 200 bytes backward, 4 forward, outside the key
+# scalars out of their multiplying warps' 240 registers: about 100 bytes backward, 4 forward, outside the key
 # loops): known, not regressions.
 SPILLING = {
     ("attention", "attention_bwd_k128"),
