@@ -219,10 +219,11 @@ def _flash_backward_hopper_kernel(
     sm_scale, window_left, window_right, blocks, section,
     BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """dK and dV (written) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K]
-    boxes) of [B, M, G, H, K] tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V
-    tiles [BLOCK_N, K]), from the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key
-    block, batch·group·head) in triton_flash's order."""
+    """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes) and dQ's shares
+    (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K] tensors read
+    through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from the forward's
+    LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key block, batch·group·head) in
+    triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
