@@ -297,22 +297,19 @@ def supports(q, k, v, do) -> bool:
 
 
 @functools.cache
-def _tile_layout(rows: int, width: int):
-    """Shared-memory layout of [rows, width] 16-bit tiles (fp16 and bf16 alike), made once: get_default_for costs
-    host time on every launch."""
-    return gl.NVMMASharedLayout.get_default_for([rows, width], gl.float16)
+def _tile_layout(shape: tuple[int, ...], element_bits: int = 16):
+    """Shared-memory layout of tiles of this shape, 16-bit (fp16 and bf16 alike) or fp32, made once:
+    get_default_for costs host time on every launch."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.float32 if element_bits == 32 else gl.float16)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """[rows, K] tiles of a [B, M, G, H, K] tensor seen as [B·M, G·H·K] (zeros past its last row)."""
     b, m, g, h, k = t.shape
-    return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], _tile_layout(rows, k))
+    return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], _tile_layout((rows, k)))
 
 
 _STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-
-_GL_DTYPES = {torch.float32: gl.float32, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
 def _box_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -320,7 +317,7 @@ def _box_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     a box at the sequence's last row, where a [B·M, G·H·K] tile would reach the next sequence's rows."""
     b, m, g, h, k = t.shape
     flat = t.view(b, m, g * h * k)
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, k], _GL_DTYPES[t.dtype])
+    layout = _tile_layout((1, rows, k), t.element_size() * 8)
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, rows, k], layout)
 
 
