@@ -103,6 +103,10 @@ def attention_calls():
         ctx = Context(lse=torch.randn(b, h, m), out=torch.randn(b, m, h, dim).bfloat16())
         calls[f"attention_fwd_k{dim}"] = lambda inp=inp: tf.FwOp.apply(inp, False)
         calls[f"attention_bwd_k{dim}"] = lambda ctx=ctx, inp=inp, do=do: tf.BwOp.apply(ctx, inp, do)
+    # Varlen: sequences of 300 and 724 rows in one batch element (its rows at partial blocks; head dim 128).
+    mask = attn_bias.BlockDiagonalCausalMask.from_seqlens([300, 724])
+    q1, lse1 = q[:1], torch.randn(1, h, m)
+    calls["attention_bwd_k128_varlen"] = lambda: tf.BwOp.apply(Context(lse=lse1, out=q1), Inputs(q1, q1, q1, mask), q1)
     # FwOp and BwOp run the Gluon kernels (triton_flash_hopper_fwd, triton_flash_hopper); these the Triton ones they
     # stand in for.
     from mslk.attention.fmha import triton_flash_hopper
@@ -187,6 +191,7 @@ SUITES = {
         [
             *(f"attention_{p}_k{d}" for d in (64, 128) for p in ("fwd", "bwd")),
             *(f"attention_bwd_k{d}_triton" for d in (64, 128)),
+            "attention_bwd_k128_varlen",
             "attention_fwd_k128_triton",
         ],
     ),

@@ -356,6 +356,69 @@ def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
     assert runs
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["B06", "B07", "B08", "B09", "B10"])
+@pytest.mark.parametrize(
+    ("fmt", "sizes"),
+    [("BMHK", (5, 300, 513, 1, 2, 128)), ("BMGHK", (3, 129, 200, 2, 2, 64)), ("BMHK", (2, 1000, 1000, 1, 3, 128))],
+)
+def test_hopper_backward_varlen_gpu(bias_id, fmt, sizes, monkeypatch):
+    """The Gluon backward on varlen masks without padded keys: ragged sequences packed in one batch element, key
+    blocks that reach into the next sequence (their dK and dV rows stored from registers), query blocks that do;
+    dK and dV poisoned first (every row belongs to a sequence)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    from mslk.attention.fmha import triton_flash_hopper
+
+    runs = []
+    run = triton_flash_hopper.run
+
+    def poisoned_run(q, k, v, do, lse, delta, dq_sum, dk, dv, *args):
+        runs.append(args[-1] is not None)
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+        run(q, k, v, do, lse, delta, dq_sum, dk, dv, *args)
+
+    monkeypatch.setattr(triton_flash_hopper, "run", poisoned_run)
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
+    _check_backward(q, k, v, bias, 3e-2)
+    assert runs == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])  # the Gluon backward, the Triton one
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["B07", "B08"])
+def test_varlen_rows_past_the_last_sequence_gpu(bottom_right, head_dim):
+    """A varlen mask updated in place to fewer rows (a CUDA graph's buffers): the rows past its last sequence hold
+    NaN, which no output or gradient inside the sequences may see (tiles that reach past a sequence read them on
+    Hopper's TMA paths); the gradients of those rows are zero."""
+
+    def causal(lengths):
+        mask = fmha.attn_bias.BlockDiagonalMask.from_seqlens(lengths, device="cuda")
+        return mask.make_causal_from_bottomright() if bottom_right else mask.make_causal()
+
+    full, lengths = [300, 200, 130], [300, 177, 60]
+    q, k, v = (testing.randn(1, sum(full), 2, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    mask = causal(full)
+    mask.q_seqinfo.from_seqlens_inplace(lengths)
+    mask.k_seqinfo.from_seqlens_inplace(lengths)
+    used = sum(lengths)
+    for t in (q, k, v):
+        t[:, used:] = float("nan")
+    inp = common.Inputs(q, k, v, mask)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    do = testing.randn(*out.shape, dtype=torch.bfloat16, device="cuda")
+    do[:, used:] = float("nan")
+    grads = triton_flash.BwOp.apply(ctx, inp, do)
+    q64, k64, v64 = (t[:, :used].detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, causal(lengths))
+    ref.backward(do[:, :used].double())
+    testing.assert_rel_close(out[:, :used], ref, 2e-2, what="out")
+    for name, got, want in (("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)):
+        testing.assert_rel_close(got[:, :used], want, 3e-2, what=name)
+        assert (got[:, used:] == 0).all(), name
+
+
 def test_hopper_backward_declines_what_it_does_not_serve():
     """The Gluon backward takes sm_90 GPUs, 16-bit operands of head dims 64 and 128 and rows TMA reads; the rest
     (here: CPU tensors, fp32, head dims 96 and 256, Kv != K, stride-0 GQA heads) runs the Triton kernel."""

@@ -172,6 +172,8 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
         if TMA:
             k = k_desc.load([batch, k_start + start, g, h, 0]).reshape(BLOCK_N, BLOCK_K)
             v = v_desc.load([batch, k_start + start, g, h, 0]).reshape(BLOCK_N, BLOCK_KV)
+            if MASKED:  # rows past the sequence's keys (varlen: the next sequence's, or NaN past the last one)
+                v = tl.where((cols < k_len)[:, None], v, 0.0)
         else:
             k = _load_rows(k_base, k_start, cols, k_len, stride_km, dk, K, UPCAST)
             v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv, Kv, UPCAST)
@@ -744,7 +746,7 @@ class BwOp(AttentionBwOpBase):
             gluon = _gluon_backward(q, k, v, do, given_bias, inp.p, varlen, deterministic)
             if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
                 gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left, window_right,
-                          alignment == "bottom-right")  # fmt: skip
+                          alignment == "bottom-right", varlen)  # fmt: skip
             else:
                 bias, *bias_strides = _bias_args(given_bias)
                 db_args = _bias_args(db)
@@ -753,12 +755,16 @@ class BwOp(AttentionBwOpBase):
                 wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
                 for dq_pass in (True, False) if deterministic else (False,):
                     block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
+                    # Not varlen: a tile past a sequence's rows would read the next one's (no harm), or, past the
+                    # last sequence, rows a mask updated in place no longer covers, NaN included, which reach the
+                    # products (the pointer path reads zeros).
+                    tma = not dq_pass and varlen is None
                     descriptors = (None, None, None)
-                    if not dq_pass and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
+                    if tma and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
                         # dq_sum's is used only by the one-pass backward
                         descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
                     kv_descriptors = (None, None)
-                    if not dq_pass and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v) and seqlen_k is None:
+                    if tma and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v):
                         kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
                     blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
                     _flash_backward_kernel[(blocks * sequences * groups * heads,)](
@@ -805,8 +811,10 @@ def _gluon_forward(q, k, v, inp, varlen, window_left):
 
 def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
     """triton_flash_hopper where its Gluon backward serves these [B, M, G, H, K] inputs (Hopper's common case: no
-    bias, dropout or varlen, the one-pass mode), else None."""
-    if deterministic or bias is not None or p > 0.0 or varlen is not None or not q.is_cuda:
+    bias, dropout or padded keys, the one-pass mode), else None."""
+    if deterministic or bias is not None or p > 0.0 or not q.is_cuda:
+        return None
+    if varlen is not None and varlen.seqlen_k is not None:
         return None
     from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
 

@@ -44,6 +44,7 @@ from mslk.attention.fmha.triton_flash import (
     _heads_per_section,
     _key_range,
     _program_block,
+    _sequence,
     _tma_readable,
     _unmasked_key_range,
     _visible,
@@ -77,18 +78,54 @@ def _box(desc, tile):
 
 
 @gluon.jit
-def _add_dq(dq_desc, dq_bufs, i, start, box_at):
-    """Adds ring block i's dQ share, in dq_bufs slot i % 2, to the query block from row `start` of the batch
-    element and column box_at (TMA leaves out the rows past the sequence's queries)."""
-    _tma_add(dq_desc, [box_at[0], start, box_at[1]], _box(dq_desc, dq_bufs.index(i % 2)))
+def _add_dq(dq_desc, dq_bufs, i, row, box_at):
+    """Adds ring block i's dQ share, in dq_bufs slot i % 2, to the query block from row `row` of the batch
+    element and column box_at (TMA leaves out the rows past the batch element's queries; varlen: the rows past
+    the sequence's get zeros, added to the next sequence's)."""
+    _tma_add(dq_desc, [box_at[0], row, box_at[1]], _box(dq_desc, dq_bufs.index(i % 2)))
+
+
+@gluon.jit
+def _zero_rows_from(tile, first):
+    """Zeros the rows of the [rows, K] shared-memory tile from row `first` on (varlen: a tile that reaches past its
+    sequence holds the next one's rows, or whatever lies after the last one, NaN included), for the partition's
+    warps and the tensor cores to read after it. 16 rows at a time: few registers, in the loop over query blocks."""
+    CHUNK: gl.constexpr = 16
+    ROWS: gl.constexpr = tile.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    for chunk in gl.static_range(0, ROWS, CHUNK):
+        part = tile.slice(chunk, CHUNK)
+        part.store(gl.where((chunk + rows < first)[:, None], part.load(layout), 0.0))
+    fence_async_shared()
+    _partition_barrier()
+
+
+@gluon.jit
+def _store_rows(ptr, tile, first_row, n, row_width, col):
+    """Rows [0, n) of the [rows, K] shared-memory tile to rows first_row on of the contiguous matrix at ptr (rows of
+    row_width elements), from column col."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, layout))
+    offsets = (first_row + rows)[:, None] * row_width + col + cols[None, :]
+    gl.store(ptr + offsets, tile.load(layout), mask=(rows < n)[:, None])
+
+
+@gluon.jit
+def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
+    """dK and dV from shared memory to their descriptors' box at `at` (TMA leaves out the rows past the batch
+    element's keys)."""
+    tma.async_copy_shared_to_global(dk_desc, at, _box(dk_desc, dk_tile))
+    tma.async_copy_shared_to_global(dv_desc, at, _box(dv_desc, dv_tile))
 
 
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                     delta_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row, parts):  # fmt: skip
     """The loading warp: K and V once, then the query blocks' Q, dO and their LSE and delta in order, query block i
-    into slot i % STAGES once the multiplying warps have released the block before it there. The head's tiles start
-    at column head_col of every tile descriptor, its statistics on row stat_row."""
+    into slot i % STAGES once the multiplying warps have released the block before it there. The sequence's tiles
+    start at row q_row0 and column head_col of every tile descriptor, its statistics at stat_row (row, column)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_bufs.shape[0]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -103,8 +140,8 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_sme
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(lse_desc, [stat_row, start], bar, lse_bufs.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [stat_row, start], bar, delta_bufs.index(slot))
+            tma.async_copy_global_to_shared(lse_desc, [stat_row[0], stat_row[1] + start], bar, lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [stat_row[0], stat_row[1] + start], bar, delta_bufs.index(slot))
             tma.async_copy_global_to_shared(q_desc, [q_row0 + start, head_col], bar, q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, [q_row0 + start, head_col], bar, do_bufs.index(slot))
             i += 1
@@ -112,11 +149,12 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_sme
 
 @gluon.jit
 def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
-                  delta_rows, dq_desc, box_at, start_row, end_row, cols, q_len, k_len, shift, window_left,
-                  window_right, qk_scale, sm_scale, MASKED: gl.constexpr):  # fmt: skip
-    """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) (ring blocks i on, the
-    block before them from row last_start); each block's dQ share goes to dq_bufs and is added to dq_desc's rows
-    (batch element and column box_at) by TMA while the next block runs. Only MASKED blocks evaluate the mask."""
+                  delta_rows, dq_desc, box_at, start_row, end_row, cols, q_start, q_len, k_len, shift, window_left,
+                  window_right, qk_scale, sm_scale, MASKED: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) of the sequence from row
+    q_start (ring blocks i on, the block before them from row last_start); each block's dQ share goes to dq_bufs and
+    is added to dq_desc's rows (batch element and column box_at) by TMA while the next block runs. Only MASKED
+    blocks evaluate the mask."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     BM: gl.constexpr = q_bufs.shape[1]
@@ -137,6 +175,11 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         delta = delta_rows.index(slot).load(gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
+        if VARLEN:  # rows past the sequence: zeros, so that no product sees what lies there (NaN included)
+            if start + BM > q_len:
+                _zero_rows_from(q, q_len - start)
+                _zero_rows_from(do, q_len - start)
+                delta = gl.where(rows < q_len, delta, 0.0)
         s = warpgroup_mma(k_smem, q.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                           is_async=True)  # fmt: skip
         dp = warpgroup_mma(v_smem, do.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
@@ -160,7 +203,7 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         tma.store_wait(0)
         _partition_barrier()
         if i > 0:  # block i - 1's share is whole in shared memory
-            _add_dq(dq_desc, dq_bufs, i - 1, last_start, box_at)
+            _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)  # fmt: skip
         dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_a, ds_a))
@@ -174,10 +217,12 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
 
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
-                   dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_len, k_len, shift, window_left, window_right,
-                   qk_scale, sm_scale):  # fmt: skip
+                   dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_start, q_len, k_start, k_len, shift,
+                   window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr):  # fmt: skip
     """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), the last
-    block's dQ share, then dK and dV through shared memory (the batch element and column box_at)."""
+    block's dQ share, then dK and dV through shared memory (the batch element and column box_at), or, for a varlen
+    key block that reaches past its sequence, by stores of its rows from registers (dk_ptr and dv_ptr, rows of
+    row_width elements: a TMA store would overwrite the next sequence's rows)."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -188,19 +233,22 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BN, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
+    if VARLEN:  # a key block that reaches past its sequence
+        if first_col + BN > k_len:
+            _zero_rows_from(k_smem, k_len - first_col)
+            _zero_rows_from(v_smem, k_len - first_col)
     i = 0
     last_start = 0
     for part in gl.static_range(3):
         dk, dv, i, last_start = _query_blocks(
             dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
-            delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_len, k_len, shift, window_left,
-            window_right, qk_scale, sm_scale, part != 1,
+            delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift, window_left,
+            window_right, qk_scale, sm_scale, part != 1, VARLEN,
         )  # fmt: skip
     _partition_barrier()
     if i > 0:
-        _add_dq(dq_desc, dq_bufs, i - 1, last_start, box_at)
-    # dK and dV go out by TMA (which leaves out the rows past the keys) from the Q and dO slots, whose blocks have
-    # all been read: [STAGES, BM, K] holds [BN, K].
+        _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
+    # dK and dV leave from the Q and dO slots, whose blocks have all been read: [STAGES, BM, K] holds [BN, K].
     gl.static_assert(q_bufs.shape[0] * q_bufs.shape[1] == BN)
     dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
     dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
@@ -208,34 +256,41 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
     dv_tile.store(dv.to(dv_tile.dtype))
     fence_async_shared()
     _partition_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [box_at[0], first_col, box_at[1]], _box(dk_desc, dk_tile))
-    tma.async_copy_shared_to_global(dv_desc, [box_at[0], first_col, box_at[1]], _box(dv_desc, dv_tile))
-    tma.store_wait(0)  # before the kernel ends: the copies read shared memory
+    if VARLEN:  # a key block that reaches past its sequence: the kernel stores its rows
+        if first_col + BN <= k_len:
+            _store_tiles(dk_desc, dv_desc, [box_at[0], k_start + first_col, box_at[1]], dk_tile, dv_tile)
+    else:
+        _store_tiles(dk_desc, dv_desc, [box_at[0], first_col, box_at[1]], dk_tile, dv_tile)
+    tma.store_wait(0)  # before the kernel ends: the copies (and the last dQ add) read shared memory
 
 
 @gluon.jit
 def _flash_backward_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, G, H, Mq, Mk, qk_scale,
-    sm_scale, window_left, window_right, blocks, section,
-    BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqstart_q_ptr,
+    seqstart_k_ptr, G, H, Mq, Mk, qk_scale, sm_scale, window_left, window_right, blocks, section,
+    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes) and dQ's shares
-    (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K] tensors read
-    through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from the forward's
-    LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). Programs: (key block, batch·group·head) in
-    triton_flash's order."""
+    """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes, or dk_ptr and
+    dv_ptr) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K]
+    tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from
+    the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the sequences that
+    seqstart_q and seqstart_k bound. Programs: (key block, sequence·group·head) in triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     rank, pid_bgh = _program_block(blocks, section)
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
-    b = b.to(gl.int64)
-    shift = Mk - Mq if BOTTOM_RIGHT else 0
+    q_start, q_len, k_start, k_len, batch = _sequence(b, seqstart_q_ptr, seqstart_k_ptr, None, Mq, Mk, VARLEN, False)
+    batch = batch.to(gl.int64)
+    shift = k_len - q_len if BOTTOM_RIGHT else 0
     first_col = rank * BN
     # Query j sees key i as key i sees query j under the mirrored mask (shift and windows swapped).
-    lo, hi = _key_range(first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
-    full_lo, full_hi = _unmasked_key_range(lo, hi, first_col, Mk, Mq, -shift, window_right, window_left, BN, BM)
-    if first_col + BN > Mk:  # keys past the head's (the next batch element's rows under TMA): all masked
+    lo, hi = _key_range(first_col, k_len, q_len, -shift, window_right, window_left, BN, BM)
+    if VARLEN:
+        if first_col >= k_len:  # a key block past the sequence's keys: no query block, no row written
+            lo, hi = 0, 0
+    full_lo, full_hi = _unmasked_key_range(lo, hi, first_col, k_len, q_len, -shift, window_right, window_left, BN, BM)
+    if first_col + BN > k_len:  # keys past the sequence's (the next one's rows under TMA): all masked
         full_lo, full_hi = hi, hi
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, HEAD_DIM], q_desc.layout)
@@ -264,19 +319,28 @@ def _flash_backward_hopper_kernel(
         [
             (_mma_partition, (
                 k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
-                dq_desc, dk_desc, dv_desc, (b.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
-                (lo, full_lo, full_hi, hi), Mq, Mk, shift, window_left, window_right, qk_scale, sm_scale,
+                dq_desc, dk_desc, dv_desc, (batch.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
+                (lo, full_lo, full_hi, hi), q_start, q_len, k_start, k_len, shift, window_left, window_right,
+                qk_scale, sm_scale, VARLEN,
             )),
             (_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                delta_bufs, kv_ready, ready, empty, (b * Mk + first_col).to(gl.int32), (b * Mq).to(gl.int32),
-                (g * H + h) * HEAD_DIM, ((b * G + g) * H + h).to(gl.int32),
-                (lo, full_lo, full_hi, hi),
+                delta_bufs, kv_ready, ready, empty, (batch * Mk + k_start + first_col).to(gl.int32),
+                (batch * Mq + q_start).to(gl.int32), (g * H + h) * HEAD_DIM,
+                (((batch * G + g) * H + h).to(gl.int32), q_start), (lo, full_lo, full_hi, hi),
             )),
         ],
         [1],
         [LOAD_REGISTERS],
     )  # fmt: skip
+    if VARLEN:
+        if first_col + BN > k_len:  # dK and dV, left in the Q and dO slots (a TMA store would overwrite the next
+            # sequence's rows; the partitions do not take pointers)
+            rows = k_len - first_col
+            dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
+            dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
+            _store_rows(dk_ptr, dk_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
+            _store_rows(dv_ptr, dv_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
 
 
 def _tma_operands(*tensors: torch.Tensor) -> bool:
@@ -331,16 +395,19 @@ def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
     return TensorDescriptor(rows, [b * g * h, m], [rows.stride(0), 1], [1, block], _STAT_LAYOUT)
 
 
-def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right):
-    """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors."""
+def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right, varlen=None):
+    """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors; varlen: common.VarlenArgs
+    of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are)."""
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
-    blocks = launch.cdiv(mk, BLOCK_N)
-    _flash_backward_hopper_kernel[(blocks * batch * groups * heads,)](
+    sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
+    blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
+    _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), _box_descriptor(dq_sum, BLOCK_M),
-        _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), groups, heads, mq, mk, scale * _LOG2E.value, scale,
-        window_left, window_right, blocks,
-        _heads_per_section(blocks, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
+        _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), dk, dv,
+        *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), groups, heads, mq, mk,
+        scale * _LOG2E.value, scale, window_left, window_right, blocks, _heads_per_section(blocks, q.device),
+        VARLEN=varlen is not None, BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,
     )  # fmt: skip
