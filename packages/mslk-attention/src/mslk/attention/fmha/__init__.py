@@ -183,6 +183,16 @@ def _memory_efficient_attention_backward(
     shapes = [t.shape for t in (inp.query, inp.key, inp.value)]
     inp.normalize_bmhk()
     grad, ctx.out = bmk2bmhk(grad, 1), bmk2bmhk(ctx.out, 1)
+    grads = _backward_normalized(ctx, inp, grad, op)
+    grads.dq, grads.dk, grads.dv = (g.reshape(s) for g, s in zip((grads.dq, grads.dk, grads.dv), shapes, strict=True))
+    return grads
+
+
+def _backward_normalized(
+    ctx: Context, inp: Inputs, grad: torch.Tensor, op: type[AttentionBwOpBase] | None
+) -> Gradients:
+    """The backward of validated BMHK or BMGHK inputs: the dispatched operator's, or the pinned one's once it is
+    checked to fit."""
     packed = varlen_lse_packed(ctx.lse, inp)
     if op is None:
         op = _dispatch_bw(inp, packed)
@@ -193,9 +203,7 @@ def _memory_efficient_attention_backward(
                 f"Wrong LSE format for {op.NAME} in variable seqlen case. Double-check that the BW operator "
                 f"{op.NAME} is compatible with the operator used in the FW pass."
             )
-    grads = op.apply(ctx, inp, grad)
-    grads.dq, grads.dk, grads.dv = (g.reshape(s) for g, s in zip((grads.dq, grads.dk, grads.dv), shapes, strict=True))
-    return grads
+    return op.apply(ctx, inp, grad)
 
 
 def _backward_op(
@@ -251,7 +259,8 @@ class _fMHA(torch.autograd.Function):
         query, key, value, out, lse, bias_t = ctx.saved_tensors
         inp = Inputs(query, key, value, bias_t if bias_t is not None else ctx.attn_bias, ctx.p, ctx.scale)
         op_ctx = Context(lse=lse, out=out, rng_state=ctx.rng_state)
-        grads = _memory_efficient_attention_backward(op_ctx, inp, grad, op=ctx.op_bw)
+        # (the forward validated and normalized the inputs: grad has the shape of its output)
+        grads = _backward_normalized(op_ctx, inp, grad, ctx.op_bw)
         return None, None, grads.dq, grads.dk, grads.dv, grads.db, None, None, None, None
 
 
