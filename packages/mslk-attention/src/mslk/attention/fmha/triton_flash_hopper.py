@@ -104,6 +104,20 @@ def _zero_rows_from(tile, first):
 
 
 @gluon.jit
+def _stat_block(row, skip, BM: gl.constexpr, layout: gl.constexpr):
+    """A query block's BM statistics from a ring slot's row, `skip` elements in: varlen rows are 2·BM wide (a power
+    of two), as TMA starts a box at a 16-byte boundary, up to 3 elements before the sequence's row (skip = its
+    start % 4)."""
+    WIDTH: gl.constexpr = row.shape[0]
+    if WIDTH == BM:
+        block = row.load(layout)
+    else:
+        whole = row.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        block = gl.gather(whole, skip + gl.arange(0, BM, layout=layout), 0)
+    return block
+
+
+@gluon.jit
 def _store_rows(ptr, tile, first_row, n, row_width, col):
     """Rows [0, n) of the [rows, K] shared-memory tile to rows first_row on of the contiguous matrix at ptr (rows of
     row_width elements), from column col."""
@@ -173,8 +187,8 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         slot = i % STAGES
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        lse2 = lse_rows.index(slot).load(gl.SliceLayout(0, s_layout)) * _LOG2E
-        delta = delta_rows.index(slot).load(gl.SliceLayout(0, s_layout))
+        lse2 = _stat_block(lse_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout)) * _LOG2E
+        delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
         if VARLEN:  # rows past the sequence: zeros, so that no product sees what lies there (NaN included)
@@ -304,12 +318,13 @@ def _flash_backward_hopper_kernel(
     # dQ's shares: one being added by TMA while the next is made
     dq_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], gl.float32)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM], dq_tile_layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
+    STAT_W: gl.constexpr = lse_desc.block_type.shape[1]  # BM, varlen 2·BM (_stat_block)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], delta_desc.layout)
     # The [1, BM] boxes TMA writes, read back as [BM] rows (same bytes, no swizzle).
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_rows = lse_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
-    delta_rows = delta_bufs._reinterpret(gl.float32, [STAGES, BM], rows_layout)
+    lse_rows = lse_bufs._reinterpret(gl.float32, [STAGES, STAT_W], rows_layout)
+    delta_rows = delta_bufs._reinterpret(gl.float32, [STAGES, STAT_W], rows_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot was read
@@ -329,7 +344,7 @@ def _flash_backward_hopper_kernel(
                 q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                 delta_bufs, kv_ready, ready, empty, (batch * Mk + k_start + first_col).to(gl.int32),
                 (batch * Mq + q_start).to(gl.int32), (g * H + h) * HEAD_DIM,
-                (((batch * G + g) * H + h).to(gl.int32), q_start), (lo, full_lo, full_hi, hi),
+                (((batch * G + g) * H + h).to(gl.int32), q_start - q_start % 4), (lo, full_lo, full_hi, hi),
             )),
         ],
         [1],
@@ -406,7 +421,8 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        *(_stat_descriptor(t, BLOCK_M) for t in (lse, delta)), _box_descriptor(dq_sum, BLOCK_M),
+        *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),
+        _box_descriptor(dq_sum, BLOCK_M),
         _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), dk, dv,
         *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), groups, heads, mq, mk,
         scale * _LOG2E.value, scale, window_left, window_right, blocks, _heads_per_section(blocks, q.device),
