@@ -265,6 +265,7 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
 # loops): known, not regressions.
 SPILLING = {
     ("attention", "attention_bwd_k128"),
+    ("attention", "attention_bwd_k128_varlen"),  # 168 bytes (Triton 3.6): the sequences' bounds take registers
     ("attention", "attention_bwd_k128_triton"),
     ("attention", "attention_fwd_k128"),
 }

@@ -23,7 +23,7 @@ dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), o
 torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without bias, dropout or
 padded keys the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this module's;
-varlen 1.38-1.50x). The dispatcher
+varlen 1.41-1.47x). The dispatcher
 tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the
 H200 the forward runs at 0.79-1.04x cuDNN on dense attention (0.93-1.04x from 4096 keys) and beats FlexAttention on
 sliding windows and varlen; forward+backward runs at 0.87-0.95x cuDNN's on dense bf16 attention at head dims 64 and

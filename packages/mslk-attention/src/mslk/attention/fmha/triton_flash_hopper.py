@@ -16,7 +16,8 @@ triton_flash: causal and windowed ranges, their interior unmasked), as in FlashA
 
 H200, bf16, backward alone (RESULTS.md, twenty-fifth session): B=4 M=4096 H=16 K=128 no mask 2.73 ms against 3.02
 with dQ's shares added by 16-byte vector atomics from registers (503 against 455 TFLOP/s), causal 481 against 436,
-B=1 M=16384 causal 524 against 467, B=8 K=64 causal 378 against 384 (no gain at head dim 64). Earlier (twenty-first
+B=1 M=16384 causal 524 against 467, B=8 K=64 causal 378 against 384 (no gain at head dim 64). Varlen (twenty-sixth
+session, against the Triton kernel that served it): 1.41-1.47x, 32 x 512 to 4 x 4096 causal. Earlier (twenty-first
 session): LSE and delta through the ring rather than loaded by the multiplying warps gave 8-14%; measured slower:
 the atomics straight from the products' layout (two words a thread), an adding warp taking dQ's shares from shared
 memory with atomics, a third ring slot (no change; no room for one now).
