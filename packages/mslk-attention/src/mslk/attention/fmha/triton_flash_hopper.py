@@ -237,9 +237,9 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
                    dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_start, q_len, k_start, k_len, shift,
                    window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr):  # fmt: skip
     """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), the last
-    block's dQ share, then dK and dV through shared memory (the batch element and column box_at), or, for a varlen
-    key block that reaches past its sequence, by stores of its rows from registers (dk_ptr and dv_ptr, rows of
-    row_width elements: a TMA store would overwrite the next sequence's rows)."""
+    block's dQ share, then dK and dV through shared memory (the batch element and column box_at) by TMA, except for
+    a varlen key block that reaches past its sequence: it leaves them in shared memory for the kernel to store its
+    rows (a TMA store would overwrite the next sequence's)."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
