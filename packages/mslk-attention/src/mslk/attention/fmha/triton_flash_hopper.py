@@ -130,6 +130,17 @@ def _store_rows(ptr, tile, first_row, n, row_width, col):
 
 
 @gluon.jit
+def _dkdv_tiles(q_bufs, do_bufs):
+    """The [BN, K] tiles of dK and dV in the Q and dO slots, once their blocks have all been read: [STAGES, BM, K]
+    holds [BN, K]."""
+    BN: gl.constexpr = q_bufs.shape[0] * q_bufs.shape[1]
+    HEAD_DIM: gl.constexpr = q_bufs.shape[2]
+    dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
+    dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
+    return dk_tile, dv_tile
+
+
+@gluon.jit
 def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
     """dK and dV from shared memory to their descriptors' box at `at` (TMA leaves out the rows past the batch
     element's keys)."""
@@ -265,10 +276,9 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
     _partition_barrier()
     if i > 0:
         _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
-    # dK and dV leave from the Q and dO slots, whose blocks have all been read: [STAGES, BM, K] holds [BN, K].
+    # dK and dV leave from the Q and dO slots
     gl.static_assert(q_bufs.shape[0] * q_bufs.shape[1] == BN)
-    dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
-    dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
+    dk_tile, dv_tile = _dkdv_tiles(q_bufs, do_bufs)
     dk_tile.store((dk * sm_scale).to(dk_tile.dtype))
     dv_tile.store(dv.to(dv_tile.dtype))
     fence_async_shared()
@@ -355,8 +365,7 @@ def _flash_backward_hopper_kernel(
         if first_col + BN > k_len:  # dK and dV, left in the Q and dO slots (a TMA store would overwrite the next
             # sequence's rows; the partitions do not take pointers)
             rows = k_len - first_col
-            dk_tile = q_bufs._reinterpret(q_bufs.dtype, [BN, HEAD_DIM], q_bufs.layout)
-            dv_tile = do_bufs._reinterpret(do_bufs.dtype, [BN, HEAD_DIM], do_bufs.layout)
+            dk_tile, dv_tile = _dkdv_tiles(q_bufs, do_bufs)
             _store_rows(dk_ptr, dk_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
             _store_rows(dv_ptr, dv_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
 
