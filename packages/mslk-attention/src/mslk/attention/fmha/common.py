@@ -136,6 +136,10 @@ class VarlenArgs:
     max_seqlen_k: int
     seqlen_k: torch.Tensor | None  # int32 [nseq], padded and gappy keys
 
+    @property
+    def num_sequences(self) -> int:
+        return self.seqstart_q.numel() - 1
+
 
 def varlen_args(attn_bias: Any) -> VarlenArgs | None:
     """The varlen metadata of a block-diagonal mask (B06-B14, B18-B20); None for the other biases."""

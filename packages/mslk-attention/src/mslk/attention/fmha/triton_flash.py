@@ -44,6 +44,7 @@ from mslk.attention.fmha.common import (
     Context,
     Gradients,
     Inputs,
+    VarlenArgs,
     bias_types,
     causal_window,
     tensor_bias,
@@ -292,25 +293,48 @@ def _flash_forward_kernel(
 
 
 @triton.jit
-def _delta_kernel(out_ptr, do_ptr, delta_ptr, G, H, Mq, Kv,
-                  stride_ob, stride_om, stride_og, stride_oh,
-                  stride_gb, stride_gm, stride_gg, stride_gh,
-                  stride_db, stride_dg, stride_dh,
-                  BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
-    """delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq], one read of each (the backward's dS = P ∘ (dP − delta)).
-    One grid axis (the others take at most 65535 programs): blocks of BLOCK_M rows, head by head."""
-    blocks = tl.cdiv(Mq, BLOCK_M)
+def _zero_rows(ptr, row_starts, mask, width, BLOCK: tl.constexpr):
+    """Zeros in the first `width` elements of the rows that start at `row_starts` ([BLOCK_M] element offsets),
+    where `mask`."""
+    cols = tl.arange(0, BLOCK)
+    zeros = tl.zeros((row_starts.shape[0], BLOCK), dtype=ptr.dtype.element_ty)
+    tl.store(ptr + row_starts[:, None] + cols[None, :], zeros, mask=mask[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
+def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqstart_k_ptr, sequences,
+                              G, H, Mq, Mk, K, Kv,
+                              stride_ob, stride_om, stride_og, stride_oh,
+                              stride_gb, stride_gm, stride_gg, stride_gh,
+                              stride_db, stride_dg, stride_dh,
+                              ZERO_DQ: tl.constexpr, ZERO_KEYS_OUTSIDE: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
+    """What the backward needs before its main pass, in one launch: delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq]
+    (dS = P ∘ (dP − delta)), one read of each; with ZERO_DQ zeros in dQ's fp32 sum (contiguous [B, Mq, G, H, K]),
+    which the main pass adds to; with ZERO_KEYS_OUTSIDE zeros in the rows of dK and dV (contiguous [B, Mk, G, H, K]
+    and [.., Kv]) outside the varlen sequences' keys [seqstart_k[0], seqstart_k[sequences]), which no program of
+    the main pass writes (a mask updated in place to fewer rows leaves some). One grid axis (the others take at
+    most 65535 programs): blocks of BLOCK_M rows, head by head."""
+    blocks = tl.cdiv(tl.maximum(Mq, Mk) if ZERO_KEYS_OUTSIDE else Mq, BLOCK_M)
     pid_bgh = tl.program_id(0) // blocks
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
-    rows = tl.program_id(0) % blocks * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(0) % blocks * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_KV)
     mask = (rows < Mq)[:, None] & (cols < Kv)[None, :]
     o = tl.load(out_ptr + _head_offset(b, g, h, stride_ob, stride_og, stride_oh, True)
-                + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)  # fmt: skip
+                + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)  # fmt: skip
     do = tl.load(do_ptr + _head_offset(b, g, h, stride_gb, stride_gg, stride_gh, True)
-                 + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)  # fmt: skip
+                 + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + _head_offset(b, g, h, stride_db, stride_dg, stride_dh, True) + rows, delta, mask=rows < Mq)
+    head = g.to(tl.int64) * H + h  # of G·H heads a row
+    if ZERO_DQ:
+        _zero_rows(dq_ptr, ((b * Mq + rows) * G * H + head) * K, rows < Mq, K, BLOCK_K)
+    if ZERO_KEYS_OUTSIDE:
+        outside = (rows < tl.load(seqstart_k_ptr)) | (rows >= tl.load(seqstart_k_ptr + sequences))
+        key_rows = (b * Mk + rows) * G * H + head
+        _zero_rows(dk_ptr, key_rows * K, outside & (rows < Mk), K, BLOCK_K)
+        _zero_rows(dv_ptr, key_rows * Kv, outside & (rows < Mk), Kv, BLOCK_KV)
 
 
 @triton.jit
@@ -647,7 +671,7 @@ class FwOp(AttentionFwOpBase):
         mk, dim_v = k.shape[1], v.shape[-1]
         out = torch.empty((batch, mq, groups, heads, dim_v), dtype=inp.get_output_dtype(), device=q.device)
         varlen = varlen_args(inp.attn_bias)
-        sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
+        sequences = batch if varlen is None else varlen.num_sequences
         max_q = mq if varlen is None else varlen.max_seqlen_q
         lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
         alignment, window_left, window_right = _alignment(inp.attn_bias)
@@ -722,29 +746,33 @@ class BwOp(AttentionBwOpBase):
         batch, mq, groups, heads, dim = q.shape
         mk, dim_v = k.shape[1], v.shape[-1]
         varlen = varlen_args(inp.attn_bias)
-        sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
+        sequences = batch if varlen is None else varlen.num_sequences
         max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
         deterministic = torch.are_deterministic_algorithms_enabled()
         # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs), from zeros.
+        # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs), from zeros (the prologue's).
         dq_sum = dq
-        if not deterministic:
-            if dq.dtype != torch.float32:
-                dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            dq_sum.zero_()
-        if varlen is not None or not (max_q and max_k and dim):
-            # rows no program reaches (outside every sequence) stay zero; dQ's too, summed in the zeroed dq_sum
-            # outside the deterministic mode
-            for t in (dq, dk, dv) if deterministic else (dk, dv):
-                t.zero_()
+        if not deterministic and dq.dtype != torch.float32:
+            dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        runs = bool(max_q and max_k and dim)
+        # Rows outside every varlen sequence, which no program writes, must read zero: the prologue zeroes the dK
+        # and dV ones where the keys are not padded (it knows only the bounds of all sequences), fills the rest.
+        keys_outside_in_prologue = runs and varlen is not None and varlen.seqlen_k is None
+        zeroed = [dq_sum, dk, dv] if not runs else []
+        if runs and varlen is not None:
+            zeroed = ([dq] if deterministic else []) + ([] if keys_outside_in_prologue else [dk, dv])
+        for t in zeroed:
+            t.zero_()
         given_bias = tensor_bias(inp.attn_bias)
         bias_grad = given_bias is not None and given_bias.requires_grad
         db = torch.zeros(given_bias.shape, dtype=given_bias.dtype, device=q.device) if bias_grad else None
-        if max_q and max_k and dim:
+        if runs:
             lse = ctx.lse if ctx.lse.dim() == 4 else ctx.lse.unsqueeze(1)
             lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
-            delta = _delta(out, do)
+            delta = _backward_prologue(
+                out, do, None if deterministic else dq_sum, dk, dv, varlen if keys_outside_in_prologue else None
+            )
             alignment, window_left, window_right = _alignment(inp.attn_bias)
             gluon = _gluon_backward(q, k, v, do, given_bias, inp.p, varlen, deterministic)
             if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
@@ -824,14 +852,26 @@ def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
     return triton_flash_hopper if triton_flash_hopper.supports(q, k, v, do) else None
 
 
-def _delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """rowsum(dO ∘ O) in fp32, [B, G, H, Mq] like the LSE, from [B, Mq, G, H, Kv] output and its gradient."""
+def _backward_prologue(
+    out: torch.Tensor,
+    do: torch.Tensor,
+    dq_sum: torch.Tensor | None,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    varlen: VarlenArgs | None,
+) -> torch.Tensor:
+    """delta = rowsum(dO ∘ O) in fp32, [B, G, H, Mq] like the LSE, from [B, Mq, G, H, Kv] output and its gradient;
+    in the same launch zeros in dQ's fp32 sum (unless None) and, given varlen (sequences without padded keys), in
+    the rows of dK and dV outside its sequences. dq_sum, dk and dv are contiguous [B, M, G, H, K]."""
     batch, mq, groups, heads, dim_v = out.shape
+    mk, dim = dk.shape[1], dk.shape[-1]
     delta = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=out.device)
-    block_kv = launch.next_power_of_2(max(dim_v, 16))
     block_m = 64 if out.is_cuda else 16
-    _delta_kernel[(launch.cdiv(mq, block_m) * batch * groups * heads,)](
-        out, do, delta, groups, heads, mq, dim_v, *_strides(out, do), *delta.stride()[:3],
-        BLOCK_M=block_m, BLOCK_KV=block_kv,
+    blocks = launch.cdiv(mq if varlen is None else max(mq, mk), block_m)
+    _backward_prologue_kernel[(blocks * batch * groups * heads,)](
+        out, do, delta, dq_sum, dk, dv, *(None, 0) if varlen is None else (varlen.seqstart_k, varlen.num_sequences),
+        groups, heads, mq, mk, dim, dim_v, *_strides(out, do), *delta.stride()[:3],
+        ZERO_DQ=dq_sum is not None, ZERO_KEYS_OUTSIDE=varlen is not None, BLOCK_M=block_m,
+        BLOCK_K=launch.next_power_of_2(max(dim, 16)), BLOCK_KV=launch.next_power_of_2(max(dim_v, 16)),
     )  # fmt: skip
     return delta

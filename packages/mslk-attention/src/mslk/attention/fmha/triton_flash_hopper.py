@@ -427,7 +427,7 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are)."""
     batch, mq, groups, heads, _ = q.shape
     mk = k.shape[1]
-    sequences = batch if varlen is None else varlen.seqstart_q.numel() - 1
+    sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
