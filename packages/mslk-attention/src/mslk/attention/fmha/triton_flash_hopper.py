@@ -88,6 +88,13 @@ def _add_dq(dq_desc, dq_bufs, i, row, box_at):
     _tma_add(dq_desc, [box_at[0], row, box_at[1]], _box(dq_desc, dq_bufs.index(i % 2)))
 
 
+@gluon.constexpr_function
+def _rows_layout(num_warps):
+    """Loads and stores of [rows, K] 16-bit shared-memory tiles through registers: 16 bytes a thread, 8 threads
+    along a row."""
+    return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _zero_rows_from(tile, first):
     """Zeros the rows of the [rows, K] shared-memory tile from row `first` on (varlen: a tile that reaches past its
@@ -95,7 +102,7 @@ def _zero_rows_from(tile, first):
     warps and the tensor cores to read after it. 16 rows at a time: few registers, in the loop over query blocks."""
     CHUNK: gl.constexpr = 16
     ROWS: gl.constexpr = tile.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    layout: gl.constexpr = _rows_layout(gl.num_warps())
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     for chunk in gl.static_range(0, ROWS, CHUNK):
         part = tile.slice(chunk, CHUNK)
@@ -122,7 +129,7 @@ def _stat_block(row, skip, BM: gl.constexpr, layout: gl.constexpr):
 def _store_rows(ptr, tile, first_row, n, row_width, col):
     """Rows [0, n) of the [rows, K] shared-memory tile to rows first_row on of the contiguous matrix at ptr (rows of
     row_width elements), from column col."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    layout: gl.constexpr = _rows_layout(gl.num_warps())
     rows = gl.arange(0, tile.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, tile.shape[1], layout=gl.SliceLayout(0, layout))
     offsets = (first_row + rows)[:, None] * row_width + col + cols[None, :]
