@@ -3,8 +3,10 @@
 Two MSLK rows per shape family: `memory_efficient_attention` as the user calls it (the dispatcher picks), and
 MSLK's own Triton flash kernel pinned (`triton_flash_*`). Baselines in the same run and on the same memory
 (SDPA takes the BMHK tensors as [B, H, M, K] views): SDPA with each of its CUDA backends (cuDNN first, the
-ratio's baseline) and FlexAttention with the same mask, compiled once per mask. On the masks SDPA cannot take
-(varlen block-diagonal, sliding window) FlexAttention is the only baseline. FLOPs follow PERF.md: forward
+ratio's baseline) and FlexAttention with the same mask, compiled once per mask. On the masks cuDNN cannot take
+(varlen block-diagonal, sliding window, a tensor bias) FlexAttention is the only baseline; the `*_sparse_graph`
+specs time the varlen shapes in CUDA graphs as well, where the host time of a call would otherwise hide the
+kernels. FLOPs follow PERF.md: forward
 4·B·H·Mq·Mkv·K, halved for causal, scaled by the visible fraction for windows and varlen; forward+backward 3.5x.
 """
 
@@ -28,21 +30,23 @@ DENSE = [
     {"B": 16, "M": 1024, "H": 16, "K": 128, "mask": "none"},
     {"B": 1, "M": 32768, "H": 16, "K": 128, "mask": "causal"},
 ]
-# Masks cuDNN cannot take: FlexAttention with the same mask is the comparison (PERF.md).
+# Masks cuDNN cannot take: FlexAttention with the same mask is the comparison (PERF.md); "bias" adds a tensor
+# [B, H, M, M] to the scores (a score_mod for FlexAttention).
 SPARSE = [
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "window", "window": 4096},
+    {"B": 2, "M": 4096, "H": 16, "K": 128, "mask": "bias"},
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "varlen", "seqlen": 512},
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "varlen", "seqlen": 2048},
 ]
 # Many short sequences, where the GPU waits for the host (a call's host time passes its kernels' on the H200
 # machine's host, FlexAttention's too: RESULTS.md): timed in CUDA graphs as well, which compare the kernels.
-GRAPHED = SPARSE[1:]
+GRAPHED = [s for s in SPARSE if s["mask"] == "varlen"]
 
 
 def _visible_fraction(s: dict) -> float:
     """Fraction of the M x M score matrix a mask keeps (diagonal counted half, as PERF.md halves causal)."""
     m = s["M"]
-    if s["mask"] == "none":
+    if s["mask"] in ("none", "bias"):
         return 1.0
     if s["mask"] == "causal":
         return 0.5
@@ -57,6 +61,8 @@ def _fwd_flops(s: dict) -> float:
 
 
 def _attn_bias(s: dict, device: torch.device):
+    if s["mask"] == "bias":
+        return testing.randn(s["B"], s["H"], s["M"], s["M"], dtype=torch.bfloat16, device=device)
     if s["mask"] == "causal":
         return ab.LowerTriangularMask()
     if s["mask"] == "window":
@@ -67,8 +73,9 @@ def _attn_bias(s: dict, device: torch.device):
 
 
 def _mask_mod(s: dict):
-    """FlexAttention's mask_mod for the same mask (None for none; causal is top-left here as Mq == Mkv)."""
-    if s["mask"] == "none":
+    """FlexAttention's mask_mod for the same mask (None for none and a tensor bias; causal is top-left here as
+    Mq == Mkv)."""
+    if s["mask"] in ("none", "bias"):
         return None
     if s["mask"] == "causal":
         return lambda b, h, q, k: q >= k
@@ -87,15 +94,21 @@ def _compiled_flex():
 
 
 def _inputs(s: dict, device: torch.device, requires_grad: bool):
-    """q, k, v [B, M, H, K] bf16, the MSLK mask, the flex block mask, and the output gradient."""
+    """q, k, v [B, M, H, K] bf16, the MSLK mask, FlexAttention's keyword arguments for the same mask (block_mask,
+    or score_mod adding the tensor bias), and the output gradient."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     shape = (s["B"], s["M"], s["H"], s["K"])
     q, k, v = (testing.randn(*shape, dtype=torch.bfloat16, device=device).requires_grad_(requires_grad) for _ in "qkv")
+    bias = _attn_bias(s, device)
     mod = _mask_mod(s)
-    block_mask = None if mod is None else create_block_mask(mod, None, None, s["M"], s["M"], device=device)
+    flex_kwargs = {}
+    if mod is not None:
+        flex_kwargs["block_mask"] = create_block_mask(mod, None, None, s["M"], s["M"], device=device)
+    if isinstance(bias, torch.Tensor):
+        flex_kwargs["score_mod"] = lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
     grad = testing.randn(*shape, dtype=torch.bfloat16, device=device)
-    return q, k, v, _attn_bias(s, device), block_mask, grad
+    return q, k, v, bias, flex_kwargs, grad
 
 
 def _sdpa(backend):
@@ -113,8 +126,8 @@ def _sdpa(backend):
 
 
 def _flex(i):
-    q, k, v, _, block_mask, _ = i
-    out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+    q, k, v, _, flex_kwargs, _ = i
+    out = _compiled_flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **flex_kwargs)
     return out.transpose(1, 2)
 
 
