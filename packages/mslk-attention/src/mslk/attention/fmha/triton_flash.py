@@ -18,9 +18,10 @@ takes otherwise; the interior key blocks of a causal or windowed range skip the 
 or with a causal one (no bias, dropout, varlen or left window) the forward is triton_flash_hopper_fwd's
 warp-specialized Gluon kernel (1.03-1.14x this module's from 512 keys).
 
-`BwOp` is the matching backward, from any forward's output and LSE: one pass over key blocks that writes dK and
-dV and adds dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under
-torch.use_deterministic_algorithms, two passes without atomics. On Hopper, Q, dO, K and V tiles come through
+`BwOp` is the matching backward, from any forward's output and LSE: after one prologue launch (delta, zeros in dQ's
+fp32 sum and in varlen's dK/dV rows outside every sequence), one pass over key blocks that writes dK and dV and adds
+dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under torch.use_deterministic_algorithms,
+two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without bias, dropout or
 padded keys the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this module's;
 varlen 1.41-1.47x). The dispatcher
