@@ -98,7 +98,7 @@ def test_pinned_through_memory_efficient_attention():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12", "B19"])
+@pytest.mark.parametrize("bias_id", ["None", "T", "B01", "B03", "B07", "B12", "B19"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu(bias_id, dtype, head_dim):
@@ -320,7 +320,7 @@ def test_backward_declines_gappy_keys():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B07", "B12"])
+@pytest.mark.parametrize("bias_id", ["None", "T", "B01", "B03", "B07", "B12"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_gpu(bias_id, dtype, head_dim, backward_mode):

@@ -534,17 +534,17 @@ def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: in
 
 
 def _tiles(
-    q: torch.Tensor, head_block: int, kind: str, tma: bool = False, short_sequences: bool = False
+    q: torch.Tensor, head_block: int, kind: str, tma: bool = False, short_sequences: bool = False, bias: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a pass (`kind`: "fwd", "dq" or "dkdv", whose BLOCK_M is the query
-    step and BLOCK_N the key block of a program; `tma`: the forward reads K/V through tensor descriptors;
-    `short_sequences`: varlen of at most 512 queries a sequence, where a program sees few key blocks and smaller,
-    more programs win: 64 x 64 on 4 warps took 146 us against 185 for 128 x 128 at 32 x 512 causal, B=1 H=16 K=128,
-    and tied at 8 x 2048). Under the interpreter, small unequal tiles (slow per program; tests cover BLOCK_M !=
-    BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16, B=4 M=4096 H=16 at K=128,
-    B=8 K=64, B=2 K=256; RESULTS.md; larger blocks spill registers or overflow shared memory in the backward).
-    Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a block) square tiles that
-    fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
+    step and BLOCK_N the key block of a program; `tma`: the forward reads K/V through tensor descriptors; `bias`: a
+    tensor bias is read; `short_sequences`: varlen of at most 512 queries a sequence, where a program sees few key
+    blocks and smaller, more programs win: 64 x 64 on 4 warps took 146 us against 185 for 128 x 128 at 32 x 512
+    causal, B=1 H=16 K=128, and tied at 8 x 2048). Under the interpreter, small unequal tiles (slow per program;
+    tests cover BLOCK_M != BLOCK_N). On Hopper (SM90) with 16-bit inputs, the fastest of sweeps on the H200 (bf16,
+    B=4 M=4096 H=16 at K=128, B=8 K=64, B=2 K=256; RESULTS.md; larger blocks spill registers or overflow shared
+    memory in the backward). Elsewhere (fp32's IEEE products, other GPUs, some with about 100 KiB of shared memory a
+    block) square tiles that fit any of them: 64 (forward) and 32 (backward) up to head dim 128, half that above."""
     if not q.is_cuda:
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
     if q.dtype == torch.float32:
@@ -553,6 +553,8 @@ def _tiles(
         block = (64 if head_block <= 128 else 32) // (1 if kind == "fwd" else 2)
         return block, block, 4, 2
     if kind == "fwd" and tma:
+        if bias:  # its tiles take shared memory too: (128, 128, 8, 3) asked 288 KiB of the H200's 227 at head dim 128
+            return (128, 64, 8, 3) if head_block <= 128 else (64, 64, 4, 2)
         if short_sequences and head_block <= 128:
             return 64, 64, 4, 3
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
@@ -687,10 +689,10 @@ class FwOp(AttentionFwOpBase):
             # NaN included, where the pointer path reads zeros.
             tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
             short = varlen is not None and max_q <= 512
-            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short)
+            bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
+            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short, bias is not None)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             blocks = launch.cdiv(max_q, block_m)
-            bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
             descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
             _flash_forward_kernel[(blocks * sequences * groups * heads,)](
                 q, k, v, out, lse, bias,
