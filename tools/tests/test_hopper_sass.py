@@ -119,6 +119,14 @@ def attention_calls():
     calls["attention_fwd_k128_triton"] = lambda: gluon_off(
         calls["attention_fwd_k128"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
     )
+    # A tensor bias [B, H, M, M]: the Triton kernels, whose bias tiles take shared memory too.
+    bias = torch.randn(b, h, m, m).bfloat16()
+    for dim in (64, 128, 256):
+        q = torch.randn(b, m, h, dim).bfloat16()
+        calls[f"attention_fwd_k{dim}_bias"] = lambda q=q: tf.FwOp.apply(Inputs(q, q, q, attn_bias=bias), False)
+    q = torch.randn(b, m, h, 128).bfloat16()
+    lse = torch.randn(b, h, m)
+    calls["attention_bwd_k128_bias"] = lambda: tf.BwOp.apply(Context(lse=lse, out=q), Inputs(q, q, q, bias), q)
     return calls
 
 
@@ -172,6 +180,8 @@ for name, call in calls.items():
                           capture_output=True, text=True, check=True).stdout
     with open(os.path.join(out, name + ".sass"), "w") as f:
         f.write(sass)
+    with open(os.path.join(out, name + ".shared"), "w") as f:
+        f.write(str(kernel.metadata.shared))
 """  # fmt: skip
 
 SUITES = {
@@ -194,6 +204,8 @@ SUITES = {
             *(f"attention_bwd_k{d}_triton" for d in (64, 128)),
             "attention_bwd_k128_varlen",
             "attention_fwd_k128_triton",
+            *(f"attention_fwd_k{d}_bias" for d in (64, 128, 256)),
+            "attention_bwd_k128_bias",
         ],
     ),
     "gemm": (
@@ -268,6 +280,7 @@ SPILLING = {
     ("attention", "attention_bwd_k128"),
     ("attention", "attention_bwd_k128_varlen"),  # 168 bytes (Triton 3.6): the sequences' bounds take registers
     ("attention", "attention_bwd_k128_triton"),
+    ("attention", "attention_bwd_k128_bias"),  # the same kernel reading a bias
     ("attention", "attention_fwd_k128"),
 }
 
@@ -278,3 +291,14 @@ def test_no_spills(compiled, suite, kernel):
     products within the 240 registers they get)."""
     report = ptxas_report(compiled, suite, kernel)
     assert " 0 bytes spill stores" in report, report[-3000:]
+
+
+HOPPER_SHARED_BYTES = 232448  # 227 KiB a block on H100 and H200
+
+
+@pytest.mark.parametrize(("suite", "kernel"), KERNELS)
+def test_shared_memory_fits_hopper(compiled, suite, kernel):
+    """More shared memory than a Hopper block has is OutOfResources at the first launch: the tensor-bias forward's
+    tiles at head dim 128 once asked 288 KiB (RESULTS.md, twenty-seventh session)."""
+    shared = int((compiled(suite) / f"{kernel}.shared").read_text())
+    assert shared <= HOPPER_SHARED_BYTES, f"{kernel}: {shared} bytes of shared memory"
