@@ -73,6 +73,22 @@ def test_half_dtypes_gqa_kv_and_output_dtype(dtype):
     _check(q, k1, v1, None, dtype)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU tests run this path for real")
+@pytest.mark.parametrize("bias_id", ["T", "B03"])
+def test_tma_forward_path_with_a_bias(monkeypatch, bias_id):
+    """The forward's TMA path (K and V tiles through tensor descriptors, Hopper's) on the Hopper tiles it takes with
+    a tensor bias, 128 queries by 64 keys, under the interpreter: partial query and key blocks, Mq != Mk."""
+    monkeypatch.setattr(triton_flash, "_tma_readable", lambda *tensors: True)
+    tiles = triton_flash._tiles
+
+    def hopper_forward_tiles(q, head_block, kind, tma=False, *args):
+        return (128, 64, 8, 3) if kind == "fwd" and tma else tiles(q, head_block, kind, tma, *args)
+
+    monkeypatch.setattr(triton_flash, "_tiles", hopper_forward_tiles)
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 200, 150, 1, 2, 64), torch.float16, DEVICE)
+    _check(q, k, v, bias, torch.float16)
+
+
 def test_empty_keys_give_zero_and_minus_inf():
     q = testing.randn(1, 5, 2, 16, device=DEVICE)
     k = torch.empty(1, 0, 2, 16, device=DEVICE)
