@@ -6,8 +6,8 @@ MSLK's own Triton flash kernel pinned (`triton_flash_*`). Baselines in the same 
 ratio's baseline) and FlexAttention with the same mask, compiled once per mask. On the masks cuDNN cannot take
 (varlen block-diagonal, sliding window, a tensor bias) FlexAttention is the only baseline; the `*_sparse_graph`
 specs time the varlen shapes in CUDA graphs as well, where the host time of a call would otherwise hide the
-kernels. FLOPs follow PERF.md: forward
-4·B·H·Mq·Mkv·K, halved for causal, scaled by the visible fraction for windows and varlen; forward+backward 3.5x.
+kernels. FLOPs follow PERF.md: forward 4·B·H·Mq·Mkv·K, halved for causal, scaled by the visible fraction for
+windows and varlen; forward+backward 3.5x.
 """
 
 from __future__ import annotations

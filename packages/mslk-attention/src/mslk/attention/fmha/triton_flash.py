@@ -764,9 +764,12 @@ class BwOp(AttentionBwOpBase):
         # Rows outside every varlen sequence, which no program writes, must read zero: the prologue zeroes the dK
         # and dV ones where the keys are not padded (it knows only the bounds of all sequences), fills the rest.
         keys_outside_in_prologue = runs and varlen is not None and varlen.seqlen_k is None
-        zeroed = [dq_sum, dk, dv] if not runs else []
-        if runs and varlen is not None:
+        if not runs:  # no kernel runs: zero gradients
+            zeroed = [dq_sum, dk, dv]
+        elif varlen is not None:
             zeroed = ([dq] if deterministic else []) + ([] if keys_outside_in_prologue else [dk, dv])
+        else:
+            zeroed = []
         for t in zeroed:
             t.zero_()
         given_bias = tensor_bias(inp.attn_bias)
