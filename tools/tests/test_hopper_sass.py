@@ -281,6 +281,10 @@ SPILLING = {
     ("attention", "attention_bwd_k128_triton"),
     ("attention", "attention_bwd_k128_bias"),  # the same kernel reading a bias
     ("attention", "attention_bwd_k256_bias"),  # 656 bytes; 400 without a bias (Triton 3.7)
+    # The tensor-bias forward's fastest tiles (RESULTS.md, twenty-eighth session): 8 bytes under Triton 3.6 (none
+    # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
+    ("attention", "attention_fwd_k64_bias"),
+    ("attention", "attention_fwd_k256_bias"),
     ("attention", "attention_fwd_k128"),
 }
 

@@ -73,11 +73,48 @@ def test_half_dtypes_gqa_kv_and_output_dtype(dtype):
     _check(q, k1, v1, None, dtype)
 
 
+# Tensor bias layouts [B, H, Mq, Mk] and whether the Hopper forward reads them through a TMA descriptor: rows
+# padded to 8 elements (what create_attn_bias gives), broadcast over the batch (ALiBi-like) or the heads (stride 0:
+# one descriptor element), over the queries (a key-padding bias: pointer loads), rows not 16-byte aligned.
+BIAS_LAYOUTS = {"padded": True, "over-batch": True, "over-heads": True, "over-queries": False, "unaligned": False}
+
+
+def _layout_bias(layout, batch, heads, mq, mk, dtype, device):
+    def padded(b, h, m):
+        return attn_bias_utils.create_attn_bias(torch.Tensor, b, h, 1, m, mk, device, dtype, False, "BMHK")
+
+    shape = (batch, heads, mq, mk)
+    return {
+        "padded": lambda: padded(batch, heads, mq),
+        "over-batch": lambda: padded(1, heads, mq).expand(shape),
+        "over-heads": lambda: padded(batch, 1, mq).expand(shape),
+        "over-queries": lambda: padded(batch, heads, 1).expand(shape),
+        "unaligned": lambda: testing.randn(*shape[:-1], mk | 1, dtype=dtype, device=device)[..., :mk],
+    }[layout]()
+
+
+def _check_bias_layout(monkeypatch, layout, sizes, dtype, device):
+    """The forward against the oracle with a tensor bias in `layout`, and that it took the bias path expected."""
+    descriptors = []
+
+    def recorded(*args):
+        descriptors.append(bias_descriptor(*args))
+        return descriptors[-1]
+
+    bias_descriptor = triton_flash._bias_descriptor
+    monkeypatch.setattr(triton_flash, "_bias_descriptor", recorded)
+    batch, mq, mk, _, heads, _ = sizes
+    q, k, v, _ = _inputs("None", "BMHK", sizes, dtype, device)
+    _check(q, k, v, _layout_bias(layout, batch, heads, mq, mk, dtype, device), dtype)
+    assert [d is not None for d in descriptors] == [BIAS_LAYOUTS[layout] and triton_flash._tma_readable(k, v)]
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU tests run this path for real")
-@pytest.mark.parametrize("bias_id", ["T", "B03"])
+@pytest.mark.parametrize("bias_id", ["T", "B03", *BIAS_LAYOUTS])
 def test_tma_forward_path_with_a_bias(monkeypatch, bias_id):
     """The forward's TMA path (K and V tiles through tensor descriptors, Hopper's) on the Hopper tiles it takes with
-    a tensor bias, 128 queries by 64 keys, under the interpreter: partial query and key blocks, Mq != Mk."""
+    a tensor bias, 128 queries by 64 keys, under the interpreter: partial query and key blocks, Mq != Mk; tensor
+    biases in each layout, through their own descriptor where TMA reads them."""
     monkeypatch.setattr(triton_flash, "_tma_readable", lambda *tensors: True)
     tiles = triton_flash._tiles
 
@@ -85,8 +122,11 @@ def test_tma_forward_path_with_a_bias(monkeypatch, bias_id):
         return (128, 64, 8, 3) if kind == "fwd" and tma else tiles(q, head_block, kind, tma, *args)
 
     monkeypatch.setattr(triton_flash, "_tiles", hopper_forward_tiles)
-    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 200, 150, 1, 2, 64), torch.float16, DEVICE)
-    _check(q, k, v, bias, torch.float16)
+    sizes = (2, 200, 150, 1, 2, 64)
+    if bias_id in BIAS_LAYOUTS:
+        _check_bias_layout(monkeypatch, bias_id, sizes, torch.float16, DEVICE)
+    else:
+        _check(*_inputs(bias_id, "BMHK", sizes, torch.float16, DEVICE), torch.float16)
 
 
 def test_empty_keys_give_zero_and_minus_inf():
@@ -122,6 +162,14 @@ def test_gpu(bias_id, dtype, head_dim):
         pytest.skip("slow")
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 300, 513, 1, 4, head_dim), dtype, "cuda")
     _check(q, k, v, bias, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", BIAS_LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_bias_layouts(monkeypatch, layout, head_dim):
+    """Tensor biases in every layout on the GPU (Hopper: through a descriptor where TMA reads them)."""
+    _check_bias_layout(monkeypatch, layout, (2, 300, 513, 1, 4, head_dim), torch.bfloat16, "cuda")
 
 
 BACKWARD_IDS = ["None", "T", *[f"B{i:02d}" for i in range(1, 15)]]

@@ -162,14 +162,18 @@ def _unmasked_key_range(lo, hi, first_row, q_len, k_len, shift, window_left, win
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
-            q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk, qk_scale,
-            shift, window_left, window_right, seed, head, p_drop, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-            HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-            TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
+def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, bias_desc, bias_at,
+            start_col, end_col, rows, q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk,
+            dv, K, Kv, Mk, qk_scale, shift, window_left, window_right, seed, head, p_drop, MASKED: tl.constexpr,
+            DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, IEEE: tl.constexpr,
+            UPCAST: tl.constexpr, TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
     """The online softmax of the forward over the key blocks [start_col, end_col); only MASKED blocks evaluate
     the mask (the interior of a causal or windowed range is seen whole). TMA: K and V tiles come through tensor
-    descriptors (zeros past the tensor's rows and head dim), which frees the registers of the address math."""
+    descriptors (zeros past the tensor's rows and head dim), which frees the registers of the address math.
+    BIAS_TMA: so do the bias tiles, from (batch element, group, head, first row) `bias_at`: the pipeliner then
+    stages them in shared memory like K and V, where pointer loads of them left the scores in a layout of their
+    own (a shared-memory round trip of every score tile, 2.2x slower at B=2 M=4096 H=16 K=128)."""
     for start in range(start_col, end_col, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         if TMA:
@@ -183,6 +187,11 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_
         if SCALE_IN_EXP:  # raw q·kᵀ, scaled inside the exponent (one FFMA a score; the scale is positive)
             s = _dot(q, k.T, None, IEEE)
             scale = qk_scale
+        elif BIAS_TMA:
+            at = [bias_at[0], bias_at[1], bias_at[2], bias_at[3], start]
+            bias = bias_desc.load(at).reshape(rows.shape[0], BLOCK_N)
+            s = _dot(q, k.T, None, IEEE) * qk_scale + bias.to(tl.float32) * 1.4426950408889634
+            scale = 1.0
         else:
             s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
             scale = 1.0
@@ -231,7 +240,7 @@ def _heads_per_section(blocks: int, device: torch.device) -> int:
 @triton.jit
 def _flash_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, k_desc, v_desc,
-    G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
+    bias_desc, G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -240,7 +249,8 @@ def _flash_forward_kernel(
     stride_bb, stride_bg, stride_bh, stride_bm, stride_bn, blocks, section,
     DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_IN_EXP: tl.constexpr, VARLEN: tl.constexpr,
     HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+    TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
     rank, pid_bgh = _program_block(blocks, section)
     pid_m = blocks - 1 - rank  # the last query blocks see the most keys under a causal mask
@@ -259,9 +269,12 @@ def _flash_forward_kernel(
         bias_base = bias_ptr  # None without a bias
         if HAS_BIAS:
             bias_base = bias_ptr + _head_offset(batch, g, h, stride_bb, stride_bg, stride_bh, True)
+        first_row = pid_m * BLOCK_M
+        # The bias descriptor's broadcast dimensions (stride 0) have one element (`_bias_descriptor`).
+        bias_at = (tl.where(stride_bb == 0, 0, batch), tl.where(stride_bg == 0, 0, g), tl.where(stride_bh == 0, 0, h),
+                   first_row)  # fmt: skip
 
         shift = k_len - q_len if BOTTOM_RIGHT else 0
-        first_row = pid_m * BLOCK_M
         lo, hi = _key_range(first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
         full_lo, full_hi = _unmasked_key_range(
             lo, hi, first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N
@@ -275,10 +288,10 @@ def _flash_forward_kernel(
             start_col = lo if part == 0 else (full_lo if part == 1 else full_hi)
             end_col = full_lo if part == 0 else (full_hi if part == 1 else hi)
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, start_col, end_col, rows,
-                q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn, dk, dv, K, Kv, Mk,
-                qk_scale, shift, window_left, window_right, seed, head, p_drop, part != 1, DROPOUT, HAS_BIAS,
-                SCALE_IN_EXP, IEEE, UPCAST, TMA, BLOCK_N, BLOCK_K, BLOCK_KV,
+                acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, batch, g, h, bias_base, bias_desc, bias_at,
+                start_col, end_col, rows, q_start, q_len, k_start, k_len, stride_km, stride_vm, stride_bm, stride_bn,
+                dk, dv, K, Kv, Mk, qk_scale, shift, window_left, window_right, seed, head, p_drop, part != 1, DROPOUT,
+                HAS_BIAS, SCALE_IN_EXP, IEEE, UPCAST, TMA, BIAS_TMA, BLOCK_N, BLOCK_K, BLOCK_KV,
             )  # fmt: skip
 
         has_keys = l_i > 0.0
@@ -554,9 +567,11 @@ def _tiles(
         return block, block, 4, 2
     if kind == "fwd" and tma:
         # A bias's tiles take shared memory too: the tiles without one asked 288 KiB at head dim 128 and 240 at 256,
-        # of a Hopper block's 227 (OutOfResources on the H200); 4 warps at 256 spill.
+        # of a Hopper block's 227 (OutOfResources on the H200). The fastest of a sweep (B=2 M=4096 H=16 K=128, and
+        # K=64 B=4, K=256 B=1): 1007, 703 and 687 us, against 1159 (128 x 64 on 8 warps), 900 (64 x 64 on 4 warps)
+        # and 1334 (64 x 64 on 8 warps).
         if bias:
-            return (128, 64, 8, 3) if head_block <= 128 else (64, 64, 8, 2)
+            return (128, 64, 4, 3) if head_block <= 64 else ((128, 64, 8, 3) if head_block <= 128 else (128, 64, 8, 2))
         if short_sequences and head_block <= 128:
             return 64, 64, 4, 3
         return (128, 64, 8, 3) if head_block <= 64 else ((128, 128, 8, 3) if head_block <= 128 else (64, 64, 4, 3))
@@ -589,6 +604,25 @@ def _tile_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) 
     return tuple(
         TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, 1, width]) for t, width in tensors_and_widths
     )
+
+
+def _bias_descriptor(bias: torch.Tensor | None, q: torch.Tensor, block_m: int, block_n: int):
+    """A TMA descriptor of the [B, G, H, Mq, Mk] bias (`_bias_args`), one [block_m, block_n] tile per load (zeros
+    past Mq and Mk), where TMA can read it: q's dtype, keys next to each other, rows 16-byte aligned and not
+    broadcast. A broadcast batch, group or head dimension (stride 0) becomes one element, which the kernel reads at
+    index 0 (TMA strides are nonzero multiples of 16 bytes). None otherwise: the kernel's pointer loads."""
+    if bias is None or bias.dtype != q.dtype or bias.stride(-1) != 1 or bias.data_ptr() % 16:
+        return None
+    single = [n == 1 or s == 0 for n, s in zip(bias.shape, bias.stride(), strict=True)]
+    if (bias.stride(-2) == 0 and bias.shape[-2] > 1) or any(
+        s % (16 // bias.element_size()) for s, one in zip(bias.stride()[:-1], single, strict=False) if not one
+    ):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    shape = [1 if one else n for n, one in zip(bias.shape, single, strict=True)]
+    strides = [16 if one else s for s, one in zip(bias.stride()[:-1], single, strict=False)] + [1]
+    return TensorDescriptor(bias, shape, strides, [1, 1, 1, block_m, block_n])
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
@@ -696,10 +730,11 @@ class FwOp(AttentionFwOpBase):
             seqlen_k = None if varlen is None else varlen.seqlen_k
             blocks = launch.cdiv(max_q, block_m)
             descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
+            bias_desc = _bias_descriptor(bias, q, block_m, block_n) if tma else None
             _flash_forward_kernel[(blocks * sequences * groups * heads,)](
                 q, k, v, out, lse, bias,
                 *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                *descriptors or (None, None),
+                *descriptors or (None, None), bias_desc,
                 groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
                 *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
                 _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
@@ -707,7 +742,7 @@ class FwOp(AttentionFwOpBase):
                 VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
                 BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
                 UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
+                BIAS_TMA=bias_desc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
                 num_warps=warps, num_stages=stages,
             )  # fmt: skip
         elif out.numel():
