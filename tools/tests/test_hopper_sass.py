@@ -119,14 +119,21 @@ def attention_calls():
     calls["attention_fwd_k128_triton"] = lambda: gluon_off(
         calls["attention_fwd_k128"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
     )
-    # A tensor bias [B, H, M, M]: the Triton kernels, whose bias tiles take shared memory too.
+    # A tensor bias [B, H, M, M], whose tiles take shared memory too: the Triton kernels (the backward's with the
+    # bias's gradient), and the Gluon backward (without: its dQ ring gives the bias ring a slot's room).
     bias = torch.randn(b, h, m, m).bfloat16()
+    bias_with_grad = bias.clone().requires_grad_()
     lse = torch.randn(b, h, m)
     for dim in (64, 128, 256):
         q = torch.randn(b, m, h, dim).bfloat16()
         inp = Inputs(q, q, q, attn_bias=bias)
+        ctx = Context(lse=lse, out=q)
         calls[f"attention_fwd_k{dim}_bias"] = lambda inp=inp: tf.FwOp.apply(inp, False)
-        calls[f"attention_bwd_k{dim}_bias"] = lambda inp=inp, q=q: tf.BwOp.apply(Context(lse=lse, out=q), inp, q)
+        calls[f"attention_bwd_k{dim}_bias"] = lambda q=q, ctx=ctx: tf.BwOp.apply(
+            ctx, Inputs(q, q, q, attn_bias=bias_with_grad), q
+        )
+        if dim < 256:
+            calls[f"attention_bwd_k{dim}_bias_gluon"] = lambda inp=inp, q=q, ctx=ctx: tf.BwOp.apply(ctx, inp, q)
     return calls
 
 
@@ -205,6 +212,7 @@ SUITES = {
             "attention_bwd_k128_varlen",
             "attention_fwd_k128_triton",
             *(f"attention_{p}_k{d}_bias" for d in (64, 128, 256) for p in ("fwd", "bwd")),
+            *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
         ],
     ),
     "gemm": (

@@ -189,13 +189,13 @@ def _poisoned_allocations():
         yield
 
 
-def _check_backward(q, k, v, bias, tolerance):
+def _check_backward(q, k, v, bias, tolerance, bias_grad=True):
     """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle
-    (a tensor bias gets its gradient too); the backward's allocations poisoned."""
+    (a tensor bias gets its gradient too, unless not bias_grad); the backward's allocations poisoned."""
     dtype = q.dtype
     dense = common.tensor_bias(bias)
     if dense is not None:
-        dense.requires_grad_()
+        dense.requires_grad_(bias_grad)
     inp = common.Inputs(q, k, v, bias)
     out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
     do = testing.randn(*out.shape, dtype=dtype, device=q.device)
@@ -209,8 +209,10 @@ def _check_backward(q, k, v, bias, tolerance):
     ref, _ = attention_reference(q64, k64, v64, bias64)
     ref.backward(do.double())
     pairs = [("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)]
-    if dense is not None:
+    if dense is not None and bias_grad:
         pairs.append(("db", grads.db, dense64.grad))
+    else:
+        assert grads.db is None
     for name, got, want in pairs:
         assert got.dtype == (dtype if name != "db" else dense.dtype) and got.shape == want.shape, name
         testing.assert_rel_close(got, want, tolerance, what=name)
@@ -223,6 +225,20 @@ def backward_mode(request):
     torch.use_deterministic_algorithms(request.param)
     yield request.param
     torch.use_deterministic_algorithms(saved)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"), [(DEVICE, torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("bias_id", ["T", "B02"])
+def test_backward_of_queries_a_bias_masks_whole(bias_id, device, dtype, backward_mode):
+    """Queries whose every score a tensor bias makes −inf (LSE −inf, output 0) get no gradient and give none, where
+    exp2(s − LSE) was NaN in unmasked blocks (every gradient NaN through the shared keys)."""
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 70, 90, 1, 2, 64), dtype, device)
+    dense = common.tensor_bias(bias)
+    with torch.no_grad():
+        dense[1, 0, 5] = dense[0, 1, :3] = dense[0, 1, 64] = -torch.inf  # in the first and second query blocks
+    _check_backward(q, k, v, bias, 1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("bias_id", BACKWARD_IDS)
@@ -403,6 +419,26 @@ _HOPPER_SIZES = [
 ]
 
 
+@pytest.fixture
+def gluon_backward_runs(monkeypatch):
+    """The launches of the Gluon backward (triton_flash_hopper.run), their arguments by name; sm_90 only."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    import inspect
+
+    from mslk.attention.fmha import triton_flash_hopper
+
+    runs = []
+    run = triton_flash_hopper.run
+
+    def recorded_run(*args):
+        runs.append(inspect.signature(run).bind(*args).arguments)
+        run(*args)
+
+    monkeypatch.setattr(triton_flash_hopper, "run", recorded_run)
+    return runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", ["None", "B01", "B03", "B04", "B05"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -415,24 +451,31 @@ _HOPPER_SIZES = [
         ("BMGHK", (2, 300, 513, 2, 2, 64)),
     ],
 )
-def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
+def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, gluon_backward_runs):
     """The Gluon backward (triton_flash_hopper) where BwOp takes it: masks of one sequence, lengths of partial
     blocks and key blocks past the keys, Mq != Mk, groups, many query blocks (the ring's slots turn over)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    from mslk.attention.fmha import triton_flash_hopper
-
-    runs = []
-    run = triton_flash_hopper.run
-
-    def counted_run(*args):
-        runs.append(1)
-        run(*args)
-
-    monkeypatch.setattr(triton_flash_hopper, "run", counted_run)
     q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, "cuda")
     _check_backward(q, k, v, bias, {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype])
-    assert runs
+    assert gluon_backward_runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [*BIAS_LAYOUTS, "masked-rows", "B02"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_backward_bias_gpu(layout, head_dim, gluon_backward_runs):
+    """The Gluon backward with a tensor bias that needs no gradient, where TMA reads it (its tiles through the ring,
+    one dQ slot at head dim 128): every layout of the forward's tests, queries the bias masks whole (their LSE
+    −inf, in unmasked blocks), a causal mask with a bias (B02); the Triton kernel takes the other layouts."""
+    sizes = (2, 300, 513, 1, 4, head_dim)
+    if layout == "B02":
+        q, k, v, bias = _inputs("B02", "BMHK", sizes, torch.bfloat16, "cuda")
+    else:
+        q, k, v, _ = _inputs("None", "BMHK", sizes, torch.bfloat16, "cuda")
+        bias = _layout_bias("padded" if layout == "masked-rows" else layout, 2, 4, 300, 513, torch.bfloat16, "cuda")
+        if layout == "masked-rows":
+            bias[1, 0, 5] = bias[0, 3, 64:70] = -torch.inf
+    _check_backward(q, k, v, bias, 3e-2, bias_grad=False)
+    assert bool(gluon_backward_runs) == BIAS_LAYOUTS.get(layout, True)
 
 
 @pytest.mark.gpu
@@ -441,24 +484,12 @@ def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
     ("fmt", "sizes"),
     [("BMHK", (5, 300, 513, 1, 2, 128)), ("BMGHK", (3, 129, 200, 2, 2, 64)), ("BMHK", (2, 1000, 1000, 1, 3, 128))],
 )
-def test_hopper_backward_varlen_gpu(bias_id, fmt, sizes, monkeypatch):
+def test_hopper_backward_varlen_gpu(bias_id, fmt, sizes, gluon_backward_runs):
     """The Gluon backward on varlen masks without padded keys: ragged sequences packed in one batch element, key
     blocks that reach into the next sequence (their dK and dV rows stored from registers), query blocks that do."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    from mslk.attention.fmha import triton_flash_hopper
-
-    runs = []
-    run = triton_flash_hopper.run
-
-    def counted_run(*args):
-        runs.append(args[-1] is not None)  # varlen
-        run(*args)
-
-    monkeypatch.setattr(triton_flash_hopper, "run", counted_run)
     q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
     _check_backward(q, k, v, bias, 3e-2)
-    assert runs == [True]
+    assert [run["varlen"] is not None for run in gluon_backward_runs] == [True]
 
 
 @pytest.mark.parametrize(

@@ -52,10 +52,13 @@ def attention_reference(
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     scores = attention_scores(query, key, attn_bias, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    # exp(−inf − (−inf)) is NaN: a fully masked row gets zero weights instead.
-    weights = torch.where(lse[..., None] == -torch.inf, 0.0, torch.exp(scores - lse[..., None]))
+    # A fully masked row (every score −inf) has LSE −inf, zero weights and no gradient: its scores are taken as
+    # zeros, whose weights are then dropped (exp(−inf − (−inf)) would be NaN, in autograd's backward too).
+    masked = (scores == -torch.inf).all(dim=-1, keepdim=True)
+    scores = scores.masked_fill(masked, 0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse).masked_fill(masked, 0.0)
     out = weights @ _heads_first(value)
     if query.dim() > 3:
         out = out.movedim(-2, 1)
-    return out.to(query.dtype), lse.float()
+    return out.to(query.dtype), lse.masked_fill(masked, -torch.inf).squeeze(-1).float()

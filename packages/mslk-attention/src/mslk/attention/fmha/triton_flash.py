@@ -352,6 +352,15 @@ def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
+def _lse2(ptrs, mask):
+    """The backward's LSE of the queries at ptrs (where mask), in log2 units, +inf for a query without any key (LSE
+    −inf: masked whole, or by a tensor bias of −inf), whose weights exp2(s − LSE) are then 0 for every score, −inf
+    included (where −inf − (−inf) would give NaN, in unmasked blocks too)."""
+    lse2 = tl.load(ptrs, mask=mask, other=0.0) * 1.4426950408889634
+    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
+
+
+@triton.jit
 def _dkdv_over_queries(
     dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse_ptr, delta_ptr, stat_base, bias_base,
     db_base, start_row, end_row, cols, q_row0, head_col, q_start, q_len, k_start, k_len, stride_qm, stride_om,
@@ -374,13 +383,12 @@ def _dkdv_over_queries(
             q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
             do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
         in_sequence = rows < q_len
-        lse2 = tl.load(lse_ptr + stat_base + rows, mask=in_sequence, other=0.0) * 1.4426950408889634
+        lse2 = _lse2(lse_ptr + stat_base + rows, in_sequence)
         delta = tl.load(delta_ptr + stat_base + rows, mask=in_sequence, other=0.0)
         s = _scores(k, q, cols, rows, bias_base, stride_bn, stride_bm, k_len, q_len, qk_scale, HAS_BIAS, IEEE)
         p = tl.exp2(s - lse2[None, :])
-        if MASKED:  # a query without any key (LSE −inf) has no weights
-            visible = _visible(cols, rows, k_len, q_len, -shift, window_right, window_left)
-            p = tl.where(visible & (lse2 > float("-inf"))[None, :], p, 0.0)
+        if MASKED:
+            p = tl.where(_visible(cols, rows, k_len, q_len, -shift, window_right, window_left), p, 0.0)
         dp = _dot(v, do.T, None, IEEE)
         p_dropped = p
         if DROPOUT:
@@ -460,7 +468,7 @@ def _flash_backward_kernel(
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
             q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
             do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
-            lse2 = tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0) * 1.4426950408889634
+            lse2 = _lse2(lse_ptr + stat_base + rows, rows < q_len)
             delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
             lo, hi = _key_range(pid * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
             dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -470,7 +478,7 @@ def _flash_backward_kernel(
                 v = _load_rows(v_base, k_start, cols, k_len, stride_vm, dv_range, Kv, UPCAST)
                 visible = _visible(rows, cols, q_len, k_len, shift, window_left, window_right)
                 s = _scores(q, k, rows, cols, bias_base, stride_bm, stride_bn, q_len, k_len, qk_scale, HAS_BIAS, IEEE)
-                p = tl.where(visible & (lse2 > float("-inf"))[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+                p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
                 dp = _dot(do, v.T, None, IEEE)
                 if DROPOUT:
                     kept = _kept(seed, head, q_start + rows, k_start + cols, Mk, p_drop)
@@ -606,11 +614,11 @@ def _tile_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) 
     )
 
 
-def _bias_descriptor(bias: torch.Tensor | None, q: torch.Tensor, block_m: int, block_n: int):
-    """A TMA descriptor of the [B, G, H, Mq, Mk] bias (`_bias_args`), one [block_m, block_n] tile per load (zeros
-    past Mq and Mk), where TMA can read it: q's dtype, keys next to each other, rows 16-byte aligned and not
-    broadcast. A broadcast batch, group or head dimension (stride 0) becomes one element, which the kernel reads at
-    index 0 (TMA strides are nonzero multiples of 16 bytes). None otherwise: the kernel's pointer loads."""
+def _bias_view(bias: torch.Tensor | None, q: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """(shape, strides) of the [B, G, H, Mq, Mk] bias (`_bias_args`) for a TMA descriptor, where TMA can read it:
+    q's dtype, keys next to each other, rows 16-byte aligned and not broadcast. A broadcast batch, group or head
+    dimension (stride 0) becomes one element, which the kernels read at index 0 (TMA strides are nonzero multiples
+    of 16 bytes). None otherwise: the kernels' pointer loads."""
     if bias is None or bias.dtype != q.dtype or bias.stride(-1) != 1 or bias.data_ptr() % 16:
         return None
     single = [n == 1 or s == 0 for n, s in zip(bias.shape, bias.stride(), strict=True)]
@@ -618,11 +626,20 @@ def _bias_descriptor(bias: torch.Tensor | None, q: torch.Tensor, block_m: int, b
         s % (16 // bias.element_size()) for s, one in zip(bias.stride()[:-1], single, strict=False) if not one
     ):
         return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     shape = [1 if one else n for n, one in zip(bias.shape, single, strict=True)]
     strides = [16 if one else s for s, one in zip(bias.stride()[:-1], single, strict=False)] + [1]
-    return TensorDescriptor(bias, shape, strides, [1, 1, 1, block_m, block_n])
+    return shape, strides
+
+
+def _bias_descriptor(bias: torch.Tensor | None, q: torch.Tensor, block_m: int, block_n: int):
+    """A TMA descriptor of the bias (`_bias_view`), one [block_m, block_n] tile per load (zeros past Mq and Mk), or
+    None."""
+    view = _bias_view(bias, q)
+    if view is None:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(bias, *view, [1, 1, 1, block_m, block_n])
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
@@ -817,12 +834,12 @@ class BwOp(AttentionBwOpBase):
                 out, do, None if deterministic else dq_sum, dk, dv, varlen if keys_outside_in_prologue else None
             )
             alignment, window_left, window_right = _alignment(inp.attn_bias)
-            gluon = _gluon_backward(q, k, v, do, given_bias, inp.p, varlen, deterministic)
+            bias, *bias_strides = _bias_args(given_bias)
+            gluon = _gluon_backward(q, k, v, do, bias, inp.p, varlen, deterministic)
             if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
                 gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left, window_right,
-                          alignment == "bottom-right", varlen)  # fmt: skip
+                          alignment == "bottom-right", varlen, bias)  # fmt: skip
             else:
-                bias, *bias_strides = _bias_args(given_bias)
                 db_args = _bias_args(db)
                 block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
                 seqlen_k = None if varlen is None else varlen.seqlen_k
@@ -885,10 +902,13 @@ def _gluon_forward(q, k, v, inp, varlen, window_left):
 
 def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
     """triton_flash_hopper where its Gluon backward serves these [B, M, G, H, K] inputs (Hopper's common case: no
-    bias, dropout or padded keys, the one-pass mode), else None."""
-    if deterministic or bias is not None or p > 0.0 or not q.is_cuda:
+    dropout or padded keys, the one-pass mode; a [B, G, H, Mq, Mk] tensor bias that TMA reads, without gradient and
+    not with varlen), else None."""
+    if deterministic or p > 0.0 or not q.is_cuda:
         return None
     if varlen is not None and varlen.seqlen_k is not None:
+        return None
+    if bias is not None and (bias.requires_grad or varlen is not None or _bias_view(bias, q) is None):
         return None
     from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
 

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.attention.fmha.triton_flash import (
+    _bias_view,
     _flat_rows,
     _heads_per_section,
     _key_range,
@@ -82,10 +83,10 @@ def _box(desc, tile):
 
 @gluon.jit
 def _add_dq(dq_desc, dq_bufs, i, row, box_at):
-    """Adds ring block i's dQ share, in dq_bufs slot i % 2, to the query block from row `row` of the batch
-    element and column box_at (TMA leaves out the rows past the batch element's queries; varlen: the rows past
-    the sequence's get zeros, added to the next sequence's)."""
-    _tma_add(dq_desc, [box_at[0], row, box_at[1]], _box(dq_desc, dq_bufs.index(i % 2)))
+    """Adds ring block i's dQ share, in its dq_bufs slot, to the query block from row `row` of the batch element
+    and column box_at (TMA leaves out the rows past the batch element's queries; varlen: the rows past the
+    sequence's get zeros, added to the next sequence's)."""
+    _tma_add(dq_desc, [box_at[0], row, box_at[1]], _box(dq_desc, dq_bufs.index(i % dq_bufs.shape[0])))
 
 
 @gluon.constexpr_function
@@ -156,13 +157,16 @@ def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
 
 
 @gluon.jit
-def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                    delta_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row, parts):  # fmt: skip
-    """The loading warp: K and V once, then the query blocks' Q, dO and their LSE and delta in order, query block i
-    into slot i % STAGES once the multiplying warps have released the block before it there. The sequence's tiles
-    start at row q_row0 and column head_col of every tile descriptor, its statistics at stat_row (row, column)."""
+def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
+                    lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row,
+                    bias_at, parts, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """The loading warp: K and V once, then the query blocks' Q, dO, their LSE and delta (and bias tile) in order,
+    query block i into slot i % STAGES once the multiplying warps have released the block before it there. The
+    sequence's tiles start at row q_row0 and column head_col of every tile descriptor, its statistics at stat_row
+    (row, column), the bias tiles of the program's keys at bias_at (batch element, group, head, key)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_bufs.shape[0]
+    NBYTES: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, head_col], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, head_col], kv_ready, v_smem)
@@ -174,7 +178,12 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_sme
             # first as complete.
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            if HAS_BIAS:
+                mbarrier.expect(bar, NBYTES + bias_desc.block_type.nbytes)
+                at = [bias_at[0], bias_at[1], bias_at[2], start, bias_at[3]]
+                tma.async_copy_global_to_shared(bias_desc, at, bar, _box(bias_desc, bias_bufs.index(slot)))
+            else:
+                mbarrier.expect(bar, NBYTES)
             tma.async_copy_global_to_shared(lse_desc, [stat_row[0], stat_row[1] + start], bar, lse_bufs.index(slot))
             tma.async_copy_global_to_shared(delta_desc, [stat_row[0], stat_row[1] + start], bar, delta_bufs.index(slot))
             tma.async_copy_global_to_shared(q_desc, [q_row0 + start, head_col], bar, q_bufs.index(slot))
@@ -183,13 +192,15 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_sme
 
 
 @gluon.jit
-def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
-                  delta_rows, dq_desc, box_at, start_row, end_row, cols, q_start, q_len, k_len, shift, window_left,
-                  window_right, qk_scale, sm_scale, MASKED: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
+                  lse_rows, delta_rows, dq_desc, box_at, start_row, end_row, cols, q_start, q_len, k_len, shift,
+                  window_left, window_right, qk_scale, sm_scale, MASKED: gl.constexpr, VARLEN: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):  # fmt: skip
     """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) of the sequence from row
     q_start (ring blocks i on, the block before them from row last_start); each block's dQ share goes to dq_bufs and
-    is added to dq_desc's rows (batch element and column box_at) by TMA while the next block runs. Only MASKED
-    blocks evaluate the mask."""
+    is added to dq_desc's rows (batch element and column box_at) by TMA while the next block runs (with one dq_bufs
+    slot, before the next share is stored there). Only MASKED blocks evaluate the mask. HAS_BIAS: the ring's bias
+    tiles [BM, BN] add to the scores."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     BM: gl.constexpr = q_bufs.shape[1]
@@ -207,6 +218,8 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         lse2 = _stat_block(lse_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout)) * _LOG2E
+        # A query without any key (LSE −inf): +inf, whose weights exp2(s − LSE) are 0 for every score (triton_flash)
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
         delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
@@ -220,10 +233,12 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         dp = warpgroup_mma(v_smem, do.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                            is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(1, deps=(s,))
-        p = gl.exp2(s * qk_scale - lse2[None, :])
-        if MASKED:  # a query without any key (LSE −inf) has no weights
-            visible = _visible(cols, rows, k_len, q_len, -shift, window_right, window_left)
-            p = gl.where(visible & (lse2 > float("-inf"))[None, :], p, 0.0)
+        s = s * qk_scale
+        if HAS_BIAS:
+            s += bias_bufs.index(slot).permute((1, 0)).load(s_layout).to(gl.float32) * _LOG2E
+        p = gl.exp2(s - lse2[None, :])
+        if MASKED:
+            p = gl.where(_visible(cols, rows, k_len, q_len, -shift, window_right, window_left), p, 0.0)
         p_a = gl.convert_layout(p.to(q.dtype), a_layout)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)  # runs while dS is taken
         dp = warpgroup_mma_wait(1, deps=(dp,))
@@ -243,7 +258,10 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
                            use_acc=False, is_async=True)  # fmt: skip
         dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_a, ds_a))
         mbarrier.arrive(empty.index(slot))
-        dq_bufs.index(i % 2).store(dq * sm_scale)
+        if dq_bufs.shape[0] == 1:  # the add of block i - 1's share, issued above, has read the one slot
+            tma.store_wait(0)
+            _partition_barrier()
+        dq_bufs.index(i % dq_bufs.shape[0]).store(dq * sm_scale)
         fence_async_shared()
         last_start = start
         i += 1
@@ -251,9 +269,10 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
 
 
 @gluon.jit
-def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
-                   dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_start, q_len, k_start, k_len, shift,
-                   window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr):  # fmt: skip
+def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, kv_ready, ready, empty, lse_rows,
+                   delta_rows, dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_start, q_len, k_start, k_len,
+                   shift, window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr,
+                   HAS_BIAS: gl.constexpr):  # fmt: skip
     """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), the last
     block's dQ share, then dK and dV through shared memory (the batch element and column box_at) by TMA, except for
     a varlen key block that reaches past its sequence: it leaves them in shared memory for the kernel to store its
@@ -276,9 +295,9 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
     last_start = 0
     for part in gl.static_range(3):
         dk, dv, i, last_start = _query_blocks(
-            dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, lse_rows,
-            delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift, window_left,
-            window_right, qk_scale, sm_scale, part != 1, VARLEN,
+            dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
+            lse_rows, delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift,
+            window_left, window_right, qk_scale, sm_scale, part != 1, VARLEN, HAS_BIAS,
         )  # fmt: skip
     _partition_barrier()
     if i > 0:
@@ -300,15 +319,18 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, 
 
 @gluon.jit
 def _flash_backward_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, seqstart_q_ptr,
-    seqstart_k_ptr, G, H, Mq, Mk, qk_scale, sm_scale, window_left, window_right, blocks, section,
-    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, bias_desc, dk_ptr, dv_ptr,
+    seqstart_q_ptr, seqstart_k_ptr, G, H, Mq, Mk, qk_scale, sm_scale, window_left, window_right, stride_bb, stride_bg,
+    stride_bh, blocks, section, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    DQ_SLOTS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes, or dk_ptr and
     dv_ptr) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K]
     tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from
     the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the sequences that
-    seqstart_q and seqstart_k bound. Programs: (key block, sequence·group·head) in triton_flash's order."""
+    seqstart_q and seqstart_k bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N] tiles
+    (triton_flash._bias_view; its dimensions of stride 0 read at index 0). Programs: (key block,
+    sequence·group·head) in triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -333,9 +355,20 @@ def _flash_backward_hopper_kernel(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BN, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BN, BM], ds_layout)
-    # dQ's shares: one being added by TMA while the next is made
+    # dQ's shares: one being added by TMA while the next is made (one slot: the bias ring takes the other's room)
     dq_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], gl.float32)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BM, HEAD_DIM], dq_tile_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BM, HEAD_DIM], dq_tile_layout)
+    HAS_BIAS: gl.constexpr = bias_desc is not None
+    # warp_specialize's partitions take no None: without a bias, Q's descriptor and ring stand in (never read).
+    bias_tiles = q_desc
+    bias_bufs = q_bufs
+    bias_at = (0, 0, 0, 0)
+    if HAS_BIAS:
+        bias_tiles = bias_desc
+        bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], bias_desc.dtype)
+        bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, BM, BN], bias_layout)
+        bias_at = (gl.where(stride_bb == 0, 0, batch).to(gl.int32), gl.where(stride_bg == 0, 0, g),
+                   gl.where(stride_bh == 0, 0, h), first_col)  # fmt: skip
     STAT_W: gl.constexpr = lse_desc.block_type.shape[1]  # BM, varlen 2·BM (_stat_block)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], delta_desc.layout)
@@ -353,16 +386,18 @@ def _flash_backward_hopper_kernel(
     gl.warp_specialize(
         [
             (_mma_partition, (
-                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, ready, empty, lse_rows, delta_rows,
-                dq_desc, dk_desc, dv_desc, (batch.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
+                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, kv_ready, ready, empty, lse_rows,
+                delta_rows, dq_desc, dk_desc, dv_desc, (batch.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
                 (lo, full_lo, full_hi, hi), q_start, q_len, k_start, k_len, shift, window_left, window_right,
-                qk_scale, sm_scale, VARLEN,
+                qk_scale, sm_scale, VARLEN, HAS_BIAS,
             )),
             (_load_partition, (
-                q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                delta_bufs, kv_ready, ready, empty, (batch * Mk + k_start + first_col).to(gl.int32),
-                (batch * Mq + q_start).to(gl.int32), (g * H + h) * HEAD_DIM,
-                (((batch * G + g) * H + h).to(gl.int32), q_start - q_start % 4), (lo, full_lo, full_hi, hi),
+                q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_tiles, k_smem, v_smem, q_bufs, do_bufs,
+                lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty,
+                (batch * Mk + k_start + first_col).to(gl.int32), (batch * Mq + q_start).to(gl.int32),
+                (g * H + h) * HEAD_DIM,
+                (((batch * G + g) * H + h).to(gl.int32), q_start - q_start % 4), bias_at, (lo, full_lo, full_hi, hi),
+                HAS_BIAS,
             )),
         ],
         [1],
@@ -429,20 +464,27 @@ def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
     return TensorDescriptor(rows, [b * g * h, m], [rows.stride(0), 1], [1, block], _STAT_LAYOUT)
 
 
-def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right, varlen=None):
+def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right, varlen=None,
+        bias=None):  # fmt: skip
     """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors; varlen: common.VarlenArgs
-    of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are)."""
-    batch, mq, groups, heads, _ = q.shape
+    of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are);
+    bias: a [B, G, H, Mq, Mk] tensor bias without gradient that supports() took (not with varlen)."""
+    batch, mq, groups, heads, dim = q.shape
     mk = k.shape[1]
     sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
+    bias_desc = None
+    if bias is not None:
+        box = [1, 1, 1, BLOCK_M, BLOCK_N]
+        bias_desc = TensorDescriptor(bias, *_bias_view(bias, q), box, _tile_layout(tuple(box)))
     _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),
         _box_descriptor(dq_sum, BLOCK_M),
-        _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), dk, dv,
+        _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), bias_desc, dk, dv,
         *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), groups, heads, mq, mk,
-        scale * _LOG2E.value, scale, window_left, window_right, blocks, _heads_per_section(blocks, q.device),
-        VARLEN=varlen is not None, BOTTOM_RIGHT=bottom_right, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS,
+        scale * _LOG2E.value, scale, window_left, window_right, *(bias.stride()[:3] if bias is not None else (0,) * 3),
+        blocks, _heads_per_section(blocks, q.device), VARLEN=varlen is not None, BOTTOM_RIGHT=bottom_right,
+        STAGES=STAGES, DQ_SLOTS=1 if bias is not None and dim > 64 else 2, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,
     )  # fmt: skip
