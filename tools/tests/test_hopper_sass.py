@@ -287,8 +287,10 @@ SPILLING = {
     ("attention", "attention_bwd_k128"),
     ("attention", "attention_bwd_k128_varlen"),  # 168 bytes (Triton 3.6): the sequences' bounds take registers
     ("attention", "attention_bwd_k128_triton"),
+    ("attention", "attention_bwd_k64_bias"),  # 8 bytes writing the bias gradient (Triton 3.7; none under 3.6)
     ("attention", "attention_bwd_k128_bias"),  # the same kernel reading a bias
     ("attention", "attention_bwd_k256_bias"),  # 656 bytes; 400 without a bias (Triton 3.7)
+    ("attention", "attention_bwd_k128_bias_gluon"),  # 184-212 bytes, 92-100 without the bias tiles
     # The tensor-bias forward's fastest tiles (RESULTS.md, twenty-eighth session): 8 bytes under Triton 3.6 (none
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
