@@ -14,17 +14,18 @@ in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen 
 
 On Hopper (SM90) the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
 aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
-takes otherwise; the interior key blocks of a causal or windowed range skip the mask. At head dim 128 without a mask
-or with a causal one (no bias, dropout, varlen or left window) the forward is triton_flash_hopper_fwd's
-warp-specialized Gluon kernel (1.03-1.14x this module's from 512 keys).
+takes otherwise, and a tensor bias's tiles too where TMA reads them (`_bias_view`); the interior key blocks of a
+causal or windowed range skip the mask. At head dim 128 without a mask or with a causal one (no bias, dropout,
+varlen or left window) the forward is triton_flash_hopper_fwd's warp-specialized Gluon kernel (1.03-1.14x this
+module's from 512 keys).
 
 `BwOp` is the matching backward, from any forward's output and LSE: after one prologue launch (delta, zeros in dQ's
 fp32 sum and in varlen's dK/dV rows outside every sequence), one pass over key blocks that writes dK and dV and adds
 dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under torch.use_deterministic_algorithms,
 two passes without atomics. On Hopper, Q, dO, K and V tiles come through
-2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without bias, dropout or
-padded keys the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this module's;
-varlen 1.41-1.47x). The dispatcher
+2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without dropout, padded keys or
+a bias gradient the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this
+module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher
 tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the
 H200 the forward runs at 0.79-1.04x cuDNN on dense attention (0.93-1.04x from 4096 keys) and beats FlexAttention on
 sliding windows and varlen; forward+backward runs at 0.87-0.95x cuDNN's on dense bf16 attention at head dims 64 and
@@ -270,7 +271,7 @@ def _flash_forward_kernel(
         if HAS_BIAS:
             bias_base = bias_ptr + _head_offset(batch, g, h, stride_bb, stride_bg, stride_bh, True)
         first_row = pid_m * BLOCK_M
-        # The bias descriptor's broadcast dimensions (stride 0) have one element (`_bias_descriptor`).
+        # The bias descriptor's broadcast dimensions (stride 0) have one element (`_bias_view`).
         bias_at = (tl.where(stride_bb == 0, 0, batch), tl.where(stride_bg == 0, 0, g), tl.where(stride_bh == 0, 0, h),
                    first_row)  # fmt: skip
 
@@ -575,9 +576,9 @@ def _tiles(
         return block, block, 4, 2
     if kind == "fwd" and tma:
         # A bias's tiles take shared memory too: the tiles without one asked 288 KiB at head dim 128 and 240 at 256,
-        # of a Hopper block's 227 (OutOfResources on the H200). The fastest of a sweep (B=2 M=4096 H=16 K=128, and
-        # K=64 B=4, K=256 B=1): 1007, 703 and 687 us, against 1159 (128 x 64 on 8 warps), 900 (64 x 64 on 4 warps)
-        # and 1334 (64 x 64 on 8 warps).
+        # of a Hopper block's 227 (OutOfResources on the H200). The fastest of a sweep (bf16 M=4096 H=16; RESULTS.md):
+        # K=64 B=4 1007 us (8 warps: 1159), K=128 B=2 703 (64 x 64 tiles: 900), K=256 B=1 687 (64 x 64 on 8 warps,
+        # which do not spill: 1334).
         if bias:
             return (128, 64, 4, 3) if head_block <= 64 else ((128, 64, 8, 3) if head_block <= 128 else (128, 64, 8, 2))
         if short_sequences and head_block <= 128:

@@ -1,8 +1,10 @@
 """The attention backward of triton_flash.BwOp on Hopper (sm_90), written in Gluon, for the common case: 16-bit
-Q, K, V of head dim 64 or 128 that TMA can read as [B·M, G·H·K] matrices, no tensor bias, no dropout, no padded
-keys, dQ summed in fp32 by TMA reduce-adds (not the deterministic mode). Varlen sequences packed in one batch
-element: tiles that reach past a sequence read the next one's rows (or past the last one, rows that may hold
-anything), which are zeroed in shared memory, and such a key block's dK and dV rows leave by plain stores.
+Q, K, V of head dim 64 or 128 that TMA can read as [B·M, G·H·K] matrices, no dropout, no padded keys, dQ summed in
+fp32 by TMA reduce-adds (not the deterministic mode); a tensor bias that TMA reads and that needs no gradient, not
+with varlen (its tiles come through the ring with Q and dO: 1.57x the Triton kernel at B=2 M=4096 H=16 K=128,
+RESULTS.md, twenty-eighth session). Varlen sequences packed in one batch element: tiles that reach past a sequence
+read the next one's rows (or past the last one, rows that may hold anything), which are zeroed in shared memory,
+and such a key block's dK and dV rows leave by plain stores.
 
 A program takes a block of BLOCK_N keys of one head and walks the query blocks that see them (the mirrored mask of
 triton_flash: causal and windowed ranges, their interior unmasked), as in FlashAttention-3's backward:
