@@ -122,6 +122,13 @@ def _scores(q, k, rows, cols, bias_ptr, stride_bm, stride_bn, q_len, k_len, qk_s
 
 
 @triton.jit
+def _bias_head(batch, g, h, stride_bb, stride_bg, stride_bh):
+    """(batch element, group, head) of a head's tiles in a bias descriptor (`_bias_view`): 0 along a broadcast
+    dimension (stride 0), which the descriptor holds as one element."""
+    return tl.where(stride_bb == 0, 0, batch), tl.where(stride_bg == 0, 0, g), tl.where(stride_bh == 0, 0, h)
+
+
+@triton.jit
 def _head_offset(batch, g, h, stride_b, stride_g, stride_h, WIDE: tl.constexpr):
     """Elements from a tensor's start to (batch element, group, head)'s rows. In int64 when WIDE (`_past_int32`:
     a product can then pass 2**31, e.g. a [B, H, Mq, Mk] bias at H=16 Mq=Mk=16384), else in int32, which the
@@ -271,9 +278,8 @@ def _flash_forward_kernel(
         if HAS_BIAS:
             bias_base = bias_ptr + _head_offset(batch, g, h, stride_bb, stride_bg, stride_bh, True)
         first_row = pid_m * BLOCK_M
-        # The bias descriptor's broadcast dimensions (stride 0) have one element (`_bias_view`).
-        bias_at = (tl.where(stride_bb == 0, 0, batch), tl.where(stride_bg == 0, 0, g), tl.where(stride_bh == 0, 0, h),
-                   first_row)  # fmt: skip
+        bias_b, bias_g, bias_h = _bias_head(batch, g, h, stride_bb, stride_bg, stride_bh)
+        bias_at = (bias_b, bias_g, bias_h, first_row)
 
         shift = k_len - q_len if BOTTOM_RIGHT else 0
         lo, hi = _key_range(first_row, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
@@ -353,11 +359,11 @@ def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _lse2(ptrs, mask):
-    """The backward's LSE of the queries at ptrs (where mask), in log2 units, +inf for a query without any key (LSE
-    −inf: masked whole, or by a tensor bias of −inf), whose weights exp2(s − LSE) are then 0 for every score, −inf
-    included (where −inf − (−inf) would give NaN, in unmasked blocks too)."""
-    lse2 = tl.load(ptrs, mask=mask, other=0.0) * 1.4426950408889634
+def _lse2(lse):
+    """The backward's LSE in log2 units, +inf for a query without any key (LSE −inf: masked whole, or by a tensor
+    bias of −inf), whose weights exp2(s − LSE) are then 0 for every score, −inf included (where −inf − (−inf) would
+    give NaN, in unmasked blocks too)."""
+    lse2 = lse * 1.4426950408889634
     return tl.where(lse2 == float("-inf"), float("inf"), lse2)
 
 
@@ -384,7 +390,7 @@ def _dkdv_over_queries(
             q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
             do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
         in_sequence = rows < q_len
-        lse2 = _lse2(lse_ptr + stat_base + rows, in_sequence)
+        lse2 = _lse2(tl.load(lse_ptr + stat_base + rows, mask=in_sequence, other=0.0))
         delta = tl.load(delta_ptr + stat_base + rows, mask=in_sequence, other=0.0)
         s = _scores(k, q, cols, rows, bias_base, stride_bn, stride_bm, k_len, q_len, qk_scale, HAS_BIAS, IEEE)
         p = tl.exp2(s - lse2[None, :])
@@ -469,7 +475,7 @@ def _flash_backward_kernel(
             rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
             q = _load_rows(q_base, q_start, rows, q_len, stride_qm, dk_range, K, UPCAST)
             do = _load_rows(do_base, q_start, rows, q_len, stride_om, dv_range, Kv, UPCAST)
-            lse2 = _lse2(lse_ptr + stat_base + rows, rows < q_len)
+            lse2 = _lse2(tl.load(lse_ptr + stat_base + rows, mask=rows < q_len, other=0.0))
             delta = tl.load(delta_ptr + stat_base + rows, mask=rows < q_len, other=0.0)
             lo, hi = _key_range(pid * BLOCK_M, q_len, k_len, shift, window_left, window_right, BLOCK_M, BLOCK_N)
             dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)

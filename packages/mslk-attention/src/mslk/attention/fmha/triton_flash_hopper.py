@@ -45,10 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.attention.fmha.triton_flash import (
+    _bias_head,
     _bias_view,
     _flat_rows,
     _heads_per_section,
     _key_range,
+    _lse2,
     _program_block,
     _sequence,
     _tma_readable,
@@ -219,9 +221,7 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         slot = i % STAGES
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        lse2 = _stat_block(lse_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout)) * _LOG2E
-        # A query without any key (LSE −inf): +inf, whose weights exp2(s − LSE) are 0 for every score (triton_flash)
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        lse2 = _lse2(_stat_block(lse_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout)))
         delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
@@ -369,8 +369,8 @@ def _flash_backward_hopper_kernel(
         bias_tiles = bias_desc
         bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], bias_desc.dtype)
         bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, BM, BN], bias_layout)
-        bias_at = (gl.where(stride_bb == 0, 0, batch).to(gl.int32), gl.where(stride_bg == 0, 0, g),
-                   gl.where(stride_bh == 0, 0, h), first_col)  # fmt: skip
+        bias_b, bias_g, bias_h = _bias_head(batch, g, h, stride_bb, stride_bg, stride_bh)
+        bias_at = (bias_b.to(gl.int32), bias_g, bias_h, first_col)
     STAT_W: gl.constexpr = lse_desc.block_type.shape[1]  # BM, varlen 2·BM (_stat_block)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STAT_W], delta_desc.layout)
