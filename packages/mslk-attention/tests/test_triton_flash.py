@@ -93,8 +93,9 @@ def _layout_bias(layout, batch, heads, mq, mk, dtype, device):
     }[layout]()
 
 
-def _check_bias_layout(monkeypatch, layout, sizes, dtype, device):
-    """The forward against the oracle with a tensor bias in `layout`, and that it took the bias path expected."""
+def _check_bias_layout(monkeypatch, layout, sizes, dtype, device, mask=None):
+    """The forward against the oracle with a tensor bias in `layout` (`mask`: the bias's class, e.g. causal with
+    B02), and that it took the bias path expected."""
     descriptors = []
 
     def recorded(*args):
@@ -105,7 +106,8 @@ def _check_bias_layout(monkeypatch, layout, sizes, dtype, device):
     monkeypatch.setattr(triton_flash, "_bias_descriptor", recorded)
     batch, mq, mk, _, heads, _ = sizes
     q, k, v, _ = _inputs("None", "BMHK", sizes, dtype, device)
-    _check(q, k, v, _layout_bias(layout, batch, heads, mq, mk, dtype, device), dtype)
+    bias = _layout_bias(layout, batch, heads, mq, mk, dtype, device)
+    _check(q, k, v, bias if mask is None else mask(bias), dtype)
     assert [d is not None for d in descriptors] == [BIAS_LAYOUTS[layout] and triton_flash._tma_readable(k, v)]
 
 
@@ -165,11 +167,13 @@ def test_gpu(bias_id, dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask", [None, fmha.attn_bias.LowerTriangularMaskWithTensorBias], ids=["T", "B02"])
 @pytest.mark.parametrize("layout", BIAS_LAYOUTS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_bias_layouts(monkeypatch, layout, head_dim):
-    """Tensor biases in every layout on the GPU (Hopper: through a descriptor where TMA reads them)."""
-    _check_bias_layout(monkeypatch, layout, (2, 300, 513, 1, 4, head_dim), torch.bfloat16, "cuda")
+def test_gpu_bias_layouts(monkeypatch, layout, head_dim, mask):
+    """Tensor biases in every layout on the GPU, alone and under a causal mask (Hopper: through a descriptor where
+    TMA reads them)."""
+    _check_bias_layout(monkeypatch, layout, (2, 300, 513, 1, 4, head_dim), torch.bfloat16, "cuda", mask)
 
 
 BACKWARD_IDS = ["None", "T", *[f"B{i:02d}" for i in range(1, 15)]]
