@@ -134,6 +134,11 @@ def attention_calls():
         )
         if dim < 256:
             calls[f"attention_bwd_k{dim}_bias_gluon"] = lambda inp=inp, q=q, ctx=ctx: tf.BwOp.apply(ctx, inp, q)
+    # At head dim 128 the forward with a bias is the Gluon kernel (bias tiles in its ring); this the Triton kernel it
+    # stands in for, which fewer keys keep.
+    calls["attention_fwd_k128_bias_triton"] = lambda: gluon_off(
+        calls["attention_fwd_k128_bias"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
+    )
     return calls
 
 
@@ -213,6 +218,7 @@ SUITES = {
             "attention_fwd_k128_triton",
             *(f"attention_{p}_k{d}_bias" for d in (64, 128, 256) for p in ("fwd", "bwd")),
             *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
+            "attention_fwd_k128_bias_triton",
         ],
     ),
     "gemm": (

@@ -95,20 +95,32 @@ def _layout_bias(layout, batch, heads, mq, mk, dtype, device):
 
 def _check_bias_layout(monkeypatch, layout, sizes, dtype, device, mask=None):
     """The forward against the oracle with a tensor bias in `layout` (`mask`: the bias's class, e.g. causal with
-    B02), and that it took the bias path expected."""
-    descriptors = []
+    B02), and that it took the bias path expected: on Hopper, where TMA reads the bias, the Gluon forward at its head
+    dim and number of keys, else the Triton kernel's bias tiles through a descriptor; pointer loads otherwise."""
+    from mslk.attention.fmha import triton_flash_hopper_fwd
+
+    paths = []
 
     def recorded(*args):
-        descriptors.append(bias_descriptor(*args))
-        return descriptors[-1]
+        paths.append("descriptor" if bias_descriptor(*args) is not None else "pointers")
+        return bias_descriptor(*args)
 
-    bias_descriptor = triton_flash._bias_descriptor
+    def gluon_recorded(*args):
+        paths.append("gluon")
+        return gluon_run(*args)
+
+    bias_descriptor, gluon_run = triton_flash._bias_descriptor, triton_flash_hopper_fwd.run
     monkeypatch.setattr(triton_flash, "_bias_descriptor", recorded)
-    batch, mq, mk, _, heads, _ = sizes
+    monkeypatch.setattr(triton_flash_hopper_fwd, "run", gluon_recorded)
+    batch, mq, mk, _, heads, head_dim = sizes
     q, k, v, _ = _inputs("None", "BMHK", sizes, dtype, device)
     bias = _layout_bias(layout, batch, heads, mq, mk, dtype, device)
     _check(q, k, v, bias if mask is None else mask(bias), dtype)
-    assert [d is not None for d in descriptors] == [BIAS_LAYOUTS[layout] and triton_flash._tma_readable(k, v)]
+    path = "pointers"
+    if BIAS_LAYOUTS[layout] and triton_flash._tma_readable(k, v):
+        gluon = head_dim in triton_flash_hopper_fwd.HEAD_DIMS and mk >= triton_flash._GLUON_FORWARD_MIN_KEYS
+        path = "gluon" if gluon else "descriptor"
+    assert paths == [path]
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU tests run this path for real")
@@ -169,11 +181,11 @@ def test_gpu(bias_id, dtype, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", [None, fmha.attn_bias.LowerTriangularMaskWithTensorBias], ids=["T", "B02"])
 @pytest.mark.parametrize("layout", BIAS_LAYOUTS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_bias_layouts(monkeypatch, layout, head_dim, mask):
-    """Tensor biases in every layout on the GPU, alone and under a causal mask (Hopper: through a descriptor where
-    TMA reads them)."""
-    _check_bias_layout(monkeypatch, layout, (2, 300, 513, 1, 4, head_dim), torch.bfloat16, "cuda", mask)
+@pytest.mark.parametrize(("head_dim", "keys"), [(64, 513), (128, 513), (128, 1000), (128, 300), (256, 513)])
+def test_gpu_bias_layouts(monkeypatch, layout, head_dim, keys, mask):
+    """Tensor biases in every layout on the GPU, alone and under a causal mask (Hopper: the Gluon forward at head
+    dim 128 from 512 keys, the Triton kernel's bias tiles through a descriptor below, where TMA reads them)."""
+    _check_bias_layout(monkeypatch, layout, (2, 300, keys, 1, 4, head_dim), torch.bfloat16, "cuda", mask)
 
 
 BACKWARD_IDS = ["None", "T", *[f"B{i:02d}" for i in range(1, 15)]]

@@ -15,9 +15,9 @@ in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen 
 On Hopper (SM90) the forward reads K and V tiles through TMA tensor descriptors where their layout allows (16-bit,
 aligned rows, no stride-0 GQA expansion, no padded or gappy keys), which frees the registers that address math
 takes otherwise, and a tensor bias's tiles too where TMA reads them (`_bias_view`); the interior key blocks of a
-causal or windowed range skip the mask. At head dim 128 without a mask or with a causal one (no bias, dropout,
-varlen or left window) the forward is triton_flash_hopper_fwd's warp-specialized Gluon kernel (1.03-1.14x this
-module's from 512 keys).
+causal or windowed range skip the mask. At head dim 128 without a mask or with a causal one (and a tensor bias that
+TMA reads, or none; no dropout, varlen or left window) the forward is triton_flash_hopper_fwd's warp-specialized
+Gluon kernel (1.03-1.14x this module's from 512 keys; 1.02-1.04x with a bias).
 
 `BwOp` is the matching backward, from any forward's output and LSE: after one prologue launch (delta, zeros in dQ's
 fp32 sum and in varlen's dK/dV rows outside every sequence), one pass over key blocks that writes dK and dV and adds
@@ -742,7 +742,8 @@ class FwOp(AttentionFwOpBase):
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
         gluon = _gluon_forward(q, k, v, inp, varlen, window_left) if out.numel() and max_q else None
         if gluon is not None:  # Hopper, no mask or causal: warpgroups that take turns
-            gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right")
+            bias = _bias_args(tensor_bias(inp.attn_bias))[0]
+            gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right", bias)
         elif out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
             # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
@@ -896,11 +897,13 @@ _GLUON_FORWARD_MIN_KEYS = 512
 
 def _gluon_forward(q, k, v, inp, varlen, window_left):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
-    (no mask or a causal one, top-left or bottom-right; at least _GLUON_FORWARD_MIN_KEYS keys), else None. Not
-    with a left window (sliding windows: 0.96x the Triton kernel), a tensor bias (its tiles through the Gluon
-    kernel's ring, which then has room for two slots: 778 against 753 us, B=2 M=4096 H=16 K=128), dropout or
-    varlen."""
-    if window_left >= 0 or tensor_bias(inp.attn_bias) is not None or inp.p > 0.0 or varlen is not None:
+    (no mask or a causal one, top-left or bottom-right, and a tensor bias that TMA reads or none; at least
+    _GLUON_FORWARD_MIN_KEYS keys), else None. Not with a left window (sliding windows: 0.96x the Triton kernel),
+    dropout or varlen."""
+    if window_left >= 0 or inp.p > 0.0 or varlen is not None:
+        return None
+    bias = tensor_bias(inp.attn_bias)
+    if bias is not None and _bias_view(_bias_args(bias)[0], q) is None:
         return None
     if k.shape[1] < _GLUON_FORWARD_MIN_KEYS:
         return None

@@ -1,7 +1,7 @@
 """The attention forward of triton_flash.FwOp on Hopper (sm_90), written in Gluon, where it is measured faster
 than the Triton kernel: 16-bit Q, K, V of head dim 128 that TMA can read as [B·M, G·H·K] matrices, a positive
-scale, no mask or a causal one (top-left or bottom-right), no bias, dropout, varlen or left window, enough keys
-(triton_flash._gluon_forward decides).
+scale, no mask or a causal one (top-left or bottom-right), with or without a tensor bias that TMA reads, no dropout,
+varlen or left window, enough keys (triton_flash._gluon_forward decides).
 
 Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward,
 in pairs of query blocks that a causal mask gives as many keys together (_tile):
@@ -16,6 +16,13 @@ H200, bf16, H=16, forward alone (RESULTS.md, twenty-second session; TFLOP/s, ben
 and no mask 556 against cuDNN's 516 and 598, B=1 M=16384 causal 570 against 548; 1.03-1.14x the Triton kernel
 from 512 to 16384 keys, causal or not. Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge
 spilled here). Still short of cuDNN on short rows (B=16 M=1024: 453 against 571).
+
+With a tensor bias, each ring slot holds the bias tile of its key block for the tile's 128 queries too (the loading
+warp brings it with K and V), and the slots are half as wide (64 keys) to make room for four of them: B=2 M=4096
+H=16, 711-725 us against the Triton kernel's 728-754 (FlexAttention 748-767); causal 385-388 against 382-402. Not
+kept: the bias read straight from global memory by each warpgroup in the scores' layout (no ring room needed, but
+873 us: ptxas sinks the loads past the products' wait, whose latency then shows), 128-key slots with two slots
+(779 us) and L2 prefetches of the bias blocks ahead (no gain). RESULTS.md, twenty-ninth session.
 """
 
 from __future__ import annotations
@@ -25,9 +32,18 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mslk.attention.fmha.triton_flash import _heads_per_section, _key_range, _tile_block, _unmasked_key_range, _visible
-from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _descriptor, _tma_operands
+from mslk.attention.fmha.triton_flash import (
+    _bias_head,
+    _bias_view,
+    _heads_per_section,
+    _key_range,
+    _tile_block,
+    _unmasked_key_range,
+    _visible,
+)
+from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _box, _descriptor, _tile_layout, _tma_operands
 from mslk.core import arch, launch
 
 HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
@@ -36,6 +52,8 @@ BLOCK_N = 128  # keys a step
 STAGES = 3  # K and V slots of the ring (block j-1's slot is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
+BIAS_BLOCK_N = 64  # with a tensor bias: keys a step ...
+BIAS_STAGES = 4  # ... and slots, each with a [BLOCK_M, BIAS_BLOCK_N] bias tile
 
 
 @gluon.jit
@@ -64,11 +82,12 @@ def _program_tiles(blocks, all_heads):
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                    window_right, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr):  # fmt: skip
+def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready,
+                    empty, G, H, Mq, Mk, window_right, blocks, all_heads, section, stride_bb, stride_bg, stride_bh,
+                    BOTTOM_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
     """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
-    tile's, then its key blocks' K and V in order through the ring (block i of the program into slot i % STAGES once
-    both warpgroups have released the block before it there)."""
+    tile's, then its key blocks' K and V (and bias tile) in order through the ring (block i of the program into slot
+    i % STAGES once both warpgroups have released the block before it there)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -83,13 +102,20 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_e
         k_row0 = (b * Mk).to(gl.int32)
         mbarrier.wait(q_empty, (j & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        bias_b, bias_g, bias_h = _bias_head(b, (bgh // H) % G, bgh % H, stride_bb, stride_bg, stride_bh)
         tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
         for start in range(0, hi, BN):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            if HAS_BIAS:  # the bias tile of the block's keys for both warpgroups' queries, on the same barrier
+                BIAS_BYTES: gl.constexpr = bias_desc.block_type.nbytes
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + BIAS_BYTES)
+                tma.async_copy_global_to_shared(bias_desc, [bias_b, bias_g, bias_h, first_row, start], bar,
+                                                _box(bias_desc, bias_bufs.index(slot)))  # fmt: skip
+            else:
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
             tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
             i += 1
@@ -113,11 +139,17 @@ def _scores(q, k_bufs, ready, turn, i, n, WG: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED: gl.constexpr):
-    """The online softmax step of one key block's raw scores: the new row maximum, the old accumulator's factor,
-    the weights and the new row sums."""
+def _softmax(s, bias_bufs, slot, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale,
+             MASKED: gl.constexpr, HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """The online softmax step of one key block's raw scores (and, HAS_BIAS, this warpgroup's rows of the bias tile
+    in ring slot `slot`): the new row maximum, the old accumulator's factor, the weights and the new row sums."""
     BN: gl.constexpr = s.shape[1]
+    HALF: gl.constexpr = s.shape[0]
     s_layout: gl.constexpr = s.type.layout
+    if HAS_BIAS:  # scores in log2 units, the scale already in them
+        bias = bias_bufs.index(slot).slice(WG * HALF, HALF).load(s_layout)
+        s = s * qk_scale + bias.to(gl.float32) * _LOG2E
+        qk_scale = 1.0
     if MASKED:
         cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_visible(rows, cols, q_len, k_len, shift, -1, window_right), s, float("-inf"))
@@ -129,8 +161,9 @@ def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_sca
 
 
 @gluon.jit
-def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, rows, start_col, end_col, q_len, k_len,
-            shift, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready, empty, turn, rows, start_col, end_col,
+            q_len, k_len, shift, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr,
+            HAS_BIAS: gl.constexpr):  # fmt: skip
     """Key blocks [start_col, end_col) (ring blocks i on, turns n on): block j's scores and block j-1's P·V start
     together in this warpgroup's turn, then the other warpgroup's turn comes, whose products run under this one's
     softmax. (The softmax under this warpgroup's own products too, as FlashAttention-3 does, spilled at 240
@@ -144,7 +177,8 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
         mbarrier.arrive(turn.index(1 - WG))
         s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
         mbarrier.arrive(empty.index(prev))
-        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
+        m_i, alpha, p, l_i = _softmax(s, bias_bufs, i % STAGES, m_i, l_i, rows, start, q_len, k_len, shift,
+                                      window_right, qk_scale, MASKED, HAS_BIAS, WG)  # fmt: skip
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_a = gl.convert_layout(p.to(q.dtype), p_a.type.layout)
         i += 1
@@ -153,10 +187,10 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn, row
 
 
 @gluon.jit
-def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                       qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
+def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G,
+                       H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
                        stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
+                       HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
     and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
     may be the diagonal or the last), so that the loop always has the previous block's weights to multiply; the last
@@ -189,16 +223,17 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
             s = _scores(q, k_bufs, ready, turn, i, n, WG)
             mbarrier.arrive(turn.index(1 - WG))
             s = warpgroup_mma_wait(0, deps=(s,))
-            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
+            m_i, _, p, l_i = _softmax(s, bias_bufs, i % STAGES, m_i, l_i, rows, 0, Mq, Mk, shift, window_right,
+                                      qk_scale, True, HAS_BIAS, WG)  # fmt: skip
             p_a = gl.convert_layout(p.to(q.dtype), p_layout)
             i += 1
             n += 1
             rest = gl.minimum(BN, hi)
             bounds = (rest, gl.maximum(full_hi, rest), hi)
             for part in gl.static_range(2):  # unmasked interior, masked right edge (the diagonal, the last keys)
-                acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, ready, empty, turn,
-                                                   rows, bounds[part], bounds[part + 1], Mq, Mk, shift, window_right,
-                                                   qk_scale, WG, part == 1)  # fmt: skip
+                acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready,
+                                                   empty, turn, rows, bounds[part], bounds[part + 1], Mq, Mk, shift,
+                                                   window_right, qk_scale, WG, part == 1, HAS_BIAS)  # fmt: skip
             mbarrier.arrive(q_empty)
             last = (i - 1) % STAGES
             acc = warpgroup_mma(p_a, v_bufs.index(last), acc, is_async=True)
@@ -220,19 +255,29 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, t
 
 @gluon.jit
 def _flash_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
-    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
-    BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    q_desc, k_desc, v_desc, bias_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
+    stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, stride_bb, stride_bg, stride_bh,
+    blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr,
+    LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] of [B, M, G, H, K] Q, K, V read through [B·M, G·H·K] descriptors
-    (Q tiles [64, K], K and V tiles [BLOCK_N, K]). Persistent: each program takes its units' tiles (_tile): pairs of
-    the `blocks` query blocks of each of the `all_heads` batch·group·heads."""
+    (Q tiles [64, K], K and V tiles [BLOCK_N, K]), plus a tensor bias's [1, 1, 1, 128, BLOCK_N] tiles (bias_desc; None
+    without one; its dimensions of stride 0 read at index 0, _bias_head). Persistent: each program takes its units'
+    tiles (_tile): pairs of the `blocks` query blocks of each of the `all_heads` batch·group·heads."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
+    HAS_BIAS: gl.constexpr = bias_desc is not None
+    # warp_specialize's partitions take no None: without a bias, K's descriptor and ring stand in (never read).
+    bias_tiles = k_desc
+    bias_bufs = k_bufs
+    if HAS_BIAS:
+        bias_tiles = bias_desc
+        bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, BN], bias_desc.dtype)
+        bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, 2 * HALF, BN], bias_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
@@ -248,18 +293,19 @@ def _flash_forward_hopper_kernel(
     gl.warp_specialize(
         [
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 0,
+                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq,
+                Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, HAS_BIAS, 0,
             )),
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk,
-                qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, 1,
+                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq,
+                Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
+                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, HAS_BIAS, 1,
             )),
             (_load_partition, (
-                q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, G, H, Mq, Mk,
-                window_right, blocks, all_heads, section, BOTTOM_RIGHT,
+                q_desc, k_desc, v_desc, bias_tiles, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty,
+                G, H, Mq, Mk, window_right, blocks, all_heads, section, stride_bb, stride_bg, stride_bh,
+                BOTTOM_RIGHT, HAS_BIAS,
             )),
         ],
         [4, 1],
@@ -280,16 +326,23 @@ def supports(q, k, v, scale: float) -> bool:
     )
 
 
-def run(q, k, v, out, lse, scale, window_right, bottom_right):
-    """out [B, Mq, G, H, K] and lse [B, G, H, Mq] (fp32, natural log) of [B, M, G, H, K] tensors."""
+def run(q, k, v, out, lse, scale, window_right, bottom_right, bias=None):
+    """out [B, Mq, G, H, K] and lse [B, G, H, Mq] (fp32, natural log) of [B, M, G, H, K] tensors, with a
+    [B, G, H, Mq, Mk] tensor bias that TMA reads (triton_flash._bias_view) or None."""
     batch, mq, groups, heads, _ = q.shape
+    block_n, stages, bias_desc = BLOCK_N, STAGES, None
+    if bias is not None:  # the ring's slots take a bias tile each: more of them, half as wide
+        block_n, stages = BIAS_BLOCK_N, BIAS_STAGES
+        box = [1, 1, 1, BLOCK_M, block_n]
+        bias_desc = TensorDescriptor(bias, *_bias_view(bias, q), box, _tile_layout(tuple(box)))
     mk = k.shape[1]
     blocks = launch.cdiv(mq, BLOCK_M)
     units = (blocks + 1) // 2  # pairs of query blocks (_tile)
     all_heads = batch * groups * heads
     _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse, groups, heads, mq,
-        mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3], blocks,
-        all_heads, _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=STAGES,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), bias_desc, out, lse, groups,
+        heads, mq, mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3],
+        *(bias.stride()[:3] if bias is not None else (0, 0, 0)), blocks, all_heads,
+        _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=stages,
         MMA_REGISTERS=MMA_REGISTERS, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
