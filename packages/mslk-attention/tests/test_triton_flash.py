@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mslk.attention import fmha
-from mslk.attention.fmha import attn_bias_utils, common, triton_flash
+from mslk.attention.fmha import attn_bias_utils, common, triton_flash, triton_flash_hopper_fwd
 from mslk.attention.fmha.common import _BIAS_BY_ID
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import testing
@@ -97,8 +97,6 @@ def _check_bias_layout(monkeypatch, layout, sizes, dtype, device, mask=None):
     """The forward against the oracle with a tensor bias in `layout` (`mask`: the bias's class, e.g. causal with
     B02), and that it took the bias path expected: on Hopper, where TMA reads the bias, the Gluon forward at its head
     dim and number of keys, else the Triton kernel's bias tiles through a descriptor; pointer loads otherwise."""
-    from mslk.attention.fmha import triton_flash_hopper_fwd
-
     paths = []
 
     def recorded(*args):
