@@ -612,8 +612,8 @@ def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
 def test_hopper_forward_declines_what_it_does_not_serve():
     """FwOp takes the Gluon forward for one sequence without a mask or causal, over long keys only, and the kernel
     serves sm_90 GPUs, 16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here: a
-    tensor bias, a left window, dropout, short keys, CPU tensors, a negative scale, fp32, head dims 64 and 256,
-    Kv != K, stride-0 GQA heads) runs the Triton kernel."""
+    tensor bias TMA cannot read, broadcast over the queries; a left window, dropout, short keys, CPU tensors, a
+    negative scale, fp32, head dims 64 and 256, Kv != K, stride-0 GQA heads) runs the Triton kernel."""
     from mslk.attention.fmha import attn_bias, triton_flash_hopper_fwd
 
     q = torch.randn(1, triton_flash._GLUON_FORWARD_MIN_KEYS, 1, 2, 128, dtype=torch.bfloat16)
@@ -625,14 +625,15 @@ def test_hopper_forward_declines_what_it_does_not_serve():
         common.Inputs(q4[:, :-1], q4[:, :-1], q4[:, :-1]),
     ):
         k = triton_flash._bmghk(inp.key)
-        assert triton_flash._gluon_forward(k, k, k, inp, None, -1) is None
+        bias = triton_flash._bias_args(common.tensor_bias(inp.attn_bias))[0]
+        assert triton_flash._gluon_forward(k, k, k, bias, inp, None, -1) is None
     takes = triton_flash_hopper_fwd.supports
     assert not takes(q, q, q, 0.1)  # not a GPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         q = q.cuda()
         assert takes(q, q, q, 0.1)
-        assert triton_flash._gluon_forward(q, q, q, common.Inputs(q, q, q), None, -1) is triton_flash_hopper_fwd
-        assert triton_flash._gluon_forward(q, q, q, common.Inputs(q, q, q), None, 100) is None  # a left window
+        assert triton_flash._gluon_forward(q, q, q, None, common.Inputs(q, q, q), None, -1) is triton_flash_hopper_fwd
+        assert triton_flash._gluon_forward(q, q, q, None, common.Inputs(q, q, q), None, 100) is None  # a left window
         assert not takes(q, q, q, -0.1)
         assert not takes(q.float(), q.float(), q.float(), 0.1)
         for other in (q[..., :64].contiguous(), torch.cat([q, q], -1)):

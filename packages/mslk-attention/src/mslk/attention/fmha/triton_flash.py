@@ -740,9 +740,9 @@ class FwOp(AttentionFwOpBase):
         alignment, window_left, window_right = _alignment(inp.attn_bias)
         # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync).
         seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
-        gluon = _gluon_forward(q, k, v, inp, varlen, window_left) if out.numel() and max_q else None
-        if gluon is not None:  # Hopper, no mask or causal: warpgroups that take turns
-            bias = _bias_args(tensor_bias(inp.attn_bias))[0]
+        bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
+        gluon = _gluon_forward(q, k, v, bias, inp, varlen, window_left) if out.numel() and max_q else None
+        if gluon is not None:  # Hopper, no mask or causal (with a bias or not): warpgroups that take turns
             gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right", bias)
         elif out.numel() and max_q:
             block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
@@ -750,7 +750,6 @@ class FwOp(AttentionFwOpBase):
             # NaN included, where the pointer path reads zeros.
             tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
             short = varlen is not None and max_q <= 512
-            bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
             block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short, bias is not None)
             seqlen_k = None if varlen is None else varlen.seqlen_k
             blocks = launch.cdiv(max_q, block_m)
@@ -895,15 +894,14 @@ class BwOp(AttentionBwOpBase):
 _GLUON_FORWARD_MIN_KEYS = 512
 
 
-def _gluon_forward(q, k, v, inp, varlen, window_left):
+def _gluon_forward(q, k, v, bias, inp, varlen, window_left):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
-    (no mask or a causal one, top-left or bottom-right, and a tensor bias that TMA reads or none; at least
-    _GLUON_FORWARD_MIN_KEYS keys), else None. Not with a left window (sliding windows: 0.96x the Triton kernel),
-    dropout or varlen."""
+    (no mask or a causal one, top-left or bottom-right, and a [B, G, H, Mq, Mk] tensor bias that TMA reads or none;
+    at least _GLUON_FORWARD_MIN_KEYS keys), else None. Not with a left window (sliding windows: 0.96x the Triton
+    kernel), dropout or varlen."""
     if window_left >= 0 or inp.p > 0.0 or varlen is not None:
         return None
-    bias = tensor_bias(inp.attn_bias)
-    if bias is not None and _bias_view(_bias_args(bias)[0], q) is None:
+    if bias is not None and _bias_view(bias, q) is None:
         return None
     if k.shape[1] < _GLUON_FORWARD_MIN_KEYS:
         return None

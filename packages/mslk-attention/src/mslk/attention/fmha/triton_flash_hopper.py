@@ -444,6 +444,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [b * m, g * h * k], [t.stride(1), 1], [rows, k], _tile_layout((rows, k)))
 
 
+def _bias_descriptor(bias: torch.Tensor, q: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """[1, 1, 1, rows, cols] tiles of a [B, G, H, Mq, Mk] tensor bias that TMA reads (triton_flash._bias_view: its
+    dimensions of stride 0 held as one element; zeros past Mq and Mk)."""
+    box = [1, 1, 1, rows, cols]
+    return TensorDescriptor(bias, *_bias_view(bias, q), box, _tile_layout(tuple(box)))
+
+
 _STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
@@ -475,10 +482,7 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     mk = k.shape[1]
     sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
-    bias_desc = None
-    if bias is not None:
-        box = [1, 1, 1, BLOCK_M, BLOCK_N]
-        bias_desc = TensorDescriptor(bias, *_bias_view(bias, q), box, _tile_layout(tuple(box)))
+    bias_desc = None if bias is None else _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
     _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),

@@ -32,18 +32,16 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.attention.fmha.triton_flash import (
     _bias_head,
-    _bias_view,
     _heads_per_section,
     _key_range,
     _tile_block,
     _unmasked_key_range,
     _visible,
 )
-from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _box, _descriptor, _tile_layout, _tma_operands
+from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _bias_descriptor, _box, _descriptor, _tma_operands
 from mslk.core import arch, launch
 
 HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
@@ -333,8 +331,7 @@ def run(q, k, v, out, lse, scale, window_right, bottom_right, bias=None):
     block_n, stages, bias_desc = BLOCK_N, STAGES, None
     if bias is not None:  # the ring's slots take a bias tile each: more of them, half as wide
         block_n, stages = BIAS_BLOCK_N, BIAS_STAGES
-        box = [1, 1, 1, BLOCK_M, block_n]
-        bias_desc = TensorDescriptor(bias, *_bias_view(bias, q), box, _tile_layout(tuple(box)))
+        bias_desc = _bias_descriptor(bias, q, BLOCK_M, block_n)
     mk = k.shape[1]
     blocks = launch.cdiv(mq, BLOCK_M)
     units = (blocks + 1) // 2  # pairs of query blocks (_tile)
