@@ -7,7 +7,8 @@ Persistent programs (one an SM) take tiles of 128 queries of one head in turn, a
 in pairs of query blocks that a causal mask gives as many keys together (_tile):
 
 - one warp loads a tile's queries once the warpgroups have done with the last tile's (so the next tile's loads run
-  under this one's last product and output), then K and V blocks of 128 keys through a ring of STAGES slots;
+  under this one's last product and output), then K and V blocks of 128 keys, each through its own ring of STAGES
+  slots: a K slot frees once both warpgroups' scores are done, a V slot once their P·V is;
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong").
@@ -17,12 +18,15 @@ and no mask 556 against cuDNN's 516 and 598, B=1 M=16384 causal 570 against 548;
 from 512 to 16384 keys, causal or not. Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge
 spilled here). Still short of cuDNN on short rows (B=16 M=1024: 453 against 571).
 
-With a tensor bias, each ring slot holds the bias tile of its key block for the tile's 128 queries too (the loading
-warp brings it with K and V), and the slots are half as wide (64 keys) to make room for four of them: B=2 M=4096
-H=16, 711-725 us against the Triton kernel's 728-754 (FlexAttention 748-767); causal 385-388 against 382-402. Not
-kept: the bias read straight from global memory by each warpgroup in the scores' layout (no ring room needed, but
-873 us: ptxas sinks the loads past the products' wait, whose latency then shows), 128-key slots with two slots
-(779 us) and L2 prefetches of the bias blocks ahead (no gain). RESULTS.md, twenty-ninth session.
+With a tensor bias, a third ring brings each key block's bias tile for the tile's 128 queries; a warpgroup reads
+its rows before its scores and starts them from bias / scale (so the scores' product adds Q·Kᵀ to it and the
+softmax is the one without a bias), then frees the slot. Each ring has BIAS_STAGES slots then (224 KiB in all).
+B=2 M=4096 H=16, bias [B, H, M, M]: 652-675 us against FlexAttention's 779-782 (1.16-1.20x), causal 362-382
+against 490-507 (RESULTS.md, thirtieth session). Measured slower: one ring of 64-key slots for K, V and bias
+together (731-741 us; twenty-ninth session), the bias added in the softmax (718), a warp of its own loading the
+bias tiles (673), with L2 prefetches of the tiles 2 or 4 blocks ahead (692-705); and in the twenty-ninth session
+the bias read straight from global memory by each warpgroup in the scores' layout (873 us: ptxas sinks the loads
+past the products' wait, whose latency then shows) and 128-key slots of one ring, two of them (779 us).
 """
 
 from __future__ import annotations
@@ -47,11 +51,10 @@ from mslk.core import arch, launch
 HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
 BLOCK_M = 128  # queries a program: 64 per warpgroup
 BLOCK_N = 128  # keys a step
-STAGES = 3  # K and V slots of the ring (block j-1's slot is still read by its P·V while block j+1 loads)
+STAGES = 3  # slots of the K ring and of the V ring (block j-1's V is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
-BIAS_BLOCK_N = 64  # with a tensor bias: keys a step ...
-BIAS_STAGES = 4  # ... and slots, each with a [BLOCK_M, BIAS_BLOCK_N] bias tile
+BIAS_STAGES = 2  # with a tensor bias: slots of each ring (K, V and [BLOCK_M, BLOCK_N] bias tiles)
 
 
 @gluon.jit
@@ -80,16 +83,30 @@ def _program_tiles(blocks, all_heads):
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready,
-                    empty, G, H, Mq, Mk, window_right, blocks, all_heads, section, stride_bb, stride_bg, stride_bh,
-                    BOTTOM_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+def _ring_slot(ready, empty, i, nbytes: gl.constexpr):
+    """(slot, its `ready` barrier, expecting nbytes) of ring block i, once both warpgroups have released the block
+    before it there."""
+    STAGES: gl.constexpr = ready.shape[0]
+    slot = i % STAGES
+    mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), nbytes)
+    return slot, ready.index(slot)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready,
+                    k_empty, v_ready, v_empty, b_ready, b_empty, G, H, Mq, Mk, window_right, blocks, all_heads,
+                    section, stride_bb, stride_bg, stride_bh, BOTTOM_RIGHT: gl.constexpr,
+                    HAS_BIAS: gl.constexpr):  # fmt: skip
     """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
-    tile's, then its key blocks' K and V (and bias tile) in order through the ring (block i of the program into slot
-    i % STAGES once both warpgroups have released the block before it there)."""
+    tile's, then its key blocks' K and V in order through their ring, or, HAS_BIAS, K, bias tile and V each through
+    its own ring (K's slot frees when the scores are done, the bias tile's when the warpgroups have read it, V's when
+    P·V is done)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    STAGES: gl.constexpr = k_bufs.shape[0]
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes
+    V_BYTES: gl.constexpr = v_desc.block_type.nbytes
     i = 0
     j = 0
     for k in range(0, _program_tiles(blocks, all_heads)):
@@ -104,50 +121,57 @@ def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, b
         tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
         for start in range(0, hi, BN):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            if HAS_BIAS:  # the bias tile of the block's keys for both warpgroups' queries, on the same barrier
-                BIAS_BYTES: gl.constexpr = bias_desc.block_type.nbytes
-                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + BIAS_BYTES)
+            if HAS_BIAS:
+                slot, bar = _ring_slot(k_ready, k_empty, i, K_BYTES)
+                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
+                slot, bar = _ring_slot(b_ready, b_empty, i, bias_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(bias_desc, [bias_b, bias_g, bias_h, first_row, start], bar,
                                                 _box(bias_desc, bias_bufs.index(slot)))  # fmt: skip
-            else:
-                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
+                slot, bar = _ring_slot(v_ready, v_empty, i, V_BYTES)
+            else:  # K and V in one slot of one ring
+                slot, bar = _ring_slot(k_ready, k_empty, i, K_BYTES + V_BYTES)
+                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
             tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
             i += 1
         j += 1
 
 
 @gluon.jit
-def _scores(q, k_bufs, ready, turn, i, n, WG: gl.constexpr):
-    """Waits for ring block i, then, in this warpgroup's turn, starts its scores Q·Kᵀ (the n-th turn of the
-    warpgroup). Returns the pending product."""
-    BN: gl.constexpr = k_bufs.shape[1]
-    HALF: gl.constexpr = q.shape[0]
-    STAGES: gl.constexpr = k_bufs.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+def _landed(ready, i):
+    """Waits for ring block i to land in its slot; returns the slot."""
+    STAGES: gl.constexpr = ready.shape[0]
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-    # Warpgroup 0 goes first: its first wait passes on the fresh barrier (the phase before the first counts done).
-    mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
-    return warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), gl.zeros([HALF, BN], gl.float32, s_layout),
-                         use_acc=False, is_async=True)  # fmt: skip
+    return slot
 
 
 @gluon.jit
-def _softmax(s, bias_bufs, slot, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale,
-             MASKED: gl.constexpr, HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """The online softmax step of one key block's raw scores (and, HAS_BIAS, this warpgroup's rows of the bias tile
-    in ring slot `slot`): the new row maximum, the old accumulator's factor, the weights and the new row sums."""
+def _scores(q, k_bufs, bias_bufs, k_ready, b_ready, b_empty, turn, i, n, bias_scale, WG: gl.constexpr,
+            HAS_BIAS: gl.constexpr):  # fmt: skip
+    """Waits for ring block i's K (and bias tile: its rows of this warpgroup, over the scale, are the scores'
+    starting value, and its slot is released), then, in this warpgroup's turn, starts its scores Q·Kᵀ (the n-th turn
+    of the warpgroup). Returns the pending product."""
+    BN: gl.constexpr = k_bufs.shape[1]
+    HALF: gl.constexpr = q.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    slot = _landed(k_ready, i)
+    if HAS_BIAS:
+        bias_slot = _landed(b_ready, i)
+        init = bias_bufs.index(bias_slot).slice(WG * HALF, HALF).load(s_layout).to(gl.float32) * bias_scale
+        mbarrier.arrive(b_empty.index(bias_slot))
+    else:
+        init = gl.zeros([HALF, BN], gl.float32, s_layout)
+    # Warpgroup 0 goes first: its first wait passes on the fresh barrier (the phase before the first counts done).
+    mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+    return warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), init, use_acc=HAS_BIAS, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED: gl.constexpr):
+    """The online softmax step of one key block's raw scores: the new row maximum, the old accumulator's factor, the
+    weights and the new row sums."""
     BN: gl.constexpr = s.shape[1]
-    HALF: gl.constexpr = s.shape[0]
     s_layout: gl.constexpr = s.type.layout
-    if HAS_BIAS:  # scores in log2 units, the scale already in them
-        bias = bias_bufs.index(slot).slice(WG * HALF, HALF).load(s_layout)
-        s = s * qk_scale + bias.to(gl.float32) * _LOG2E
-        qk_scale = 1.0
     if MASKED:
         cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_visible(rows, cols, q_len, k_len, shift, -1, window_right), s, float("-inf"))
@@ -159,9 +183,9 @@ def _softmax(s, bias_bufs, slot, m_i, l_i, rows, start, q_len, k_len, shift, win
 
 
 @gluon.jit
-def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready, empty, turn, rows, start_col, end_col,
-            q_len, k_len, shift, window_right, qk_scale, WG: gl.constexpr, MASKED: gl.constexpr,
-            HAS_BIAS: gl.constexpr):  # fmt: skip
+def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, b_ready,
+            b_empty, turn, rows, start_col, end_col, q_len, k_len, shift, window_right, qk_scale, WG: gl.constexpr,
+            MASKED: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
     """Key blocks [start_col, end_col) (ring blocks i on, turns n on): block j's scores and block j-1's P·V start
     together in this warpgroup's turn, then the other warpgroup's turn comes, whose products run under this one's
     softmax. (The softmax under this warpgroup's own products too, as FlashAttention-3 does, spilled at 240
@@ -169,14 +193,17 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready, empty
     STAGES: gl.constexpr = k_bufs.shape[0]
     o_layout: gl.constexpr = acc.type.layout
     for start in range(start_col, end_col, k_bufs.shape[1]):
-        s = _scores(q, k_bufs, ready, turn, i, n, WG)
+        if HAS_BIAS:  # V has a ring of its own (else it came with K)
+            _landed(v_ready, i - 1)
+        s = _scores(q, k_bufs, bias_bufs, k_ready, b_ready, b_empty, turn, i, n, _LOG2E / qk_scale, WG, HAS_BIAS)
         prev = (i - 1) % STAGES
         acc = warpgroup_mma(p_a, v_bufs.index(prev), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - WG))
         s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
-        mbarrier.arrive(empty.index(prev))
-        m_i, alpha, p, l_i = _softmax(s, bias_bufs, i % STAGES, m_i, l_i, rows, start, q_len, k_len, shift,
-                                      window_right, qk_scale, MASKED, HAS_BIAS, WG)  # fmt: skip
+        if HAS_BIAS:  # and K too
+            mbarrier.arrive(k_empty.index(i % STAGES))
+        mbarrier.arrive(v_empty.index(prev))
+        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_a = gl.convert_layout(p.to(q.dtype), p_a.type.layout)
         i += 1
@@ -185,10 +212,10 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready, empty
 
 
 @gluon.jit
-def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G,
-                       H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb,
-                       stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                       b_ready, b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob,
+                       stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
+                       BOTTOM_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
     and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
     may be the diagonal or the last), so that the loop always has the previous block's weights to multiply; the last
@@ -218,25 +245,29 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, read
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(q_ready, j & 1)
         if hi > 0:
-            s = _scores(q, k_bufs, ready, turn, i, n, WG)
+            s = _scores(q, k_bufs, bias_bufs, k_ready, b_ready, b_empty, turn, i, n, _LOG2E / qk_scale, WG, HAS_BIAS)
             mbarrier.arrive(turn.index(1 - WG))
             s = warpgroup_mma_wait(0, deps=(s,))
-            m_i, _, p, l_i = _softmax(s, bias_bufs, i % STAGES, m_i, l_i, rows, 0, Mq, Mk, shift, window_right,
-                                      qk_scale, True, HAS_BIAS, WG)  # fmt: skip
+            if HAS_BIAS:
+                mbarrier.arrive(k_empty.index(i % STAGES))
+            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
             p_a = gl.convert_layout(p.to(q.dtype), p_layout)
             i += 1
             n += 1
             rest = gl.minimum(BN, hi)
             bounds = (rest, gl.maximum(full_hi, rest), hi)
             for part in gl.static_range(2):  # unmasked interior, masked right edge (the diagonal, the last keys)
-                acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, ready,
-                                                   empty, turn, rows, bounds[part], bounds[part + 1], Mq, Mk, shift,
-                                                   window_right, qk_scale, WG, part == 1, HAS_BIAS)  # fmt: skip
+                acc, p_a, m_i, l_i, i, n = _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready,
+                                                   k_empty, v_ready, v_empty, b_ready, b_empty, turn, rows,
+                                                   bounds[part], bounds[part + 1], Mq, Mk, shift, window_right,
+                                                   qk_scale, WG, part == 1, HAS_BIAS)  # fmt: skip
             mbarrier.arrive(q_empty)
             last = (i - 1) % STAGES
+            if HAS_BIAS:
+                _landed(v_ready, i - 1)
             acc = warpgroup_mma(p_a, v_bufs.index(last), acc, is_async=True)
             acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
-            mbarrier.arrive(empty.index(last))
+            mbarrier.arrive(v_empty.index(last))
         else:
             mbarrier.arrive(q_empty)
         has_keys = l_i > 0.0
@@ -249,6 +280,17 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, read
         out_base = out_ptr + b * stride_ob + g * stride_og + h * stride_oh
         gl.store(out_base + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < Mq)[:, None])
         j += 1
+
+
+@gluon.jit
+def _ring_barriers(stages: gl.constexpr):
+    """A ring's `ready` (the slot has landed) and `empty` (both warpgroups are done with it) barriers."""
+    ready = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(stages):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    return ready, empty
 
 
 @gluon.jit
@@ -269,41 +311,48 @@ def _flash_forward_hopper_kernel(
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
     HAS_BIAS: gl.constexpr = bias_desc is not None
-    # warp_specialize's partitions take no None: without a bias, K's descriptor and ring stand in (never read).
+    k_ready, k_empty = _ring_barriers(STAGES)
+    # Without a bias K and V share their slots' barriers (a V ring of its own measured 2-4% slower); the warpgroups
+    # then release a slot once its P·V is done.
+    v_ready = k_ready
+    v_empty = k_empty
+    # warp_specialize's partitions take no None: without a bias, K's descriptor, ring and barriers stand in (never
+    # used).
     bias_tiles = k_desc
     bias_bufs = k_bufs
+    b_ready = k_ready
+    b_empty = k_empty
     if HAS_BIAS:
         bias_tiles = bias_desc
         bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, BN], bias_desc.dtype)
         bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, 2 * HALF, BN], bias_layout)
+        b_ready, b_empty = _ring_barriers(STAGES)
+        v_ready, v_empty = _ring_barriers(STAGES)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # both warpgroups read it
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
     gl.warp_specialize(
         [
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq,
-                Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, HAS_BIAS, 0,
+                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, b_ready,
+                b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om,
+                stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT,
+                HAS_BIAS, 0,
             )),
             (_softmax_partition, (
-                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty, turn, out_ptr, lse_ptr, G, H, Mq,
-                Mk, qk_scale, window_right, stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg,
-                stride_lh, blocks, all_heads, section, BOTTOM_RIGHT, HAS_BIAS, 1,
+                q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, b_ready,
+                b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om,
+                stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT,
+                HAS_BIAS, 1,
             )),
             (_load_partition, (
-                q_desc, k_desc, v_desc, bias_tiles, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, ready, empty,
-                G, H, Mq, Mk, window_right, blocks, all_heads, section, stride_bb, stride_bg, stride_bh,
-                BOTTOM_RIGHT, HAS_BIAS,
+                q_desc, k_desc, v_desc, bias_tiles, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready,
+                k_empty, v_ready, v_empty, b_ready, b_empty, G, H, Mq, Mk, window_right, blocks, all_heads, section,
+                stride_bb, stride_bg, stride_bh, BOTTOM_RIGHT, HAS_BIAS,
             )),
         ],
         [4, 1],
@@ -328,16 +377,15 @@ def run(q, k, v, out, lse, scale, window_right, bottom_right, bias=None):
     """out [B, Mq, G, H, K] and lse [B, G, H, Mq] (fp32, natural log) of [B, M, G, H, K] tensors, with a
     [B, G, H, Mq, Mk] tensor bias that TMA reads (triton_flash._bias_view) or None."""
     batch, mq, groups, heads, _ = q.shape
-    block_n, stages, bias_desc = BLOCK_N, STAGES, None
-    if bias is not None:  # the ring's slots take a bias tile each: more of them, half as wide
-        block_n, stages = BIAS_BLOCK_N, BIAS_STAGES
-        bias_desc = _bias_descriptor(bias, q, BLOCK_M, block_n)
+    stages, bias_desc = STAGES, None
+    if bias is not None:  # a third ring, of bias tiles: fewer slots in each
+        stages, bias_desc = BIAS_STAGES, _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
     mk = k.shape[1]
     blocks = launch.cdiv(mq, BLOCK_M)
     units = (blocks + 1) // 2  # pairs of query blocks (_tile)
     all_heads = batch * groups * heads
     _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), bias_desc, out, lse, groups,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), bias_desc, out, lse, groups,
         heads, mq, mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3],
         *(bias.stride()[:3] if bias is not None else (0, 0, 0)), blocks, all_heads,
         _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=stages,
