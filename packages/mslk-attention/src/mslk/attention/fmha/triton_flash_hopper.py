@@ -58,6 +58,7 @@ from mslk.attention.fmha.triton_flash import (
     _visible,
 )
 from mslk.core import launch
+from mslk.core.gluon import ring_barriers
 
 HEAD_DIMS = (64, 128)  # the same tiles at both
 BLOCK_M = 64  # queries a step
@@ -379,12 +380,8 @@ def _flash_backward_hopper_kernel(
     lse_rows = lse_bufs._reinterpret(gl.float32, [STAGES, STAT_W], rows_layout)
     delta_rows = delta_bufs._reinterpret(gl.float32, [STAGES, STAT_W], rows_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot has landed
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # a slot was read
     mbarrier.init(kv_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [
             (_mma_partition, (

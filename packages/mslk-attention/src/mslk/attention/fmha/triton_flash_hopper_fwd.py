@@ -47,6 +47,7 @@ from mslk.attention.fmha.triton_flash import (
 )
 from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _bias_descriptor, _box, _descriptor, _tma_operands
 from mslk.core import arch, launch
+from mslk.core.gluon import ring_barriers
 
 HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
 BLOCK_M = 128  # queries a program: 64 per warpgroup
@@ -283,17 +284,6 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
 
 
 @gluon.jit
-def _ring_barriers(stages: gl.constexpr):
-    """A ring's `ready` (the slot has landed) and `empty` (both warpgroups are done with it) barriers."""
-    ready = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(stages):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    return ready, empty
-
-
-@gluon.jit
 def _flash_forward_hopper_kernel(
     q_desc, k_desc, v_desc, bias_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
     stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, stride_bb, stride_bg, stride_bh,
@@ -311,7 +301,7 @@ def _flash_forward_hopper_kernel(
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
     HAS_BIAS: gl.constexpr = bias_desc is not None
-    k_ready, k_empty = _ring_barriers(STAGES)
+    k_ready, k_empty = ring_barriers(STAGES, 2)
     # Without a bias K and V share their slots' barriers (a V ring of its own measured 2-4% slower); the warpgroups
     # then release a slot once its P·V is done.
     v_ready = k_ready
@@ -326,8 +316,8 @@ def _flash_forward_hopper_kernel(
         bias_tiles = bias_desc
         bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF, BN], bias_desc.dtype)
         bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, 2 * HALF, BN], bias_layout)
-        b_ready, b_empty = _ring_barriers(STAGES)
-        v_ready, v_empty = _ring_barriers(STAGES)
+        b_ready, b_empty = ring_barriers(STAGES, 2)
+        v_ready, v_empty = ring_barriers(STAGES, 2)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from mslk.core.gluon import ring_barriers
 
 
 @gluon.jit
@@ -21,21 +22,9 @@ def tile_offsets(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.con
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """(ready, empty): an mbarrier per stage of a ring for each, initialized (count 1): `ready` completes when a
-    stage's TMA loads have landed, `empty` when its reader has released it."""
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    return ready, empty
-
-
-@gluon.jit
 def operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
     """(a_bufs, b_bufs, ready, empty): STAGES shared-memory slots for a tile of each TMA descriptor's block, and
-    the ring's barriers (ring_barriers)."""
+    the ring's barriers (mslk.core.gluon.ring_barriers)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]

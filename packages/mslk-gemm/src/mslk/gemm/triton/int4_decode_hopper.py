@@ -52,8 +52,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, launch
+from mslk.core.gluon import ring_barriers
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers
 from mslk.gemm.triton.int4_ptx import WORD_PAIRS_PTX
 from mslk.gemm.triton.split_k import dependent_launch, splitk_reduce
 

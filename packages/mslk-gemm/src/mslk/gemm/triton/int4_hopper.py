@@ -24,8 +24,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
+from mslk.core.gluon import ring_barriers
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import ring_barriers, tile_offsets
+from mslk.gemm.triton.gluon_tile_order import tile_offsets
 from mslk.gemm.triton.int4_ptx import DEQUANT_BYTES_PTX
 
 BLOCK_N = 128  # weight rows of a tile (wgmma's M): 64 per multiplying warpgroup
