@@ -7,8 +7,8 @@ Persistent programs (one an SM) take tiles of 128 queries of one head in turn, a
 in pairs of query blocks that a causal mask gives as many keys together (_tile):
 
 - one warp loads a tile's queries once the warpgroups have done with the last tile's (so the next tile's loads run
-  under this one's last product and output), then K and V blocks of 128 keys, each through its own ring of STAGES
-  slots: a K slot frees once both warpgroups' scores are done, a V slot once their P·V is;
+  under this one's last product and output), then K and V blocks of 128 keys through a ring of STAGES slots (a
+  block's K and V in one slot, freed once both warpgroups' P·V is done; a tensor bias takes more rings, below);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong").
@@ -18,9 +18,11 @@ and no mask 556 against cuDNN's 516 and 598, B=1 M=16384 causal 570 against 548;
 from 512 to 16384 keys, causal or not. Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge
 spilled here). Still short of cuDNN on short rows (B=16 M=1024: 453 against 571).
 
-With a tensor bias, a third ring brings each key block's bias tile for the tile's 128 queries; a warpgroup reads
+With a tensor bias, K, V and the key block's bias tile for the tile's 128 queries each have a ring of their own (a K
+slot frees once both warpgroups' scores are done, a V slot once their P·V is, a bias slot once both have read
+their rows of it), so that the next K and bias tiles come in while the last P·V still reads V; a warpgroup reads
 its rows before its scores and starts them from bias / scale (so the scores' product adds Q·Kᵀ to it and the
-softmax is the one without a bias), then frees the slot. Each ring has BIAS_STAGES slots then (224 KiB in all).
+softmax is the one without a bias). Each ring has BIAS_STAGES slots then (224 KiB in all).
 B=2 M=4096 H=16, bias [B, H, M, M]: 652-675 us against FlexAttention's 779-782 (1.16-1.20x), causal 362-382
 against 490-507 (RESULTS.md, thirtieth session). Measured slower: one ring of 64-key slots for K, V and bias
 together (731-741 us; twenty-ninth session), the bias added in the softmax (718), a warp of its own loading the
