@@ -23,12 +23,13 @@ slot frees once both warpgroups' scores are done, a V slot once their P·V is, a
 their rows of it), so that the next K and bias tiles come in while the last P·V still reads V; a warpgroup reads
 its rows before its scores and starts them from bias / scale (so the scores' product adds Q·Kᵀ to it and the
 softmax is the one without a bias). Each ring has BIAS_STAGES slots then (224 KiB in all).
-B=2 M=4096 H=16, bias [B, H, M, M]: 652-675 us against FlexAttention's 779-782 (1.16-1.20x), causal 362-382
-against 490-507 (RESULTS.md, thirtieth session). Measured slower: one ring of 64-key slots for K, V and bias
-together (731-741 us; twenty-ninth session), the bias added in the softmax (718), a warp of its own loading the
-bias tiles (673), with L2 prefetches of the tiles 2 or 4 blocks ahead (692-705); and in the twenty-ninth session
-the bias read straight from global memory by each warpgroup in the scores' layout (873 us: ptxas sinks the loads
-past the products' wait, whose latency then shows) and 128-key slots of one ring, two of them (779 us).
+B=2 M=4096 H=16, bias [B, H, M, M]: 645-675 us against FlexAttention's 750-782 in the same runs (1.15-1.20x),
+causal 355-382 against 490-507 (1.28-1.40x; RESULTS.md, thirtieth session). Measured slower: one ring of 64-key
+slots for K, V and bias together (the twenty-ninth session's kernel: 729-741 us), the bias added in the softmax
+(718), a warp of its own loading the bias tiles (673), with L2 prefetches of the tiles 2 or 4 blocks ahead
+(692-705); and in the twenty-ninth session the bias read straight from global memory by each warpgroup in the
+scores' layout (873 us: ptxas sinks the loads past the products' wait, whose latency then shows) and 128-key slots
+of one ring, two of them (779 us).
 """
 
 from __future__ import annotations
