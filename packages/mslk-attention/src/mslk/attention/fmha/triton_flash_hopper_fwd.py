@@ -30,9 +30,9 @@ slots for K, V and bias together (the twenty-ninth session's kernel: 729-741 us)
 (692-705); and in the twenty-ninth session the bias read straight from global memory by each warpgroup in the
 scores' layout (873 us: ptxas sinks the loads past the products' wait, whose latency then shows) and 128-key slots
 of one ring, two of them (779 us). Thirty-second session (RESULTS.md): other slot counts for the K, V and bias rings
-(3-2-1, 2-1-3, 1-2-3; 2-3-1 and V a block late within noise), the next tile read under this block's products
-(spills: 739-783 us against 674), and the bias through the tensor cores as diag(1 / scale) · bias tile (within
-noise, and NaN wherever the bias holds −inf: 0 · −inf). The bias adds about 200 instructions a warp per block to
+(3-2-1, 2-1-3, 1-2-3; 2-3-1 and V a block late within noise), the next block's bias tile read under this block's
+products (spills: 739-783 us against 674), and the bias through the tensor cores as diag(1 / scale) · bias tile
+(within noise, and NaN wherever the bias holds −inf: 0 · −inf). The bias adds about 200 instructions a warp per block to
 the ~530 without one (the tile's conversion to fp32 and its 1 / scale, between a warpgroup's softmax and its next
 products).
 """
