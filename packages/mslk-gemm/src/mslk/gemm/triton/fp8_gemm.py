@@ -251,7 +251,9 @@ def _rowwise_config(m: int, n: int, k: int) -> dict:
     persistent programs over 128 x 256 x 128 tiles in groups of 16 tile rows (0.97-1.00x of torch._scaled_mm
     at 8192^3 and Llama shapes, against 0.94-0.97x for one program per tile) on 4 stages of shared memory,
     4 · (128 + 256) · 128 B = 192 KiB, and 32 KiB to stage the half-tiles the TMA stores: 2048 x 7168 x 2048 in
-    51.6 us against 55.2 on 3 stages with pointer stores, 8192^3 835 against 845 (session 24); else 3 stages."""
+    51.6 us against 55.2 on 3 stages with pointer stores, 8192^3 835 against 845 (session 24); else 3 stages.
+    cuBLAS runs 128 x 128 tiles there (6 stages, 2-CTA clusters); a warp-specialized ping-pong Gluon kernel on them
+    measured at best equal to this one (2048 x 7168 x 2048) and 2-4% slower at 8192^3 (session 33)."""
     if m <= _SWAP_MAX_M:  # 256-deep K steps: 16 x 8192 x 8192 in 19.2 us against 20.7 with 128 on 6 stages
         block_n = max(16, launch.next_power_of_2(m))
         return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 256, "GROUP_M": 1, "PERSISTENT": False,
