@@ -182,7 +182,7 @@ def _grouped_gemm_kernel(
 def _grouped_config(fp8: bool, small_groups: bool = False) -> dict:
     # 128-byte-deep K steps, TMA loads. H200, bf16: 128 x 256 tiles on 3 stages for G=8 x 2048 rows, N=4096,
     # K=7168 (665 TFLOP/s; 128 x 128 on 4 stages: 556; 128 x 256 on 4 stages: 1.3% slower); groups of 256 rows
-    # or fewer on average, whose weights stream from DRAM: 128 x 256 on 4 stages (G=64 x 128 rows, N=2048: 459 /
+    # or fewer on average, each weight read once: 128 x 256 on 4 stages (G=64 x 128 rows, N=2048: 459 /
     # 439 TFLOP/s on two machines against 452 / 436 for 128 x 128 on 5 stages; G=128 x 64: 240 / 221 against 219 /
     # 218; RESULTS.md, thirty-second session). There L2 is the bound (ncu: 92% busy, as for torch._grouped_mm's
     # CUTLASS kernel): each tile reads its group's rows again, which only TMA multicast across a cluster would share
