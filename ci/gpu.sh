@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Tiers T2 + T3 on the GPU machine (DESIGN.md §4). It has torch, triton and pytest but no package registry,
-# so the packages run from source: PYTHONPATH over packages/*/src, nothing installed.
-# Logs go to $OUT (the device tool's output folder) or ./gpu-results.
+# Tiers T2 + T3 on the GPU machine (DESIGN.md §4): `bash ci/gpu.sh [all | tests [PYTEST ARGS] | bench [BENCH ARGS]]`
+# (`all`, the default: both, as they are). That machine has torch, triton and pytest but no package registry, so
+# the packages run from source: PYTHONPATH over packages/*/src, nothing installed. Logs go to $OUT (the device
+# tool's output folder) or ./gpu-results.
 set -euo pipefail
+stage=${1:-all}
+shift $(($# > 0))
+if [[ ! $stage =~ ^(all|tests|bench)$ || ($stage == all && $# -gt 0) ]]; then
+    echo "usage: bash ci/gpu.sh [all | tests [PYTEST ARGS] | bench [BENCH ARGS]]" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 PYTHONPATH="$(printf '%s:' "$PWD"/packages/*/src)${PYTHONPATH:-}"
 export PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 
-# mslk-gemm's native library, built in place (docs/native.md); if it cannot be, `mslk env` and the tests say why.
-python3 -m mslk.gemm.native.build 2>&1 | tee "$OUT/native-build.txt" || true
-python3 -m mslk.core.cli env 2>&1 | tee "$OUT/env.txt"
-python3 -m mslk.core.cli check 2>&1 | tee "$OUT/check.txt"
-# Every test, the `gpu`-marked T2 ones included; Triton kernels compile for the GPU (no interpreter).
-python3 -m pytest packages tools -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/pytest.txt"
-python3 -m mslk.core.cli bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+if [[ $stage != bench ]]; then
+    # mslk-gemm's native library, built in place (docs/native.md); if it cannot be, `mslk env` and the tests say why.
+    python3 -m mslk.gemm.native.build 2>&1 | tee "$OUT/native-build.txt" || true
+    python3 -m mslk.core.cli env 2>&1 | tee "$OUT/env.txt"
+    python3 -m mslk.core.cli check 2>&1 | tee "$OUT/check.txt"
+    # The `gpu`-marked tests (the CPU tiers are CI's), Triton kernels compiled for the GPU. Their time is mostly
+    # compilation, so with pytest-xdist they run one worker a CPU core: all of them in about 3.5 minutes on the
+    # H200 machine's 16 cores, against more than 20 one after another.
+    workers=()
+    if python3 -c "import xdist" 2>/dev/null; then
+        workers=(-n auto)
+    fi
+    python3 -m pytest packages -m gpu "${workers[@]}" -q -p no:cacheprovider -rfEs "$@" 2>&1 | tee "$OUT/pytest.txt"
+fi
+if [[ $stage != tests ]]; then
+    python3 -m mslk.core.cli bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt"
+fi
