@@ -548,6 +548,142 @@ def test_varlen_rows_past_the_last_sequence(bottom_right, device, dtype, head_di
         assert (got[:, used:] == 0).all(), name
 
 
+def test_padded_keys_grown_past_the_captured_longest(backward_mode):
+    """A CUDA graph replays the launches with the host values of its capture: padded keys grown in place past the
+    longest of the capture (up to the padding, as a KV cache's) must still get their share of the products and
+    their gradients. Emulated without a graph: the device lengths grow, the host's max_seqlen stays."""
+    ab = fmha.attn_bias
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3, 5], 40, [5, 20], device=DEVICE)
+    grown = [40, 33]
+    mask.k_seqinfo.seqlen.copy_(torch.tensor(grown))  # what from_seqlens_padded_inplace writes to the device
+    fresh = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3, 5], 40, grown, device=DEVICE)
+    q = testing.randn(1, 8, 2, 16, device=DEVICE)
+    k, v = (testing.randn(1, 80, 2, 16, device=DEVICE) for _ in "kv")
+    inp = common.Inputs(q, k, v, mask)
+    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
+    do = testing.randn(*out.shape, device=DEVICE)
+    with _poisoned_allocations():
+        grads = triton_flash.BwOp.apply(ctx, inp, do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, fresh)
+    ref.backward(do.double())
+    testing.assert_rel_close(out, ref, TOLERANCE[torch.float32], what="out")
+    for name, got, want in (("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)):
+        testing.assert_rel_close(got, want, TOLERANCE[torch.float32], what=name)
+
+
+# Captured (query, key) lengths, then in-place updates: ragged, empty and one-row sequences, all at most the captured
+# longest (B12's keys: its padding, 320 rows, past the captured longest, as a KV cache's grow).
+_GRAPH_LENGTHS = {
+    "B07": ([130, 200, 300], [300, 200, 130], [([60, 0, 299], [1, 177, 130]), ([130, 1, 17], [300, 0, 60])]),
+    "B08": ([100, 50, 130], [300, 200, 130], [([60, 1, 0], [200, 177, 60]), ([100, 50, 30], [100, 64, 129])]),
+    "B12": ([1, 64, 60], [130, 100, 64], [([1, 0, 50], [320, 1, 60]), ([17, 64, 1], [17, 300, 1])]),
+}
+
+
+def _graph_mask(bias_id, q_lengths, k_lengths):
+    if bias_id == "B12":
+        return fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+            q_lengths, 320, k_lengths, device="cuda"
+        )
+    ab = fmha.attn_bias
+    cls = ab.BlockDiagonalCausalMask if bias_id == "B07" else ab.BlockDiagonalCausalFromBottomRightMask
+    return cls.from_seqlens(q_lengths, k_lengths, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["gluon", "triton"])
+@pytest.mark.parametrize("bias_id", sorted(_GRAPH_LENGTHS))
+def test_cuda_graph_replays_after_in_place_mask_updates(bias_id, head_dim):
+    """memory_efficient_attention pinned to the Triton ops, forward and backward captured in one CUDA graph and
+    replayed after the mask's lengths change in place: each replay equals the float64 oracle of a mask built anew
+    with those lengths in the sequences' rows, and its gradients are zero outside them. The rows outside hold NaN
+    and so do the ops' allocations, so that nothing a kernel skips or a host value captured stale can pass."""
+    q_lengths, k_lengths, updates = _GRAPH_LENGTHS[bias_id]
+    mask = _graph_mask(bias_id, q_lengths, k_lengths)
+    rows_k = mask.k_seqinfo.seqstart_py[-1] if bias_id != "B12" else 3 * 320
+    q = torch.zeros(1, sum(q_lengths), 2, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k, v = (torch.zeros(1, rows_k, 2, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in "kv")
+    grad = torch.zeros_like(q)
+    op = fmha.MemoryEfficientAttentionMslkTritonOp
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = fmha.memory_efficient_attention(q, k, v, attn_bias=mask, op=op)
+        out.backward(grad)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels and warms the allocator outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with _poisoned_allocations(), torch.cuda.graph(graph):
+        out = step()
+    for new_q, new_k in updates:
+        mask.q_seqinfo.from_seqlens_inplace(new_q)
+        if bias_id == "B12":
+            mask.k_seqinfo.from_seqlens_padded_inplace(new_k)
+        else:
+            mask.k_seqinfo.from_seqlens_inplace(new_k)
+        fresh = _graph_mask(bias_id, new_q, new_k)
+        used_q = torch.zeros(q.shape[1], dtype=torch.bool, device="cuda")
+        used_k = torch.zeros(k.shape[1], dtype=torch.bool, device="cuda")
+        for used, seqinfo in ((used_q, fresh.q_seqinfo), (used_k, fresh.k_seqinfo)):
+            for start, end in seqinfo.intervals():
+                used[start:end] = True
+        with torch.no_grad():
+            for t in (q, k, v, grad):
+                t.copy_(testing.randn(*t.shape, dtype=t.dtype, device="cuda"))
+            for t, used in ((q, used_q), (k, used_k), (v, used_k), (grad, used_q)):
+                t[:, ~used] = float("nan")
+            for t in (out, q.grad, k.grad, v.grad):
+                t.fill_(float("nan"))
+        graph.replay()
+        # The oracle on zeros where the kernels saw NaN (its masked scores would carry NaN through).
+        q64, k64, v64 = (t.detach().nan_to_num(0.0).double().requires_grad_() for t in (q, k, v))
+        ref, _ = attention_reference(q64, k64, v64, fresh)
+        ref.backward(grad.nan_to_num(0.0).double())
+        testing.assert_rel_close(out[:, used_q], ref[:, used_q], TOLERANCE[torch.bfloat16], what="out")
+        for name, got, want, used in (
+            ("dq", q.grad, q64.grad, used_q), ("dk", k.grad, k64.grad, used_k), ("dv", v.grad, v64.grad, used_k)
+        ):  # fmt: skip
+            testing.assert_rel_close(got[:, used], want[:, used], 3e-2, what=f"{name} after {new_q}, {new_k}")
+            assert (got[:, ~used] == 0).all(), f"{name} outside the sequences after {new_q}, {new_k}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [None, triton_flash.FwOp], ids=["dispatched", "triton"])
+def test_cuda_graph_decode_as_the_keys_grow(op):
+    """A decode step (one query a sequence, a KV cache of 320-row slots) captured in a CUDA graph, replayed as the
+    cache grows in place past the captured longest, up to its padding: each replay equals the float64 oracle of
+    the new lengths (the rows past them hold NaN)."""
+    ab = fmha.attn_bias
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], 320, [5, 64, 130], device="cuda")
+    q = torch.zeros(1, 3, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.zeros(1, 3 * 320, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fmha.memory_efficient_attention_forward(q, k, v, attn_bias=mask, op=op)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=mask, op=op)
+    for lengths in ([6, 65, 131], [200, 1, 320], [320, 320, 320]):
+        mask.k_seqinfo.from_seqlens_padded_inplace(lengths)
+        fresh = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], 320, lengths, device="cuda")
+        for t in (q, k, v):
+            t.copy_(testing.randn(*t.shape, dtype=t.dtype, device="cuda"))
+        for b, n in enumerate(lengths):
+            k[:, b * 320 + n : (b + 1) * 320] = v[:, b * 320 + n : (b + 1) * 320] = float("nan")
+        out.fill_(float("nan"))
+        graph.replay()
+        ref, _ = attention_reference(*(t.nan_to_num(0.0).double() for t in (q, k, v)), fresh)
+        testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16], what=f"out after {lengths}")
+
+
 def test_hopper_backward_declines_what_it_does_not_serve():
     """The Gluon backward takes sm_90 GPUs, 16-bit operands of head dims 64 and 128 and rows TMA reads; the rest
     (here: CPU tensors, fp32, head dims 96 and 256, Kv != K, stride-0 GQA heads) runs the Triton kernel."""

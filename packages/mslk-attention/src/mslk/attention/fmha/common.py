@@ -135,6 +135,9 @@ class VarlenArgs:
     max_seqlen_q: int
     max_seqlen_k: int
     seqlen_k: torch.Tensor | None  # int32 [nseq], padded and gappy keys
+    # The most keys a sequence may hold while kernels launched with this metadata replay from a CUDA graph:
+    # max_seqlen_k, or the padding of padded keys, whose lengths from_seqlens_padded_inplace may grow up to it.
+    key_capacity: int
 
     @property
     def num_sequences(self) -> int:
@@ -146,7 +149,8 @@ def varlen_args(attn_bias: Any) -> VarlenArgs | None:
     if not isinstance(attn_bias, ab.BlockDiagonalMask):
         return None
     q, k = attn_bias.q_seqinfo, attn_bias.k_seqinfo
-    return VarlenArgs(q.seqstart, k.seqstart, q.max_seqlen, k.max_seqlen, getattr(k, "seqlen", None))
+    seqlen, capacity = getattr(k, "seqlen", None), getattr(k, "padding", k.max_seqlen)
+    return VarlenArgs(q.seqstart, k.seqstart, q.max_seqlen, k.max_seqlen, seqlen, capacity)
 
 
 # ------------------------------------------------------------------------------------------------ inputs

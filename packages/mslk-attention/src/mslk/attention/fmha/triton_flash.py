@@ -811,7 +811,8 @@ class BwOp(AttentionBwOpBase):
         mk, dim_v = k.shape[1], v.shape[-1]
         varlen = varlen_args(inp.attn_bias)
         sequences = batch if varlen is None else varlen.num_sequences
-        max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+        # Key blocks up to the capacity: a CUDA graph replays this launch after padded keys grew in place.
+        max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.key_capacity)
         deterministic = torch.are_deterministic_algorithms_enabled()
         # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
