@@ -620,7 +620,7 @@ def test_cuda_graph_replays_after_in_place_mask_updates(bias_id, head_dim):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with _poisoned_allocations(), torch.cuda.graph(graph):
-        out = step()
+        out = step().detach()  # (rewritten in place below, which autograd's view checks refuse)
     for new_q, new_k in updates:
         mask.q_seqinfo.from_seqlens_inplace(new_q)
         if bias_id == "B12":
