@@ -261,3 +261,10 @@ def test_in_place_updates_keep_the_tensors():
         packed_mask.q_seqinfo.from_seqlens_inplace([1])
     with pytest.raises(ValueError, match=r"in \[0, padding=8\]"):
         mask.k_seqinfo.from_seqlens_padded_inplace([9, 1])
+    # Packed starts would move padded slots and replace gappy starts: refused, the metadata left as it was.
+    with pytest.raises(ValueError, match="use from_seqlens_padded_inplace"):
+        mask.k_seqinfo.from_seqlens_inplace([6, 4])
+    gappy = ab.BlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 10, 16], [3, 4], device="cpu")
+    with pytest.raises(ValueError, match="gappy keys is not supported"):
+        gappy.k_seqinfo.from_seqlens_inplace([2, 2])
+    assert mask.k_seqinfo.seqstart.tolist() == [0, 8, 16] and gappy.k_seqinfo.seqstart.tolist() == [0, 10, 16]

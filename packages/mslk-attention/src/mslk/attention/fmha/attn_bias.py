@@ -232,6 +232,10 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
     def intervals(self) -> Iterable[tuple[int, int]]:
         return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
 
+    def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
+        """Refused: packed starts would move the slots (the kernels would read the wrong rows)."""
+        raise ValueError("in-place update of padded keys: use from_seqlens_padded_inplace (the slots stay put)")
+
     def from_seqlens_padded_inplace(self, seqlens: Iterable[int]) -> None:
         """New key lengths (each at most padding) in this metadata's tensors, for a captured CUDA graph."""
         lengths = list(seqlens)
@@ -273,6 +277,10 @@ class _GappySeqInfo(_SeqLenInfo):
 
     def intervals(self) -> Iterable[tuple[int, int]]:
         return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
+
+    def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
+        """Refused: packed starts would replace the keys' own (the kernels would read the wrong rows)."""
+        raise ValueError("in-place update of gappy keys is not supported: build the mask anew")
 
     def to(self, device) -> _GappySeqInfo:
         return replace(self, seqstart=self.seqstart.to(device), seqlen=self.seqlen.to(device))
