@@ -572,8 +572,8 @@ def test_padded_keys_grown_past_the_captured_longest(backward_mode):
         testing.assert_rel_close(got, want, TOLERANCE[torch.float32], what=name)
 
 
-# Captured (query, key) lengths, then in-place updates: ragged, empty and one-row sequences, all at most the captured
-# longest (B12's keys: its padding, 320 rows, past the captured longest, as a KV cache's grow).
+# Captured (query, key) lengths, then in-place updates: ragged, empty and one-row sequences, each at most the captured
+# longest, but B12's keys, which grow up to the 320-row padding past the captured longest, as a KV cache does.
 _GRAPH_LENGTHS = {
     "B07": ([130, 200, 300], [300, 200, 130], [([60, 0, 299], [1, 177, 130]), ([130, 1, 17], [300, 0, 60])]),
     "B08": ([100, 50, 130], [300, 200, 130], [([60, 1, 0], [200, 177, 60]), ([100, 50, 30], [100, 64, 129])]),
