@@ -35,11 +35,13 @@ def _inputs(bias_id, fmt, sizes, dtype, device, kv=None):
     return q, key, value, bias
 
 
-def _check(q, k, v, bias, dtype, scale=None, output_dtype=None):
+def _check(q, k, v, bias, dtype, scale=None, output_dtype=None, reference_bias=None):
+    """The Triton forward against the float64 oracle (under reference_bias where given: the mask the kernels should
+    see when the op's differs on the host, as a CUDA graph's captured one does)."""
     inp = common.Inputs(q, k, v, bias, scale=scale, output_dtype=output_dtype)
     assert triton_flash.FwOp.not_supported_reasons(inp) == []
     out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
-    ref, lse = attention_reference(q.double(), k, v, bias, scale)
+    ref, lse = attention_reference(q.double(), k, v, bias if reference_bias is None else reference_bias, scale)
     assert out.dtype == (output_dtype or dtype) and out.shape == ref.shape
     testing.assert_rel_close(out, ref, TOLERANCE[dtype])
     assert ctx.lse.shape == lse.shape
@@ -203,9 +205,10 @@ def _poisoned_allocations():
         yield
 
 
-def _check_backward(q, k, v, bias, tolerance, bias_grad=True):
+def _check_backward(q, k, v, bias, tolerance, bias_grad=True, reference_bias=None):
     """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle
-    (a tensor bias gets its gradient too, unless not bias_grad); the backward's allocations poisoned."""
+    (a tensor bias gets its gradient too, unless not bias_grad; reference_bias as in _check); the backward's
+    allocations poisoned."""
     dtype = q.dtype
     dense = common.tensor_bias(bias)
     if dense is not None:
@@ -216,7 +219,7 @@ def _check_backward(q, k, v, bias, tolerance, bias_grad=True):
     with _poisoned_allocations():
         grads = triton_flash.BwOp.apply(ctx, inp, do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    bias64 = bias
+    bias64 = bias if reference_bias is None else reference_bias
     if dense is not None:
         dense64 = dense.detach().double().requires_grad_()
         bias64 = dense64 if isinstance(bias, torch.Tensor) else type(bias)(dense64)
@@ -559,17 +562,8 @@ def test_padded_keys_grown_past_the_captured_longest(backward_mode):
     fresh = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3, 5], 40, grown, device=DEVICE)
     q = testing.randn(1, 8, 2, 16, device=DEVICE)
     k, v = (testing.randn(1, 80, 2, 16, device=DEVICE) for _ in "kv")
-    inp = common.Inputs(q, k, v, mask)
-    out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
-    do = testing.randn(*out.shape, device=DEVICE)
-    with _poisoned_allocations():
-        grads = triton_flash.BwOp.apply(ctx, inp, do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_reference(q64, k64, v64, fresh)
-    ref.backward(do.double())
-    testing.assert_rel_close(out, ref, TOLERANCE[torch.float32], what="out")
-    for name, got, want in (("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)):
-        testing.assert_rel_close(got, want, TOLERANCE[torch.float32], what=name)
+    _check(q, k, v, mask, torch.float32, reference_bias=fresh)
+    _check_backward(q, k, v, mask, TOLERANCE[torch.float32], reference_bias=fresh)
 
 
 # Captured (query, key) lengths, then in-place updates: ragged, empty and one-row sequences, each at most the captured
