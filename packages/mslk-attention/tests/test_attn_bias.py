@@ -166,6 +166,8 @@ def test_to_moves_the_sequence_tensors():
     moved = mask.to("meta")
     assert moved.q_seqinfo.seqstart.device.type == "meta" and moved.k_seqinfo.seqlen.device.type == "meta"
     assert type(moved) is type(mask) and moved.k_seqinfo.seqlen_py == [3, 2]
+    shared = ab.BlockDiagonalCausalMask.from_seqlens([1, 2], device="cpu").to("meta")
+    assert shared.q_seqinfo is shared.k_seqinfo, "one metadata for queries and keys stays one (in-place updates)"
 
 
 @pytest.mark.parametrize("seed", range(3))

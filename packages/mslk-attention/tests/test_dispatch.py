@@ -254,6 +254,30 @@ def test_kernel_layout_reasons(monkeypatch):
         )
 
 
+def test_flash_declines_causal_varlen_metadata_that_may_diverge_while_capturing(monkeypatch):
+    """A CUDA graph replays the kernels chosen at capture: FA2, bottom-right causal, would go on serving a
+    BlockDiagonalCausalMask whose equal query and key lengths in-place updates made unequal (top-left: silently
+    wrong). While capturing it declines the mask unless queries and keys share one metadata, so that the dispatcher
+    picks a kernel that serves any lengths."""
+    separate = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")
+    shared = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], device="cpu")
+    with fake_gpu(monkeypatch):
+        q, k, v = cuda_qkv(b=1, mq=8, mk=8)
+        for capturing, mask, declined in ((False, separate, False), (True, shared, False), (True, separate, True)):
+            monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda capturing=capturing: capturing)
+            for op in (flash.FwOp, flash.BwOp):
+                reasons = op.not_supported_reasons(fmha.Inputs(q, k, v, mask.to("cuda")))
+                assert reasons == (
+                    [
+                        "BlockDiagonalCausalMask in a CUDA graph capture: its query and key lengths, equal now, are "
+                        "separate metadata that in-place updates may make unequal (build it with kv_seqlen=None to "
+                        "share one)"
+                    ]
+                    if declined
+                    else []
+                ), (op, capturing, mask is shared)
+
+
 # ------------------------------------------------------------------------------------ priority lists
 
 

@@ -312,7 +312,9 @@ class BlockDiagonalMask(AttentionBias):
             yield q0, q1, k0, k1
 
     def to(self, device):
-        return replace(self, q_seqinfo=self.q_seqinfo.to(device), k_seqinfo=self.k_seqinfo.to(device))
+        q = self.q_seqinfo.to(device)
+        k = q if self.k_seqinfo is self.q_seqinfo else self.k_seqinfo.to(device)  # shared stays shared
+        return replace(self, q_seqinfo=q, k_seqinfo=k)
 
     @classmethod
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None, *, device=None):

@@ -55,13 +55,24 @@ def _kv_expanded(d: Inputs) -> bool:
     return d.key.stride(-2) == 0 and d.value.stride(-2) == 0
 
 
+def _capturing(d: Inputs) -> bool:
+    return d.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """The kernel's own limits: 8-element loads, bottom-right causality, BMGHK head merging."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
     bias = d.attn_bias
-    if isinstance(bias, ab.BlockDiagonalCausalMask) and bias.q_seqinfo.seqstart_py != bias.k_seqinfo.seqstart_py:
-        reasons.append("Only support BlockDiagonalCausalMask if equal numbers of keys and queries")
+    if isinstance(bias, ab.BlockDiagonalCausalMask):
+        if bias.q_seqinfo.seqstart_py != bias.k_seqinfo.seqstart_py:
+            reasons.append("Only support BlockDiagonalCausalMask if equal numbers of keys and queries")
+        elif bias.q_seqinfo is not bias.k_seqinfo and _capturing(d):
+            # A replay after in-place updates that make the lengths differ would run bottom-right causality.
+            reasons.append(
+                "BlockDiagonalCausalMask in a CUDA graph capture: its query and key lengths, equal now, are separate "
+                "metadata that in-place updates may make unequal (build it with kv_seqlen=None to share one)"
+            )
     elif isinstance(bias, ab.LowerTriangularMask) and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support LowerTriangularMask if equal number of keys and queries")
     if d.query.dim() == 5:
