@@ -80,7 +80,7 @@ def _i8_gemm_kernel(
 
 @functools.cache
 def _config(m: int, n: int, k: int, sms: int, split_k: int) -> dict:
-    """Tiles by shape class for Hopper (offline sm_90 compiles, not yet timed): decode (M <= 64) narrow tiles
+    """Tiles by shape class for Hopper (timed: RESULTS.md's i8i8bf16 rows): decode (M <= 64) narrow tiles
     with K split until two programs per SM fill one wave (or split_k's splits); larger M 128 x 128 and 128 x 256
     tiles of 128-deep steps, (128 + 256) · 128 B per stage."""
     if m <= 64:
