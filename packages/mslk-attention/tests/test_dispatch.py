@@ -263,6 +263,7 @@ def test_flash_declines_causal_varlen_metadata_that_may_diverge_while_capturing(
     shared = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], device="cpu")
     with fake_gpu(monkeypatch):
         q, k, v = cuda_qkv(b=1, mq=8, mk=8)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         for capturing, mask, declined in ((False, separate, False), (True, shared, False), (True, separate, True)):
             monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda capturing=capturing: capturing)
             for op in (flash.FwOp, flash.BwOp):
@@ -276,6 +277,43 @@ def test_flash_declines_causal_varlen_metadata_that_may_diverge_while_capturing(
                     if declined
                     else []
                 ), (op, capturing, mask is shared)
+
+
+def test_cutlass_declines_queries_that_see_no_key(monkeypatch):
+    """PyTorch's memory-efficient kernels get rows that see no key wrong (RESULTS.md, thirty-fifth session), so
+    they decline inputs with such rows, and varlen masks while capturing (in-place updates may empty a sequence's
+    keys); other kernels serve them."""
+    no_key = (
+        "a query sees no key (a varlen sequence without keys, or more queries than keys causal from the bottom "
+        "right): this kernel gets such inputs wrong"
+    )
+    bottom_right, padded = ab.LowerTriangularFromBottomRightMask(), ab.BlockDiagonalCausalWithOffsetPaddedKeysMask
+    cases = [  # (mq, mk, mask, some query sees no key)
+        (9, 8, bottom_right, True),
+        (8, 9, bottom_right, False),
+        (9, 8, bottom_right.make_local_attention(3), True),
+        (9, 8, ab.LowerTriangularMask(), False),  # top-left: every query sees the first key
+        (8, 8, ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [0, 8], device="cpu"), True),
+        (8, 8, ab.BlockDiagonalCausalMask.from_seqlens([0, 8], [3, 5], device="cpu"), False),  # no queries there
+        (2, 8, padded.from_seqlens([1, 1], 4, [0, 3], device="cpu"), True),
+        (4, 8, padded.from_seqlens([3, 1], 4, [2, 3], device="cpu"), True),  # 3 queries on 2 keys, bottom-right
+        (4, 8, padded.from_seqlens([3, 1], 4, [3, 1], device="cpu"), False),
+    ]
+    varlen = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [4, 4], device="cpu")  # (its host lists made here)
+    with fake_gpu(monkeypatch):
+        for mq, mk, mask, declined in cases:
+            b = 1 if isinstance(mask, ab.VARLEN_BIASES) else 2
+            inp = fmha.Inputs(*cuda_qkv(b=b, mq=mq, mk=mk), mask.to("cuda") if b == 1 else mask)
+            assert common.queries_without_keys(inp) == declined, mask
+            for op in (cutlass.FwOp, cutlass.BwOp):
+                assert (no_key in op.not_supported_reasons(inp)) == declined, (op, mask)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(*cuda_qkv(b=1, mq=8, mk=8), varlen.to("cuda"))) == [
+            "varlen mask in a CUDA graph capture: in-place updates may leave a sequence without keys, which this "
+            "kernel gets wrong"
+        ]
+        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(*cuda_qkv(), ab.LowerTriangularMask())) == []
 
 
 # ------------------------------------------------------------------------------------ priority lists

@@ -465,3 +465,35 @@ def test_gpu_autograd_dispatch_and_dropout(dtype):
     out_p.sum().backward()
     assert not out_p.isnan().any() and not q.grad.isnan().any()
     torch.compile(fmha.memory_efficient_attention, fullgraph=True)(q, k, v).sum().backward()
+
+
+def _no_key_case(case: str, head_dim: int, dtype: torch.dtype):
+    """(q, k, v, mask) in which some queries see no key."""
+    if case == "bottom-right":  # the first 260 of 300 queries
+        mask, b, mq, mk = ab.LowerTriangularFromBottomRightMask(), 2, 300, 40
+    elif case == "varlen":  # a sequence of 40 queries and no keys
+        mask, b, mq, mk = ab.BlockDiagonalCausalMask.from_seqlens([40, 3, 70], [0, 50, 64], device="cuda"), 1, 113, 114
+    else:  # decoding with an empty cache
+        mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], 64, [0, 50, 64], device="cuda")
+        b, mq, mk = 1, 3, 192
+    q, k, v = (testing.randn(b, m, 2, head_dim, dtype=dtype, device="cuda").requires_grad_() for m in (mq, mk, mk))
+    return q, k, v, mask
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("case", ["bottom-right", "varlen", "padded"])
+def test_gpu_queries_that_see_no_key(case, head_dim, dtype):
+    """Queries that see no key get a zero output and zero dQ, and the others theirs, from whichever kernels the
+    dispatcher picks. PyTorch's memory-efficient kernels get such inputs wrong (garbage in those rows, and in the
+    others when queries outnumber keys from the bottom right), so they decline them, pinned too."""
+    q, k, v, mask = _no_key_case(case, head_dim, dtype)
+    out = fmha.memory_efficient_attention(q, k, v, mask)
+    testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0], testing.default_tolerance(dtype))
+    out.backward(grad := testing.randn(*out.shape, dtype=dtype, device="cuda"))
+    for got, want, name in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, mask, grad), "qkv", strict=True):
+        testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype), what=f"d{name}")
+    with pytest.raises(ValueError, match="a query sees no key"):
+        fmha.memory_efficient_attention(q, k, v, mask, op=fmha.MemoryEfficientAttentionCutlassOp)

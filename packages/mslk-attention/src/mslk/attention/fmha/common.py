@@ -153,6 +153,25 @@ def varlen_args(attn_bias: Any) -> VarlenArgs | None:
     return VarlenArgs(q.seqstart, k.seqstart, q.max_seqlen, k.max_seqlen, seqlen, capacity)
 
 
+def queries_without_keys(inp: Inputs) -> bool:
+    """Whether some query sees no key at all: a varlen sequence with queries but no keys, or causality from the
+    bottom right with more queries than keys (its first nq − nk rows)."""
+    bottom_right = causal_window(inp.attn_bias)[0] == "bottom-right"
+    bias = inp.attn_bias
+    if isinstance(bias, ab.VARLEN_BIASES):
+        lengths = zip(bias.q_seqinfo.lengths(), bias.k_seqinfo.lengths(), strict=True)
+    else:
+        lengths = [(inp.query.shape[1], inp.key.shape[1])]
+    return any(nq > 0 and (nk == 0 or (bottom_right and nk < nq)) for nq, nk in lengths)
+
+
+def capturing_cuda_graph(inp: Inputs) -> bool:
+    """Whether this call is being captured in a CUDA graph, whose replays keep the kernels chosen now while
+    in-place updates change a varlen mask's lengths."""
+    # (No CUDA context, no capture: the check stays off GPU-less machines, where "cuda" tensors are fake.)
+    return inp.device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 # ------------------------------------------------------------------------------------------------ inputs
 
 

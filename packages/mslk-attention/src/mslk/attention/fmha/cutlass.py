@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha.common import (
     AttentionBwOpBase,
     AttentionFwOpBase,
@@ -20,8 +21,10 @@ from mslk.attention.fmha.common import (
     Gradients,
     Inputs,
     bias_types,
+    capturing_cuda_graph,
     causal_window,
     check_lastdim_alignment_stride1,
+    queries_without_keys,
     tensor_bias,
     varlen_args,
 )
@@ -52,6 +55,18 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     alignment = _gemm_alignment(d)
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, alignment)
+    # Rows that see no key come out of the kernels wrong (output from head dim 136 on, dQ in fp32 or from the
+    # bottom right, the other rows too when queries outnumber keys from the bottom right; torch 2.11 on the H200).
+    if queries_without_keys(d):
+        reasons.append(
+            "a query sees no key (a varlen sequence without keys, or more queries than keys causal from the bottom "
+            "right): this kernel gets such inputs wrong"
+        )
+    elif isinstance(d.attn_bias, ab.VARLEN_BIASES) and capturing_cuda_graph(d):
+        reasons.append(
+            "varlen mask in a CUDA graph capture: in-place updates may leave a sequence without keys, which this "
+            "kernel gets wrong"
+        )
     bias = tensor_bias(d.attn_bias)
     if bias is not None:
         if bias.dtype != d.query.dtype:

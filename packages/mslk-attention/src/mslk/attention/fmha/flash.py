@@ -20,6 +20,7 @@ from mslk.attention.fmha.common import (
     Gradients,
     Inputs,
     bias_types,
+    capturing_cuda_graph,
     causal_window,
     check_lastdim_alignment_stride1,
     varlen_args,
@@ -55,10 +56,6 @@ def _kv_expanded(d: Inputs) -> bool:
     return d.key.stride(-2) == 0 and d.value.stride(-2) == 0
 
 
-def _capturing(d: Inputs) -> bool:
-    return d.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """The kernel's own limits: 8-element loads, bottom-right causality, BMGHK head merging."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
@@ -67,7 +64,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     if isinstance(bias, ab.BlockDiagonalCausalMask):
         if bias.q_seqinfo.seqstart_py != bias.k_seqinfo.seqstart_py:
             reasons.append("Only support BlockDiagonalCausalMask if equal numbers of keys and queries")
-        elif bias.q_seqinfo is not bias.k_seqinfo and _capturing(d):
+        elif bias.q_seqinfo is not bias.k_seqinfo and capturing_cuda_graph(d):
             # A replay after in-place updates that make the lengths differ would run bottom-right causality.
             reasons.append(
                 "BlockDiagonalCausalMask in a CUDA graph capture: its query and key lengths, equal now, are separate "
