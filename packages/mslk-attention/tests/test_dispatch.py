@@ -377,20 +377,39 @@ def test_priority_lists(monkeypatch):
 
 
 def test_forward_choice_on_faked_gpu(monkeypatch):
+    causal = ab.LowerTriangularMask()
     with fake_gpu(monkeypatch, capability=(8, 0)):
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash.FwOp, "cudnn: Hopper and newer"
+        # Off Hopper PyTorch's memory-efficient kernels come before MSLK's Triton ones (not tuned there).
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(mk=24), causal), False) is cutlass.FwOp, "Mq != Mk"
+        assert dispatch._dispatch_bw_priority_list()[-3:] == [cutlass.BwOp, triton_flash.BwOp, torch_reference.BwOp]
     with fake_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is cudnn.FwOp
-        causal = ab.LowerTriangularMask()
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), causal), False) is cudnn.FwOp
-        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(mk=24), causal), False) is cutlass.FwOp, "Mq != Mk"
+        # Hopper, 16 bits: MSLK's Triton kernels before PyTorch's memory-efficient ones where measured faster,
+        # forwards alone and training from head dim 128.
+        assert dispatch._dispatch_fw_priority_list(fmha.Inputs(*cuda_qkv()), False) == [
+            flash3.FwOp, cudnn.FwOp, flash.FwOp, triton_flash.FwOp, cutlass.FwOp, triton_splitk.FwOp,
+            torch_reference.FwOp,
+        ]  # fmt: skip
+        assert dispatch._dispatch_bw_priority_list("cuda", triton_first=True) == [
+            flash3.BwOp, cudnn.BwOp, flash.BwOp, triton_flash.BwOp, cutlass.BwOp, torch_reference.BwOp
+        ]  # fmt: skip
+        mq_ne_mk = fmha.Inputs(*cuda_qkv(mk=24), causal)
+        assert dispatch._dispatch_fw(mq_ne_mk, False) is triton_flash.FwOp, "Mq != Mk"
+        assert dispatch._dispatch_fw(mq_ne_mk, True) is cutlass.FwOp, "training at head dim 64"
+        assert dispatch._dispatch_bw(mq_ne_mk, None) is cutlass.BwOp
+        training = fmha.Inputs(*cuda_qkv(mk=24, k=128), causal)
+        assert dispatch._dispatch_fw(training, True) is triton_flash.FwOp, "training at head dim 128"
+        assert dispatch._dispatch_bw(training, None) is triton_flash.BwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=512)), False) is cutlass.FwOp, "head dim > 256"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=256)), False) is flash.FwOp, "head dim > 128"
         local = ab.LowerTriangularFromBottomRightLocalAttentionMask(4)
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), local), False) is flash.FwOp, "window"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), p=0.1), False) is flash.FwOp, "dropout"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(dtype=torch.float32)), False) is cutlass.FwOp
         bias = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.float16)
-        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), bias), False) is cutlass.FwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), bias), False) is triton_flash.FwOp
         monkeypatch.setattr(flash3.FwOp, "OPERATOR", object())  # as if flash_attn_3 were wrapped
         assert dispatch.fa3_available()
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv()), False) is flash3.FwOp

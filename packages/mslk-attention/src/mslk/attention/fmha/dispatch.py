@@ -7,14 +7,17 @@ Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many 
 and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
 ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash attention (`triton_flash`: any
 GPU Triton runs on, fp32 included, so that GPUs the kernels above do not cover, Blackwell's fp32 among them,
-and deterministic backward passes get a GPU kernel), then MSLK's reference, which serves any device (the CPU
-path) and so comes last. When nothing fits, NotImplementedError lists the inputs and every backend's reasons; a
-pinned backend that does not fit raises ValueError with its reasons.
+and deterministic backward passes get a GPU kernel; on Hopper it comes before cutlass where measured faster), then
+MSLK's reference, which serves any device (the CPU path) and so comes last. When nothing fits,
+NotImplementedError lists the inputs and every backend's reasons; a pinned backend that does not fit raises
+ValueError with its reasons.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha import (
@@ -129,7 +132,8 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
             ops = [flash.FwOp] + [op for op in ops if op not in (flash.FwOp, flash3.FwOp)]
     if flash_mtia.FwOp.is_available():
         ops.append(flash_mtia.FwOp)
-    return [*ops, *_gpu_fallback(inp.device.type, triton_flash.FwOp), torch_reference.FwOp]
+    first = _triton_flash_first(inp, needs_gradient)
+    return [*_with_triton_flash(ops, triton_flash.FwOp, cutlass.FwOp, inp.device.type, first), torch_reference.FwOp]
 
 
 def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
@@ -139,12 +143,33 @@ def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
     )
 
 
-def _gpu_fallback(device_type: str, op: type[AttentionOpBase]) -> list[type[AttentionOpBase]]:
-    """[op] for GPU inputs: triton_flash's CPU device is the interpreter (tests), never a choice for users."""
-    return [op] if device_type == "cuda" else []
+def _triton_flash_first(inp: Inputs, needs_gradient: bool) -> bool:
+    """Whether MSLK's Triton kernels come before PyTorch's memory-efficient ones (`cutlass`): where they are
+    measured faster (H200, RESULTS.md, thirty-fifth session), on Hopper and 16-bit inputs, forwards alone (1.06x to
+    3.5x: tensor biases, Kv != K, varlen) and forward + backward from head dim 128 (1.3x to 3.3x; at head dims 40
+    and 64 PyTorch's backward is faster). fp32 stays with PyTorch's kernels (4-7x faster than our IEEE products)."""
+    return (
+        inp.device.type == "cuda"
+        and arch.is_cuda()
+        and arch.capability() == (9, 0)
+        and inp.query.dtype in (torch.float16, torch.bfloat16)
+        and (not needs_gradient or inp.query.shape[-1] >= 128)
+    )
 
 
-def _dispatch_bw_priority_list(device_type: str = "cuda") -> list[type[AttentionBwOpBase]]:
+def _with_triton_flash(ops: list, op: type[AttentionOpBase], cutlass_op: type[AttentionOpBase], device_type: str,
+                       first: bool) -> list:  # fmt: skip
+    """ops with MSLK's Triton kernel `op` for GPU inputs (its CPU device is the interpreter, for tests): before
+    PyTorch's memory-efficient kernels when `first`, else after all the others, where it serves what they do not."""
+    if device_type != "cuda":
+        return ops
+    if first:
+        place = ops.index(cutlass_op)
+        return [*ops[:place], op, *ops[place:]]
+    return [*ops, op]
+
+
+def _dispatch_bw_priority_list(device_type: str = "cuda", triton_first: bool = False) -> list[type[AttentionBwOpBase]]:
     if rocm_build():
         ops = [ck.BwOp]  # flydsl.BwOp is left out on purpose (tests pin it)
     else:
@@ -152,13 +177,13 @@ def _dispatch_bw_priority_list(device_type: str = "cuda") -> list[type[Attention
         ops += [cudnn.BwOp, flash.BwOp, cutlass.BwOp]
     if flash_mtia.BwOp.is_available():
         ops.append(flash_mtia.BwOp)
-    return [*ops, *_gpu_fallback(device_type, triton_flash.BwOp), torch_reference.BwOp]
+    return [*_with_triton_flash(ops, triton_flash.BwOp, cutlass.BwOp, device_type, triton_first), torch_reference.BwOp]
 
 
 def _dispatch_bw(inp: Inputs, varlen_lse_packed: bool | None) -> type[AttentionBwOpBase]:
     """The backward operator for these inputs, given the layout of the forward's varlen LSE (None: not varlen or
     one sequence, where the layouts agree)."""
-    ops = _dispatch_bw_priority_list(inp.device.type)
+    ops = _dispatch_bw_priority_list(inp.device.type, _triton_flash_first(inp, needs_gradient=True))
     extra_reasons = {}
     if varlen_lse_packed is not None:
         layout = "packed" if varlen_lse_packed else "padded"
