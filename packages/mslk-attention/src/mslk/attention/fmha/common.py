@@ -168,8 +168,11 @@ def queries_without_keys(inp: Inputs) -> bool:
 def capturing_cuda_graph(inp: Inputs) -> bool:
     """Whether this call is being captured in a CUDA graph, whose replays keep the kernels chosen now while
     in-place updates change a varlen mask's lengths."""
-    # (No CUDA context, no capture: the check stays off GPU-less machines, where "cuda" tensors are fake.)
-    return inp.device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    # No CUDA context, no capture: the check stays off GPU-less machines, where "cuda" tensors are fake. Nor is
+    # torch.compile's tracing a capture (its CUDA graphs, if any, are taken of the compiled code later).
+    if inp.device.type != "cuda" or torch.compiler.is_compiling() or not torch.cuda.is_initialized():
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 # ------------------------------------------------------------------------------------------------ inputs
