@@ -154,7 +154,7 @@ def _triton_flash_first(inp: Inputs, needs_gradient: bool) -> bool:
         inp.device.type == "cuda"
         and not torch.compiler.is_compiling()
         and arch.is_cuda()
-        and arch.capability() == (9, 0)
+        and arch.capability(inp.device) == (9, 0)
         and inp.query.dtype in (torch.float16, torch.bfloat16)
         and (not needs_gradient or inp.query.shape[-1] >= 128)
     )
