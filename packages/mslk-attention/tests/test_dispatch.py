@@ -405,7 +405,7 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=512)), False) is cutlass.FwOp, "head dim > 256"
         with monkeypatch.context() as compiling:
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)
-            assert dispatch._dispatch_fw(training, True) is cutlass.FwOp, "compiled graphs keep PyTorch's ops"
+            assert dispatch._dispatch_fw(training, True) is triton_flash.FwOp, "compiled graphs call the same ops"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=256)), False) is flash.FwOp, "head dim > 128"
         local = ab.LowerTriangularFromBottomRightLocalAttentionMask(4)
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), local), False) is flash.FwOp, "window"

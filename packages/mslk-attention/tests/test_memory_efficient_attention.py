@@ -120,6 +120,27 @@ def test_tensor_bias_gradient_and_broadcast_bias():
     testing.assert_rel_close(small.grad, full.grad.sum((0, 1), keepdim=True), 1e-6)
 
 
+def test_gradient_of_the_tensor_of_a_causal_mask_with_bias():
+    """LowerTriangularMaskWithTensorBias's tensor gets its gradient as a tensor bias does, also when it alone
+    requires one (autograd once failed: the mask was no tensor to it), and backward ops without bias gradients
+    decline it."""
+    q, k, v = qkv((2, 5, 3, 8), (2, 7, 3, 8))
+    bias = testing.randn(2, 3, 5, 7).requires_grad_()
+    out = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularMaskWithTensorBias(bias))
+    grad = testing.randn(*out.shape)
+    out.backward(grad)
+    bias64 = bias.detach().double().requires_grad_()
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), ab.LowerTriangularMaskWithTensorBias(bias64))
+    testing.assert_rel_close(bias.grad, torch.autograd.grad(ref, bias64, grad.double())[0], GRAD_TOL)
+
+    class WithoutBiasGradient(torch_reference.BwOp):
+        SUPPORTS_ATTN_BIAS_GRAD = False
+
+    mask = ab.LowerTriangularMaskWithTensorBias(bias)
+    reasons = WithoutBiasGradient.not_supported_reasons(fmha.Inputs(q, k, v, mask))
+    assert "Computing the bias gradient is not supported (attn_bias.requires_grad = True)" in reasons
+
+
 def test_gqa_and_bmk_gradients():
     q = testing.randn(1, 4, 2, 3, 8).requires_grad_()
     k_base, v_base = (testing.randn(1, 6, 2, 1, 8).requires_grad_() for _ in range(2))

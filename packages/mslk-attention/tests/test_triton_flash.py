@@ -769,14 +769,14 @@ def test_hopper_forward_declines_what_it_does_not_serve():
     ):
         k = triton_flash._bmghk(inp.key)
         bias = triton_flash._bias_args(common.tensor_bias(inp.attn_bias))[0]
-        assert triton_flash._gluon_forward(k, k, k, bias, inp, None, -1) is None
+        assert triton_flash._gluon_forward(k, k, k, bias, inp.p, inp.scale_float, None, -1) is None
     takes = triton_flash_hopper_fwd.supports
     assert not takes(q, q, q, 0.1)  # not a GPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         q = q.cuda()
         assert takes(q, q, q, 0.1)
-        assert triton_flash._gluon_forward(q, q, q, None, common.Inputs(q, q, q), None, -1) is triton_flash_hopper_fwd
-        assert triton_flash._gluon_forward(q, q, q, None, common.Inputs(q, q, q), None, 100) is None  # a left window
+        assert triton_flash._gluon_forward(q, q, q, None, 0.0, 0.1, None, -1) is triton_flash_hopper_fwd
+        assert triton_flash._gluon_forward(q, q, q, None, 0.0, 0.1, None, 100) is None  # a left window
         assert not takes(q, q, q, -0.1)
         assert not takes(q.float(), q.float(), q.float(), 0.1)
         for other in (q[..., :64].contiguous(), torch.cat([q, q], -1)):
@@ -872,3 +872,86 @@ def test_gpu_more_than_65535_heads(backward_mode):
     mask = triton_flash.dropout_mask(1234, 4100, 1, 16, 16, 16, 0.5, "cuda")
     assert torch.equal(mask[:2], triton_flash.dropout_mask(1234, 2, 1, 16, 16, 16, 0.5, "cuda"))
     assert 0.4 < mask[-1].float().mean().item() < 0.6
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+
+
+def _check_compiled(bias_id, dtype, sizes, backend):
+    """memory_efficient_attention pinned to the Triton kernels and compiled by `backend` (fullgraph), forward and
+    backward (a tensor bias's gradient too), against float64 autograd of the oracle."""
+    q, k, v, bias = _inputs(bias_id, "BMHK", sizes, dtype, DEVICE)
+    leaves = [t.requires_grad_() for t in (q, k, v, common.tensor_bias(bias)) if t is not None]
+
+    def attend(q, k, v, bias):
+        return fmha.memory_efficient_attention(q, k, v, bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+
+    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v, bias)
+    do = testing.randn(*out.shape, dtype=dtype, device=DEVICE)
+    grads = torch.autograd.grad(out, leaves, do)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    bias64 = bias if len(leaves) == 3 else leaves64[3] if isinstance(bias, torch.Tensor) else type(bias)(leaves64[3])
+    ref, _ = attention_reference(*leaves64[:3], bias64)
+    want = torch.autograd.grad(ref, leaves64, do.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, got, expected in zip(("out", "dq", "dk", "dv", "db"), (out, *grads), (ref, *want), strict=False):
+        testing.assert_rel_close(got, expected, tolerance, what=name)
+
+
+@pytest.mark.parametrize("bias_id", ["None", "T", "B02", "B08", "B12"])
+def test_torch_compile_calls_the_launches_as_ops(bias_id):
+    """Compiled code calls the forward's and backward's launches as torch ops, whose fake kernels give the shapes
+    (Dynamo does not trace into them, so Inductor does not compile the kernels itself), with the eager results."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    _check_compiled(bias_id, torch.float32, (2, 20, 28, 1, 2, 16), backend)
+    assert "mslk_triton.flash_attention_forward" in "".join(g.code for g in backend.fw_graphs)
+    assert "mslk_triton.flash_attention_backward" in "".join(g.code for g in backend.bw_graphs)
+
+
+@pytest.mark.parametrize("bias_id", ["T", "B12"])
+def test_opcheck_of_the_launches(bias_id):
+    """torch.library.opcheck of the launch ops (schema, fake kernels against the real ones, tracing)."""
+    q, k, v, bias = _inputs(bias_id, "BMHK", (2, 20, 28, 1, 2, 16), torch.float32, DEVICE)
+    alignment, window_left, window_right = triton_flash._alignment(bias)
+    dense = common.tensor_bias(bias)
+    mask_args = (*triton_flash._varlen_fields(bias), 0.25, 0.0, 0, window_left, window_right, alignment is not None)
+    forward_args = (q, k, v, dense, *mask_args, torch.float32)
+    torch.library.opcheck(torch.ops.mslk_triton.flash_attention_forward.default, forward_args)
+    out, lse = torch.ops.mslk_triton.flash_attention_forward(*forward_args)
+    do = testing.randn(*out.shape, device=DEVICE)
+    backward_args = (q, k, v, out, do, lse, dense, dense is not None, *mask_args, False)
+    torch.library.opcheck(torch.ops.mslk_triton.flash_attention_backward.default, backward_args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "T", "B03", "B07", "B12"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_torch_compile_inductor(bias_id, dtype):
+    """Inductor over the Triton kernels, forward and backward (fp32 failed to compile while Dynamo traced into the
+    launches and Inductor compiled the kernels itself)."""
+    _check_compiled(bias_id, dtype, (2, 150, 230, 1, 4, 64), "inductor")
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"), [(DEVICE, "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)]
+)
+def test_torch_compile_dropout_replays_its_draws(device, backend):
+    """Under torch.compile each call draws a fresh dropout seed (from torch's RNG at a graph break), which its
+    backward replays: the output is linear in V, out = A·V with A the dropped-out weights, and dV = Aᵀ·dO, so
+    <out, dO> = <V, dV> holds only if both apply the same A."""
+    q, k, v = (testing.randn(2, 60, 2, 32, device=device).requires_grad_() for _ in range(3))
+
+    def attend(q, k, v):
+        return fmha.memory_efficient_attention(q, k, v, p=0.3, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+
+    compiled = torch.compile(attend, backend=backend)
+    outs = []
+    for _ in range(2):
+        out = compiled(q, k, v)
+        do = testing.randn(*out.shape, device=device)
+        (dv,) = torch.autograd.grad(out, v, do)
+        torch.testing.assert_close((out * do).double().sum(), (v * dv).double().sum(), rtol=1e-4, atol=0)
+        outs.append(out)
+    assert testing.rel_error(outs[0], outs[1]) > 0.1, "each call drops other weights"

@@ -75,6 +75,7 @@ from mslk.attention.fmha.common import (
     Inputs,
     bmk2bmhk,
     rocm_build,
+    tensor_bias,
     varlen_lse_packed,
     varlen_num_sequences,
 )
@@ -234,7 +235,10 @@ class _fMHA(torch.autograd.Function):
     dropped: fmha.merge_training gives partials correct gradients."""
 
     @staticmethod
-    def forward(ctx, op_fw, op_bw, query, key, value, attn_bias, p, scale, output_dtype, is_partial):
+    def forward(ctx, op_fw, op_bw, query, key, value, mask, dense_bias, p, scale, output_dtype, is_partial):
+        # The bias as two inputs (_bias_inputs), so that autograd sees the tensor of a tensor bias and of a
+        # LowerTriangularMaskWithTensorBias alike: it gets the bias gradient.
+        attn_bias = dense_bias if mask is None else mask
         ctx.set_materialize_grads(False)  # an unused LSE gives grad_lse None, not zeros
         inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial)
         op_fw = _fw_op(inp, op_fw, needs_gradient=True)
@@ -261,13 +265,18 @@ class _fMHA(torch.autograd.Function):
         op_ctx = Context(lse=lse, out=out, rng_state=ctx.rng_state)
         # (the forward validated and normalized the inputs: grad has the shape of its output)
         grads = _backward_normalized(op_ctx, inp, grad, ctx.op_bw)
-        return None, None, grads.dq, grads.dk, grads.dv, grads.db, None, None, None, None
+        return None, None, grads.dq, grads.dk, grads.dv, None, grads.db, None, None, None, None
 
 
 def _requires_grad(inp: Inputs) -> bool:
     """Whether autograd must see the call: a gradient may flow to query, key, value or a tensor bias."""
-    tensors = (inp.query, inp.key, inp.value, inp.attn_bias)
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    tensors = (inp.query, inp.key, inp.value, tensor_bias(inp.attn_bias))
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _bias_inputs(attn_bias) -> tuple:
+    """(mask, dense bias) of _fMHA: (None, the tensor) for a tensor bias, (the mask, its tensor or None) otherwise."""
+    return None if isinstance(attn_bias, torch.Tensor) else attn_bias, tensor_bias(attn_bias)
 
 
 def _with_autograd(inp: Inputs, op: AttentionOp | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,8 +285,9 @@ def _with_autograd(inp: Inputs, op: AttentionOp | None) -> tuple[torch.Tensor, t
     inp.validate_inputs()
     output_shape = inp.normalize_bmhk()
     out, lse = _fMHA.apply(
-        op_fw, op_bw, inp.query, inp.key, inp.value, inp.attn_bias, inp.p, inp.scale, inp.output_dtype, inp.is_partial
-    )
+        op_fw, op_bw, inp.query, inp.key, inp.value, *_bias_inputs(inp.attn_bias), inp.p, inp.scale, inp.output_dtype,
+        inp.is_partial,
+    )  # fmt: skip
     return out.reshape(output_shape), lse
 
 

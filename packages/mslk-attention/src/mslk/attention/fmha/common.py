@@ -302,7 +302,7 @@ class Inputs:
             # (Paged masks name logical keys; their pages are the kernels' to bound.)
             q_rows = bias.q_seqinfo.seqstart_py[-1]
             k_ends = [end for _, end in bias.k_seqinfo.intervals()] if isinstance(bias, ab.BlockDiagonalMask) else []
-            k_rows = max(k_ends, default=0)
+            k_rows = max(k_ends) if k_ends else 0  # (not max's default=, which torch.compile rejects)
             if q_rows != q.shape[1] or k_rows > k.shape[1]:
                 raise ValueError(
                     f"{type(bias).__name__} describes {q_rows} queries and keys up to row {k_rows}, but "
@@ -561,7 +561,8 @@ class AttentionBwOpBase(AttentionOpBase):
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
         reasons = super().not_supported_reasons(d)
-        if isinstance(d.attn_bias, torch.Tensor) and d.attn_bias.requires_grad and not cls.SUPPORTS_ATTN_BIAS_GRAD:
+        dense = tensor_bias(d.attn_bias)
+        if dense is not None and dense.requires_grad and not cls.SUPPORTS_ATTN_BIAS_GRAD:
             reasons.append("Computing the bias gradient is not supported (attn_bias.requires_grad = True)")
         return reasons
 

@@ -148,11 +148,9 @@ def _triton_flash_first(inp: Inputs, needs_gradient: bool) -> bool:
     measured faster (H200, RESULTS.md, thirty-fifth session), on Hopper and 16-bit inputs, forwards alone (1.06x to
     3.5x: tensor biases, Kv != K, varlen) and forward + backward from head dim 128 (1.3x to 3.3x; at head dims 40
     and 64 PyTorch's backward is faster). fp32 stays with PyTorch's kernels (4-7x faster than our IEEE products).
-    Not under torch.compile, which traces the Triton kernels themselves: untested there but for an fp32 call,
-    which Inductor failed to compile (same session), so compiled graphs keep PyTorch's ATen ops."""
+    torch.compile'd code too: the Triton launches are torch ops it does not trace into."""
     return (
         inp.device.type == "cuda"
-        and not torch.compiler.is_compiling()
         and arch.is_cuda()
         and arch.capability(inp.device) == (9, 0)
         and inp.query.dtype in (torch.float16, torch.bfloat16)

@@ -21,6 +21,7 @@ from mslk.attention.fmha.common import (
     Gradients,
     Inputs,
     bias_types,
+    tensor_bias,
     varlen_num_sequences,
 )
 from mslk.attention.fmha.reference import _heads_first, attention_reference, attention_scores
@@ -86,8 +87,8 @@ class BwOp(AttentionBwOpBase):
         ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(dim=-1, keepdim=True))
         dq = ds @ k * scale
         dk = ds.transpose(-1, -2) @ q * scale
-        bias = inp.attn_bias
-        db = ds.to(bias.dtype) if isinstance(bias, torch.Tensor) and bias.requires_grad else None
+        bias = tensor_bias(inp.attn_bias)
+        db = ds.to(bias.dtype) if bias is not None and bias.requires_grad else None
         return Gradients(_heads_last(dq, inp.query), _heads_last(dk, inp.key), _heads_last(dv, inp.value), db)
 
 

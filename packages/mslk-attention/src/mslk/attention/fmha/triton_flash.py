@@ -708,6 +708,216 @@ def _alignment(attn_bias) -> tuple[str | None, int, int]:
     return alignment, window_left, window_right
 
 
+def _varlen_fields(attn_bias) -> tuple:
+    """varlen_args(attn_bias) as the launches take it: (seqstart_q, seqstart_k, seqlen_k, max_seqlen_q,
+    max_seqlen_k, key_capacity), Nones and zeros when it is not varlen."""
+    varlen = varlen_args(attn_bias)
+    if varlen is None:
+        return None, None, None, 0, 0, 0
+    return (varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, varlen.max_seqlen_q, varlen.max_seqlen_k,
+            varlen.key_capacity)  # fmt: skip
+
+
+def _varlen(seqstart_q, seqstart_k, seqlen_k, max_seqlen_q, max_seqlen_k, key_capacity) -> VarlenArgs | None:
+    """The VarlenArgs of _varlen_fields, or None."""
+    if seqstart_q is None:
+        return None
+    return VarlenArgs(seqstart_q, seqstart_k, max_seqlen_q, max_seqlen_k, seqlen_k, key_capacity)
+
+
+def _flash_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    seqstart_q: torch.Tensor | None,
+    seqstart_k: torch.Tensor | None,
+    seqlen_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    key_capacity: int,
+    scale: float,
+    p: float,
+    seed: int,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    output_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's launches: out [B, Mq, G, H, Kv] and LSE [B, G, H, Mq] (fp32) of [B, M, (G,) H, K] inputs."""
+    q, k, v = (_bmghk(t) for t in (query, key, value))
+    batch, mq, groups, heads, dim = q.shape
+    mk, dim_v = k.shape[1], v.shape[-1]
+    out = torch.empty((batch, mq, groups, heads, dim_v), dtype=output_dtype, device=q.device)
+    varlen = _varlen(seqstart_q, seqstart_k, seqlen_k, max_seqlen_q, max_seqlen_k, key_capacity)
+    sequences = batch if varlen is None else varlen.num_sequences
+    max_q = mq if varlen is None else varlen.max_seqlen_q
+    lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
+    bias, *bias_strides = _bias_args(bias)
+    gluon = _gluon_forward(q, k, v, bias, p, scale, varlen, window_left) if out.numel() and max_q else None
+    if gluon is not None:  # Hopper, no mask or causal (with a bias or not): warpgroups that take turns
+        gluon.run(q, k, v, out, lse, scale, window_right, bottom_right, bias)
+    elif out.numel() and max_q:
+        block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
+        # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
+        # NaN included, where the pointer path reads zeros.
+        tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
+        short = varlen is not None and max_q <= 512
+        block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short, bias is not None)
+        blocks = launch.cdiv(max_q, block_m)
+        descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
+        bias_desc = _bias_descriptor(bias, q, block_m, block_n) if tma else None
+        _flash_forward_kernel[(blocks * sequences * groups * heads,)](
+            q, k, v, out, lse, bias, seqstart_q, seqstart_k, seqlen_k,
+            *descriptors or (None, None), bias_desc,
+            groups, heads, mq, mk, dim, dim_v, scale * _LOG2E, window_left, window_right, seed, p,
+            *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
+            _heads_per_section(blocks, q.device), DROPOUT=p > 0.0,
+            HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and scale > 0.0,
+            VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+            BOTTOM_RIGHT=bottom_right, IEEE=q.dtype == torch.float32,
+            UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
+            BIAS_TMA=bias_desc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    elif out.numel():
+        out.zero_()
+    if max_q == 0 or out.numel() == 0:
+        lse.fill_(-math.inf)
+    return out, lse
+
+
+def _flash_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    grad: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_requires_grad: bool,
+    seqstart_q: torch.Tensor | None,
+    seqstart_k: torch.Tensor | None,
+    seqlen_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    key_capacity: int,
+    scale: float,
+    p: float,
+    seed: int,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's launches: dQ, dK, dV [B, M, G, H, K] of [B, M, (G,) H, K] inputs, and the bias's gradient
+    (empty unless bias_requires_grad)."""
+    q, k, v, out, do = (_bmghk(t) for t in (query, key, value, out, grad))
+    batch, mq, groups, heads, dim = q.shape
+    mk, dim_v = k.shape[1], v.shape[-1]
+    varlen = _varlen(seqstart_q, seqstart_k, seqlen_k, max_seqlen_q, max_seqlen_k, key_capacity)
+    sequences = batch if varlen is None else varlen.num_sequences
+    # Key blocks up to the capacity: a CUDA graph replays this launch after padded keys grew in place.
+    max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.key_capacity)
+    # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs), from zeros (the prologue's).
+    dq_sum = dq
+    if not deterministic and dq.dtype != torch.float32:
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    runs = bool(max_q and max_k and dim)
+    # Rows outside every varlen sequence, which no program writes, must read zero: the prologue zeroes the dK
+    # and dV ones where the keys are not padded (it knows only the bounds of all sequences), fills the rest.
+    keys_outside_in_prologue = runs and varlen is not None and varlen.seqlen_k is None
+    if not runs:  # no kernel runs: zero gradients
+        zeroed = [dq_sum, dk, dv]
+    elif varlen is not None:
+        zeroed = ([dq] if deterministic else []) + ([] if keys_outside_in_prologue else [dk, dv])
+    else:
+        zeroed = []
+    for t in zeroed:
+        t.zero_()
+    db = torch.zeros(bias.shape, dtype=bias.dtype, device=q.device) if bias_requires_grad else q.new_empty(0)
+    if runs:
+        lse = lse if lse.dim() == 4 else lse.unsqueeze(1)
+        lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
+        delta = _backward_prologue(
+            out, do, None if deterministic else dq_sum, dk, dv, varlen if keys_outside_in_prologue else None
+        )
+        bias, *bias_strides = _bias_args(bias)
+        gluon = _gluon_backward(q, k, v, do, bias, bias_requires_grad, p, varlen, deterministic)
+        if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
+            gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right, varlen,
+                      bias)  # fmt: skip
+        else:
+            db_args = _bias_args(db if bias_requires_grad else None)
+            block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
+            wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0])
+            for dq_pass in (True, False) if deterministic else (False,):
+                block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
+                # Not varlen: a tile past a sequence's rows would read the next one's (no harm), or, past the
+                # last sequence, rows a mask updated in place no longer covers, NaN included, which reach the
+                # products (the pointer path reads zeros).
+                tma = not dq_pass and varlen is None
+                descriptors = (None, None, None)
+                if tma and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
+                    # dq_sum's is used only by the one-pass backward
+                    descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
+                kv_descriptors = (None, None)
+                if tma and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v):
+                    kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
+                blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
+                _flash_backward_kernel[(blocks * sequences * groups * heads,)](
+                    q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0], seqstart_q, seqstart_k, seqlen_k,
+                    *descriptors, *kv_descriptors,
+                    groups, heads, mq, mk, dim, dim_v, scale * _LOG2E, scale, window_left,
+                    window_right, seed, p, *_strides(q, k, v, do), *lse.stride()[:3],
+                    *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], blocks,
+                    _heads_per_section(blocks, q.device), DROPOUT=p > 0.0,
+                    HAS_BIAS=bias is not None, BIAS_GRAD=bias_requires_grad, DQ_PASS=dq_pass,
+                    ATOMIC_DQ=not deterministic, VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
+                    BOTTOM_RIGHT=bottom_right, IEEE=q.dtype == torch.float32,
+                    UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+                    WIDE=wide,
+                    TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
+                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
+                    num_stages=stages,
+                )  # fmt: skip
+    if dq_sum is not dq:
+        dq.copy_(dq_sum)
+    return dq, dk, dv, db
+
+
+# The launches as torch ops, opaque to torch.compile, which would otherwise trace into them and have Inductor
+# compile the kernels itself (it failed to compile the fp32 forward). Eager calls skip the ops' dispatch.
+_flash_forward_op = torch.library.custom_op("mslk_triton::flash_attention_forward", _flash_forward, mutates_args=())
+_flash_backward_op = torch.library.custom_op("mslk_triton::flash_attention_backward", _flash_backward,
+                                             mutates_args=())  # fmt: skip
+
+
+@_flash_forward_op.register_fake
+def _flash_forward_fake(query, key, value, *args):
+    output_dtype = args[-1]
+    q = _bmghk(query)
+    batch, mq, groups, heads, _ = q.shape
+    out = q.new_empty((batch, mq, groups, heads, value.shape[-1]), dtype=output_dtype)
+    return out, q.new_empty((batch, groups, heads, mq), dtype=torch.float32)
+
+
+@_flash_backward_op.register_fake
+def _flash_backward_fake(query, key, value, out, grad, lse, bias, bias_requires_grad, *args):
+    dq, dk, dv = (torch.empty_like(_bmghk(t), memory_format=torch.contiguous_format) for t in (query, key, value))
+    return dq, dk, dv, bias.new_empty(bias.shape) if bias_requires_grad else query.new_empty(0)
+
+
+def _flash_forward_call():
+    return _flash_forward_op if torch.compiler.is_compiling() else _flash_forward
+
+
+def _flash_backward_call():
+    return _flash_backward_op if torch.compiler.is_compiling() else _flash_backward
+
+
 class FwOp(AttentionFwOpBase):
     """MSLK's Triton flash-attention forward (see the module docstring)."""
 
@@ -729,50 +939,16 @@ class FwOp(AttentionFwOpBase):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
-        q, k, v = (_bmghk(t) for t in (inp.query, inp.key, inp.value))
-        batch, mq, groups, heads, dim = q.shape
-        mk, dim_v = k.shape[1], v.shape[-1]
-        out = torch.empty((batch, mq, groups, heads, dim_v), dtype=inp.get_output_dtype(), device=q.device)
-        varlen = varlen_args(inp.attn_bias)
-        sequences = batch if varlen is None else varlen.num_sequences
-        max_q = mq if varlen is None else varlen.max_seqlen_q
-        lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
         alignment, window_left, window_right = _alignment(inp.attn_bias)
-        # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync).
-        seed = int(torch.randint(0, 2**31 - 1 - groups * heads * batch, ()).item()) if inp.p > 0.0 else 0
-        bias, *bias_strides = _bias_args(tensor_bias(inp.attn_bias))
-        gluon = _gluon_forward(q, k, v, bias, inp, varlen, window_left) if out.numel() and max_q else None
-        if gluon is not None:  # Hopper, no mask or causal (with a bias or not): warpgroups that take turns
-            gluon.run(q, k, v, out, lse, inp.scale_float, window_right, alignment == "bottom-right", bias)
-        elif out.numel() and max_q:
-            block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-            # Not with padded or gappy keys: a tile past a sequence's keys then reads rows that may hold anything,
-            # NaN included, where the pointer path reads zeros.
-            tma = _tma_readable(k, v) and (varlen is None or varlen.seqlen_k is None)
-            short = varlen is not None and max_q <= 512
-            block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "fwd", tma, short, bias is not None)
-            seqlen_k = None if varlen is None else varlen.seqlen_k
-            blocks = launch.cdiv(max_q, block_m)
-            descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
-            bias_desc = _bias_descriptor(bias, q, block_m, block_n) if tma else None
-            _flash_forward_kernel[(blocks * sequences * groups * heads,)](
-                q, k, v, out, lse, bias,
-                *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                *descriptors or (None, None), bias_desc,
-                groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, window_left, window_right, seed, inp.p,
-                *_strides(q, k, v, out), *lse.stride()[:3], *bias_strides, blocks,
-                _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
-                HAS_BIAS=bias is not None, SCALE_IN_EXP=bias is None and inp.scale_float > 0.0,
-                VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
-                BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
-                UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, TMA=descriptors is not None,
-                BIAS_TMA=bias_desc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv,
-                num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-        elif out.numel():
-            out.zero_()
-        if max_q == 0 or out.numel() == 0:
-            lse.fill_(-math.inf)
+        # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync; under
+        # torch.compile a graph break), bounded so that the kernels' seed + head stays below 2**31.
+        heads = inp.query.shape[0] * math.prod(inp.query.shape[2:-1])
+        seed = int(torch.randint(0, 2**31 - 1 - heads, ()).item()) if inp.p > 0.0 else 0
+        out, lse = _flash_forward_call()(
+            inp.query, inp.key, inp.value, tensor_bias(inp.attn_bias), *_varlen_fields(inp.attn_bias),
+            inp.scale_float, inp.p, seed, window_left, window_right, alignment == "bottom-right",
+            inp.get_output_dtype(),
+        )  # fmt: skip
         if inp.query.dim() == 4:
             out, lse = out[:, :, 0], lse[:, 0]
         if not needs_gradient:
@@ -806,88 +982,17 @@ class BwOp(AttentionBwOpBase):
 
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
-        q, k, v, out, do = (_bmghk(t) for t in (inp.query, inp.key, inp.value, ctx.out, grad))
-        batch, mq, groups, heads, dim = q.shape
-        mk, dim_v = k.shape[1], v.shape[-1]
-        varlen = varlen_args(inp.attn_bias)
-        sequences = batch if varlen is None else varlen.num_sequences
-        # Key blocks up to the capacity: a CUDA graph replays this launch after padded keys grew in place.
-        max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.key_capacity)
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs), from zeros (the prologue's).
-        dq_sum = dq
-        if not deterministic and dq.dtype != torch.float32:
-            dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        runs = bool(max_q and max_k and dim)
-        # Rows outside every varlen sequence, which no program writes, must read zero: the prologue zeroes the dK
-        # and dV ones where the keys are not padded (it knows only the bounds of all sequences), fills the rest.
-        keys_outside_in_prologue = runs and varlen is not None and varlen.seqlen_k is None
-        if not runs:  # no kernel runs: zero gradients
-            zeroed = [dq_sum, dk, dv]
-        elif varlen is not None:
-            zeroed = ([dq] if deterministic else []) + ([] if keys_outside_in_prologue else [dk, dv])
-        else:
-            zeroed = []
-        for t in zeroed:
-            t.zero_()
-        given_bias = tensor_bias(inp.attn_bias)
-        bias_grad = given_bias is not None and given_bias.requires_grad
-        db = torch.zeros(given_bias.shape, dtype=given_bias.dtype, device=q.device) if bias_grad else None
-        if runs:
-            lse = ctx.lse if ctx.lse.dim() == 4 else ctx.lse.unsqueeze(1)
-            lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
-            delta = _backward_prologue(
-                out, do, None if deterministic else dq_sum, dk, dv, varlen if keys_outside_in_prologue else None
-            )
-            alignment, window_left, window_right = _alignment(inp.attn_bias)
-            bias, *bias_strides = _bias_args(given_bias)
-            gluon = _gluon_backward(q, k, v, do, bias, inp.p, varlen, deterministic)
-            if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
-                gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, inp.scale_float, window_left, window_right,
-                          alignment == "bottom-right", varlen, bias)  # fmt: skip
-            else:
-                db_args = _bias_args(db)
-                block_k, block_kv = launch.next_power_of_2(max(dim, 16)), launch.next_power_of_2(max(dim_v, 16))
-                seqlen_k = None if varlen is None else varlen.seqlen_k
-                wide = _past_int32(q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db)
-                for dq_pass in (True, False) if deterministic else (False,):
-                    block_m, block_n, warps, stages = _tiles(q, max(block_k, block_kv), "dq" if dq_pass else "dkdv")
-                    # Not varlen: a tile past a sequence's rows would read the next one's (no harm), or, past the
-                    # last sequence, rows a mask updated in place no longer covers, NaN included, which reach the
-                    # products (the pointer path reads zeros).
-                    tma = not dq_pass and varlen is None
-                    descriptors = (None, None, None)
-                    if tma and _tma_readable(q, do) and _flat_rows(q) and _flat_rows(do):
-                        # dq_sum's is used only by the one-pass backward
-                        descriptors = _row_descriptors(block_m, (q, block_k), (do, block_kv), (dq_sum, block_k))
-                    kv_descriptors = (None, None)
-                    if tma and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v):
-                        kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
-                    blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
-                    _flash_backward_kernel[(blocks * sequences * groups * heads,)](
-                        q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0],
-                        *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), seqlen_k,
-                        *descriptors, *kv_descriptors,
-                        groups, heads, mq, mk, dim, dim_v, inp.scale_float * _LOG2E, inp.scale_float, window_left,
-                        window_right, ctx.rng_state or 0, inp.p, *_strides(q, k, v, do), *lse.stride()[:3],
-                        *_strides(dq_sum, dk, dv), *bias_strides, *db_args[1:], blocks,
-                        _heads_per_section(blocks, q.device), DROPOUT=inp.p > 0.0,
-                        HAS_BIAS=bias is not None, BIAS_GRAD=bias_grad, DQ_PASS=dq_pass, ATOMIC_DQ=not deterministic,
-                        VARLEN=varlen is not None, HAS_SEQLEN_K=seqlen_k is not None,
-                        BOTTOM_RIGHT=alignment == "bottom-right", IEEE=q.dtype == torch.float32,
-                        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-                        WIDE=wide,
-                        TMA=descriptors[0] is not None, TMA_KV=kv_descriptors[0] is not None,
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KV=block_kv, num_warps=warps,
-                        num_stages=stages,
-                    )  # fmt: skip
-        if dq_sum is not dq:
-            dq.copy_(dq_sum)
+        alignment, window_left, window_right = _alignment(inp.attn_bias)
+        bias = tensor_bias(inp.attn_bias)
+        bias_grad = bias is not None and bias.requires_grad
+        dq, dk, dv, db = _flash_backward_call()(
+            inp.query, inp.key, inp.value, ctx.out, grad, ctx.lse, bias, bias_grad,
+            *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state or 0, window_left, window_right,
+            alignment == "bottom-right", torch.are_deterministic_algorithms_enabled(),
+        )  # fmt: skip
         if inp.query.dim() == 4:
             dq, dk, dv = dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
-        return Gradients(dq, dk, dv, db)
+        return Gradients(dq, dk, dv, db if bias_grad else None)
 
 
 # Keys from which the Gluon forward is measured faster than the Triton kernel (H200, K=128: 1.14x at 512 keys,
@@ -895,12 +1000,12 @@ class BwOp(AttentionBwOpBase):
 _GLUON_FORWARD_MIN_KEYS = 512
 
 
-def _gluon_forward(q, k, v, bias, inp, varlen, window_left):
+def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
     (no mask or a causal one, top-left or bottom-right, and a [B, G, H, Mq, Mk] tensor bias that TMA reads or none;
     at least _GLUON_FORWARD_MIN_KEYS keys), else None. Not with a left window (sliding windows: 0.96x the Triton
     kernel), dropout or varlen."""
-    if window_left >= 0 or inp.p > 0.0 or varlen is not None:
+    if window_left >= 0 or p > 0.0 or varlen is not None:
         return None
     if bias is not None and _bias_view(bias, q) is None:
         return None
@@ -908,10 +1013,10 @@ def _gluon_forward(q, k, v, bias, inp, varlen, window_left):
         return None
     from mslk.attention.fmha import triton_flash_hopper_fwd  # (imports this module)
 
-    return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, inp.scale_float) else None
+    return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale) else None
 
 
-def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
+def _gluon_backward(q, k, v, do, bias, bias_grad, p, varlen, deterministic):
     """triton_flash_hopper where its Gluon backward serves these [B, M, G, H, K] inputs (Hopper's common case: no
     dropout or padded keys, the one-pass mode; a [B, G, H, Mq, Mk] tensor bias that TMA reads, without gradient and
     not with varlen), else None."""
@@ -919,7 +1024,7 @@ def _gluon_backward(q, k, v, do, bias, p, varlen, deterministic):
         return None
     if varlen is not None and varlen.seqlen_k is not None:
         return None
-    if bias is not None and (bias.requires_grad or varlen is not None or _bias_view(bias, q) is None):
+    if bias is not None and (bias_grad or varlen is not None or _bias_view(bias, q) is None):
         return None
     from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
 
