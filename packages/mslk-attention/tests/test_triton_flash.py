@@ -825,6 +825,8 @@ def test_dropout_replays_its_mask_forward_and_backward(bias_id, fmt, sizes):
         testing.assert_rel_close(got, want, 1e-5)
     torch.manual_seed(7)
     assert torch.equal(triton_flash.FwOp.apply(inp, needs_gradient=False)[0], out)
+    with pytest.raises(ValueError, match="holds no seed"):  # a context without the forward's draw
+        triton_flash.BwOp.apply(common.Context(lse=ctx.lse, out=out), inp, do)
 
 
 @pytest.mark.gpu
@@ -912,11 +914,13 @@ def test_torch_compile_calls_the_launches_as_ops(bias_id):
 
 @pytest.mark.parametrize("bias_id", ["T", "B12"])
 def test_opcheck_of_the_launches(bias_id):
-    """torch.library.opcheck of the launch ops (schema, fake kernels against the real ones, tracing)."""
+    """torch.library.opcheck of the launch ops (schema, fake kernels against the real ones, tracing); dropout with
+    the tensor bias."""
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 20, 28, 1, 2, 16), torch.float32, DEVICE)
     alignment, window_left, window_right = triton_flash._alignment(bias)
     dense = common.tensor_bias(bias)
-    mask_args = (*triton_flash._varlen_fields(bias), 0.25, 0.0, 0, window_left, window_right, alignment is not None)
+    p, seed = (0.2, torch.tensor([77], dtype=torch.int32, device=DEVICE)) if bias_id == "T" else (0.0, None)
+    mask_args = (*triton_flash._varlen_fields(bias), 0.25, p, seed, window_left, window_right, alignment is not None)
     forward_args = (q, k, v, dense, *mask_args, torch.float32)
     torch.library.opcheck(torch.ops.mslk_triton.flash_attention_forward.default, forward_args)
     out, lse = torch.ops.mslk_triton.flash_attention_forward(*forward_args)
@@ -934,24 +938,45 @@ def test_gpu_torch_compile_inductor(bias_id, dtype):
     _check_compiled(bias_id, dtype, (2, 150, 230, 1, 4, 64), "inductor")
 
 
+def _dropout_draws_replayed(out, v, device):
+    """The output is linear in V, out = A·V with A the dropped-out weights, and dV = Aᵀ·dO: <out, dO> = <V, dV>
+    holds only if the backward applies the forward's A."""
+    do = testing.randn(*out.shape, device=device)
+    (dv,) = torch.autograd.grad(out, v, do)
+    torch.testing.assert_close((out * do).double().sum(), (v * dv).double().sum(), rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize(
     ("device", "backend"), [(DEVICE, "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)]
 )
 def test_torch_compile_dropout_replays_its_draws(device, backend):
-    """Under torch.compile each call draws a fresh dropout seed (from torch's RNG at a graph break), which its
-    backward replays: the output is linear in V, out = A·V with A the dropped-out weights, and dV = Aᵀ·dO, so
-    <out, dO> = <V, dV> holds only if both apply the same A."""
+    """Compiled (fullgraph) dropout draws a new seed each call, on the device, and its backward replays it."""
     q, k, v = (testing.randn(2, 60, 2, 32, device=device).requires_grad_() for _ in range(3))
 
     def attend(q, k, v):
         return fmha.memory_efficient_attention(q, k, v, p=0.3, op=fmha.MemoryEfficientAttentionMslkTritonOp)
 
-    compiled = torch.compile(attend, backend=backend)
+    compiled = torch.compile(attend, backend=backend, fullgraph=True)
+    outs = [compiled(q, k, v) for _ in range(2)]
+    for out in outs:
+        _dropout_draws_replayed(out, v, device)
+    assert testing.rel_error(outs[0], outs[1]) > 0.1, "each call drops other weights"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_dropout_draws_each_replay():
+    """A CUDA graph of dropout attention draws a new seed each replay (drawn on the device by torch's generator,
+    which graphs advance; a seed fixed at capture would drop the same weights every step)."""
+    q, k, v = (testing.randn(2, 60, 2, 32, device="cuda").requires_grad_() for _ in range(3))
+    op = fmha.MemoryEfficientAttentionMslkTritonOp
+    fmha.memory_efficient_attention(q, k, v, p=0.3, op=op)  # compiled before the capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out = fmha.memory_efficient_attention(q.detach(), k.detach(), v.detach(), p=0.3, op=op)
+    torch.cuda.current_stream().wait_stream(stream)
     outs = []
     for _ in range(2):
-        out = compiled(q, k, v)
-        do = testing.randn(*out.shape, device=device)
-        (dv,) = torch.autograd.grad(out, v, do)
-        torch.testing.assert_close((out * do).double().sum(), (v * dv).double().sum(), rtol=1e-4, atol=0)
-        outs.append(out)
-    assert testing.rel_error(outs[0], outs[1]) > 0.1, "each call drops other weights"
+        graph.replay()
+        outs.append(out.clone())
+    assert testing.rel_error(outs[0], outs[1]) > 0.1, "each replay drops other weights"

@@ -7,8 +7,8 @@ masked keys. Varlen batches (block-diagonal masks, padded or gappy keys) read th
 mask's seqstart / seqlen tensors on the device. BMGHK and stride-0 expanded K/V (grouped-query attention) are
 read through their strides, never copied (only an operand not contiguous along the head dim is: a column-major
 view, the expanded gradient of `out.sum()`); a tensor bias (any strides, broadcast ones too) is added to the
-scores, and the backward gives its gradient. Dropout draws Philox numbers keyed by a seed from torch's CPU
-generator and each weight's position, so the backward replays them (`dropout_mask` gives the mask). fp32
+scores, and the backward gives its gradient. Dropout draws Philox numbers keyed by a seed (drawn on the device
+by torch's generator) and each weight's position, so the backward replays them (`dropout_mask` gives the mask). fp32
 inputs use IEEE fp32 products (no TF32), which the backends inside PyTorch do not offer on every GPU. Output
 in the query's dtype or `output_dtype`; LSE [B, (G,) H, Mq] natural log, varlen packed [1, (G,) H, ΣMq].
 
@@ -248,7 +248,7 @@ def _heads_per_section(blocks: int, device: torch.device) -> int:
 @triton.jit
 def _flash_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, k_desc, v_desc,
-    bias_desc, G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed, p_drop,
+    bias_desc, G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, window_left, window_right, seed_ptr, p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -260,6 +260,9 @@ def _flash_forward_kernel(
     TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_KV: tl.constexpr,
 ):  # fmt: skip
+    seed = 0
+    if DROPOUT:  # read on the device: each replay of a CUDA graph, each compiled call, draws its own
+        seed = tl.load(seed_ptr)
     rank, pid_bgh = _program_block(blocks, section)
     pid_m = blocks - 1 - rank  # the last query blocks see the most keys under a causal mask
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
@@ -423,7 +426,8 @@ def _dkdv_over_queries(
 def _flash_backward_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bias_ptr, dbias_ptr,
     seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, q_desc, do_desc, dq_desc, k_desc, v_desc,
-    G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, sm_scale, window_left, window_right, seed, p_drop,
+    G, H, Mq, Mk, K: tl.constexpr, Kv: tl.constexpr, qk_scale, sm_scale, window_left, window_right, seed_ptr,
+    p_drop,
     stride_qb, stride_qm, stride_qg, stride_qh,
     stride_kb, stride_km, stride_kg, stride_kh,
     stride_vb, stride_vm, stride_vg, stride_vh,
@@ -445,6 +449,9 @@ def _flash_backward_kernel(
     (one pass, 5 products a tile). Deterministic mode: DQ_PASS programs (query block, ...) loop over their
     visible key blocks and write dQ, then the dK/dV programs run without ATOMIC_DQ. The dK/dV programs write the
     bias gradient dS (each (query, key) once)."""
+    seed = 0
+    if DROPOUT:  # read on the device: each replay of a CUDA graph, each compiled call, draws its own
+        seed = tl.load(seed_ptr)
     rank, pid_bgh = _program_block(blocks, section)
     pid = blocks - 1 - rank if DQ_PASS else rank  # the most work under a causal mask: last queries, first keys
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
@@ -538,8 +545,9 @@ def _flash_backward_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(mask_ptr, seed, G, H, Mq, Mk, p_drop, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(mask_ptr, seed_ptr, G, H, Mq, Mk, p_drop, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One grid axis (the others take at most 65535 programs): [BLOCK_M, BLOCK_N] tiles, row by row, head by head."""
+    seed = tl.load(seed_ptr)
     col_blocks = tl.cdiv(Mk, BLOCK_N)
     per_head = tl.cdiv(Mq, BLOCK_M) * col_blocks
     pid = tl.program_id(0)
@@ -551,11 +559,14 @@ def _dropout_mask_kernel(mask_ptr, seed, G, H, Mq, Mk, p_drop, BLOCK_M: tl.const
     tl.store(ptrs, kept, mask=(rows < Mq)[:, None] & (cols < Mk)[None, :])
 
 
-def dropout_mask(seed: int, batch: int, groups: int, heads: int, mq: int, mk: int, p: float, device) -> torch.Tensor:
+def dropout_mask(seed: torch.Tensor | int, batch: int, groups: int, heads: int, mq: int, mk: int, p: float,
+                 device) -> torch.Tensor:  # fmt: skip
     """The keep mask (bool [B, G, H, Mq, Mk], over the tensors' rows and key rows; varlen: B = 1) that the
-    kernels draw for a dropout seed: what tests reproduce the dropped attention with."""
+    kernels draw for a dropout seed (a forward's Context.rng_state, or an int): what tests reproduce the dropped
+    attention with."""
     mask = torch.empty((batch, groups, heads, mq, mk), dtype=torch.bool, device=device)
     if mask.numel():
+        seed = torch.as_tensor(seed, dtype=torch.int32, device=device).reshape(1)
         grid = (launch.cdiv(mq, 16) * launch.cdiv(mk, 16) * batch * groups * heads,)
         _dropout_mask_kernel[grid](mask, seed, groups, heads, mq, mk, p, BLOCK_M=16, BLOCK_N=16)
     return mask
@@ -738,7 +749,7 @@ def _flash_forward(
     key_capacity: int,
     scale: float,
     p: float,
-    seed: int,
+    seed: torch.Tensor | None,
     window_left: int,
     window_right: int,
     bottom_right: bool,
@@ -804,7 +815,7 @@ def _flash_backward(
     key_capacity: int,
     scale: float,
     p: float,
-    seed: int,
+    seed: torch.Tensor | None,
     window_left: int,
     window_right: int,
     bottom_right: bool,
@@ -940,10 +951,12 @@ class FwOp(AttentionFwOpBase):
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
         alignment, window_left, window_right = _alignment(inp.attn_bias)
-        # The dropout seed comes from torch's CPU generator (torch.manual_seed reproduces it; no device sync; under
-        # torch.compile a graph break), bounded so that the kernels' seed + head stays below 2**31.
-        heads = inp.query.shape[0] * math.prod(inp.query.shape[2:-1])
-        seed = int(torch.randint(0, 2**31 - 1 - heads, ()).item()) if inp.p > 0.0 else 0
+        # The dropout seed: drawn on the device by torch's generator (torch.manual_seed reproduces it), which CUDA
+        # graphs and torch.compile redraw each call; below 2**31 - heads, so that the kernels' seed + head fits.
+        seed = None
+        if inp.p > 0.0:
+            heads = inp.query.shape[0] * math.prod(inp.query.shape[2:-1])
+            seed = torch.randint(0, 2**31 - 1 - heads, (1,), dtype=torch.int32, device=inp.query.device)
         out, lse = _flash_forward_call()(
             inp.query, inp.key, inp.value, tensor_bias(inp.attn_bias), *_varlen_fields(inp.attn_bias),
             inp.scale_float, inp.p, seed, window_left, window_right, alignment == "bottom-right",
@@ -982,12 +995,14 @@ class BwOp(AttentionBwOpBase):
 
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
+        if inp.p > 0.0 and ctx.rng_state is None:
+            raise ValueError("dropout backward: the context holds no seed (rng_state) of triton_flash.FwOp's forward")
         alignment, window_left, window_right = _alignment(inp.attn_bias)
         bias = tensor_bias(inp.attn_bias)
         bias_grad = bias is not None and bias.requires_grad
         dq, dk, dv, db = _flash_backward_call()(
             inp.query, inp.key, inp.value, ctx.out, grad, ctx.lse, bias, bias_grad,
-            *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state or 0, window_left, window_right,
+            *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state, window_left, window_right,
             alignment == "bottom-right", torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
         if inp.query.dim() == 4:
