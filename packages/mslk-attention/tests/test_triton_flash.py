@@ -967,14 +967,9 @@ def test_torch_compile_dropout_replays_its_draws(device, backend):
 def test_gpu_cuda_graph_dropout_draws_each_replay():
     """A CUDA graph of dropout attention draws a new seed each replay (drawn on the device by torch's generator,
     which graphs advance; a seed fixed at capture would drop the same weights every step)."""
-    q, k, v = (testing.randn(2, 60, 2, 32, device="cuda").requires_grad_() for _ in range(3))
+    q, k, v = (testing.randn(2, 60, 2, 32, device="cuda") for _ in range(3))
     op = fmha.MemoryEfficientAttentionMslkTritonOp
-    fmha.memory_efficient_attention(q, k, v, p=0.3, op=op)  # compiled before the capture
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        out = fmha.memory_efficient_attention(q.detach(), k.detach(), v.detach(), p=0.3, op=op)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out = _captured(lambda: fmha.memory_efficient_attention(q, k, v, p=0.3, op=op))
     outs = []
     for _ in range(2):
         graph.replay()

@@ -900,7 +900,7 @@ def _flash_backward(
 
 
 # The launches as torch ops, opaque to torch.compile, which would otherwise trace into them and have Inductor
-# compile the kernels itself (it failed to compile the fp32 forward). Eager calls skip the ops' dispatch.
+# compile the kernels itself (it failed to compile the fp32 forward).
 _flash_forward_op = torch.library.custom_op("mslk_triton::flash_attention_forward", _flash_forward, mutates_args=())
 _flash_backward_op = torch.library.custom_op("mslk_triton::flash_attention_backward", _flash_backward,
                                              mutates_args=())  # fmt: skip
@@ -921,12 +921,9 @@ def _flash_backward_fake(query, key, value, out, grad, lse, bias, bias_requires_
     return dq, dk, dv, bias.new_empty(bias.shape) if bias_requires_grad else query.new_empty(0)
 
 
-def _flash_forward_call():
-    return _flash_forward_op if torch.compiler.is_compiling() else _flash_forward
-
-
-def _flash_backward_call():
-    return _flash_backward_op if torch.compiler.is_compiling() else _flash_backward
+def _launches(op, launch_function):
+    """The op while torch.compile traces, else the launch function itself (eager calls skip the op's dispatch)."""
+    return op if torch.compiler.is_compiling() else launch_function
 
 
 class FwOp(AttentionFwOpBase):
@@ -957,7 +954,7 @@ class FwOp(AttentionFwOpBase):
         if inp.p > 0.0:
             heads = inp.query.shape[0] * math.prod(inp.query.shape[2:-1])
             seed = torch.randint(0, 2**31 - 1 - heads, (1,), dtype=torch.int32, device=inp.query.device)
-        out, lse = _flash_forward_call()(
+        out, lse = _launches(_flash_forward_op, _flash_forward)(
             inp.query, inp.key, inp.value, tensor_bias(inp.attn_bias), *_varlen_fields(inp.attn_bias),
             inp.scale_float, inp.p, seed, window_left, window_right, alignment == "bottom-right",
             inp.get_output_dtype(),
@@ -1000,7 +997,7 @@ class BwOp(AttentionBwOpBase):
         alignment, window_left, window_right = _alignment(inp.attn_bias)
         bias = tensor_bias(inp.attn_bias)
         bias_grad = bias is not None and bias.requires_grad
-        dq, dk, dv, db = _flash_backward_call()(
+        dq, dk, dv, db = _launches(_flash_backward_op, _flash_backward)(
             inp.query, inp.key, inp.value, ctx.out, grad, ctx.lse, bias, bias_grad,
             *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state, window_left, window_right,
             alignment == "bottom-right", torch.are_deterministic_algorithms_enabled(),
