@@ -5,7 +5,10 @@ lists (NVIDIA, ROCm, MQA decoding, FA3 toggle) and backend choice on a faked CUD
 
 import contextlib
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ from mslk.attention.fmha import (
     triton_flash,
     triton_splitk,
 )
-from mslk.core import arch
+from mslk.core import arch, testing
 
 BACKEND_MODULES = [
     cutlass,
@@ -135,6 +138,26 @@ def test_package_surface():
         assert hasattr(fmha, name)
     assert dispatch.fa3_available() is False
 
+
+
+def test_triton_op_declines_cpu_tensors_without_the_interpreter():
+    """Pinned to MSLK's Triton op, CPU tensors get the error that names the device unless the Triton interpreter
+    runs (TRITON_INTERPRET=1, read at import as triton.jit does); they failed inside Triton's launcher before."""
+    code = """
+import torch
+from mslk.attention import fmha
+q = torch.randn(1, 4, 2, 16)
+try:
+    fmha.memory_efficient_attention(q, q, q, op=fmha.MemoryEfficientAttentionMslkTritonOp)
+except ValueError as e:
+    assert "device=cpu (supported: {'cuda'})" in str(e), e
+else:
+    raise AssertionError("no error")
+"""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert triton_flash.FwOp.SUPPORTED_DEVICES == ({"cuda", "cpu"} if testing.interpreting() else {"cuda"})
 
 # -------------------------------------------------------------------------------------- reasons
 

@@ -52,7 +52,7 @@ from mslk.attention.fmha.common import (
     tensor_bias,
     varlen_args,
 )
-from mslk.core import arch, launch, registry
+from mslk.core import arch, launch, registry, testing
 
 _LOG2E = 1.4426950408889634
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -932,7 +932,9 @@ class FwOp(AttentionFwOpBase):
     OPERATOR = _flash_forward_kernel if registry.triton_missing() is None else None
     NOT_BUILT_REASON = registry.triton_missing() or ""
     NAME = "mslkF-triton"
-    SUPPORTED_DEVICES = frozenset({"cuda", "cpu"})  # cpu: the Triton interpreter (tests)
+    # cpu only under the Triton interpreter (tests), which triton.jit picks at import as this does: a CPU tensor
+    # otherwise reached Triton's launcher and failed there ("0 active drivers").
+    SUPPORTED_DEVICES = frozenset({"cuda", "cpu"} if testing.interpreting() else {"cuda"})
     CUDA_MINIMUM_COMPUTE_CAPABILITY = (8, 0)
     SUPPORTED_DTYPES = _DTYPES
     SUPPORTED_MAX_K = 256
