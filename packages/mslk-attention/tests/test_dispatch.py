@@ -139,7 +139,6 @@ def test_package_surface():
     assert dispatch.fa3_available() is False
 
 
-
 def test_triton_op_declines_cpu_tensors_without_the_interpreter():
     """Pinned to MSLK's Triton op, CPU tensors get the error that names the device unless the Triton interpreter
     runs (TRITON_INTERPRET=1, read at import as triton.jit does); they failed inside Triton's launcher before."""
@@ -158,6 +157,7 @@ else:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert triton_flash.FwOp.SUPPORTED_DEVICES == ({"cuda", "cpu"} if testing.interpreting() else {"cuda"})
+
 
 # -------------------------------------------------------------------------------------- reasons
 
@@ -468,6 +468,10 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         expanded = k[:, :, :1].expand(k.shape)
         reasons = cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, expanded, expanded))
         assert any("stride of 0" in reason for reason in reasons)
+        # One query and one key: cuDNN's backward raised a RuntimeError (the H200, torch 2.11); declined instead.
+        single = fmha.Inputs(*cuda_qkv(mq=1, mk=1))
+        assert cudnn.FwOp.not_supported_reasons(single) == []
+        assert cudnn.BwOp.not_supported_reasons(single) == ["s_q = s_kv = 1 is not supported"]
 
 
 def test_backward_choice_follows_the_lse_layout(monkeypatch):
@@ -514,11 +518,15 @@ def test_kernel_calls_on_faked_gpu(monkeypatch):
         kv = torch.randn(2, 40, 2, 1, 64, device="cuda", dtype=torch.float16).expand(2, 40, 2, 4, 64)
         q_mqa = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)
         kv_mqa = torch.randn(2, 512, 1, 64, device="cuda", dtype=torch.float16).expand(2, 512, 8, 64)
-        for op in (flash.FwOp, cutlass.FwOp):
-            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, kv, kv, op=op)
-            assert out.shape == q.shape and lse.shape == (2, 2, 4, 3)
-            out, lse = fmha.memory_efficient_attention_forward_requires_grad(q_mqa, kv_mqa, kv_mqa, op=op)
-            assert out.shape == q_mqa.shape and lse.shape == (2, 8, 1)
+        out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, kv, kv, op=flash.FwOp)
+        assert out.shape == q.shape and lse.shape == (2, 2, 4, 3)
+        out, lse = fmha.memory_efficient_attention_forward_requires_grad(q_mqa, kv_mqa, kv_mqa, op=flash.FwOp)
+        assert out.shape == q_mqa.shape and lse.shape == (2, 8, 1)
+        # PyTorch's CUTLASS kernel got K/V heads expanded with stride 0 wrong (a sequence of one query; the H200)
+        for op in (cutlass.FwOp, cutlass.BwOp):
+            assert (
+                "key is expanded with a stride of 0" in op.not_supported_reasons(fmha.Inputs(q_mqa, kv_mqa, kv_mqa))[0]
+            )
 
 
 def test_pinned_backward_conflicts():

@@ -3,6 +3,7 @@ backend, against the float64 oracle (`attention_reference`) and its autograd; th
 torch.compile. GPU tests (marked `gpu`) run PyTorch's CUTLASS and FlashAttention-2 kernels against the oracle."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from mslk.attention import fmha
 from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha import cutlass, torch_reference
+from mslk.attention.fmha.attn_bias_utils import create_attn_bias
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import testing
 
@@ -518,3 +520,100 @@ def test_gpu_queries_that_see_no_key(case, head_dim, dtype):
         testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype), what=f"d{name}")
     with pytest.raises(ValueError, match="a query sees no key"):
         fmha.memory_efficient_attention(q, k, v, mask, op=fmha.MemoryEfficientAttentionCutlassOp)
+
+
+_MASK_CLASSES = sorted(
+    (
+        c
+        for name, c in vars(ab).items()
+        if isinstance(c, type) and issubclass(c, ab.AttentionBias) and c is not ab.AttentionBias and name[0] != "_"
+    ),
+    key=lambda c: c.__name__,
+)
+# Masks whose queries need no more keys than queries (the others: mostly as many, create_attn_bias's lengths)
+_ANY_LENGTHS = (None, torch.Tensor, ab.LowerTriangularMask, ab.LowerTriangularMaskWithTensorBias, ab.BlockDiagonalMask,
+                ab.BlockDiagonalCausalMask)  # fmt: skip
+
+
+def _random_case(seed: int):
+    """(q, k, v, bias, scale) for memory_efficient_attention, random by seed: a mask of any class (create_attn_bias,
+    its tensors requiring gradients), BMK / BMHK / BMGHK, fp16 / bf16 / fp32, head dims from 16 to 256 (value's
+    another at times), lengths from 1 to 300, K and V heads expanded with stride 0 (MQA) or rows of wider buffers."""
+    r = random.Random(seed)
+    bias_type = r.choice([None, torch.Tensor, *_MASK_CLASSES])
+    fmt = r.choice(["BMHK", "BMGHK", *(["BMK"] if bias_type in (None, torch.Tensor, ab.LowerTriangularMask) else [])])
+    dtype = r.choice([torch.float16, torch.bfloat16, torch.float32])
+    dim = r.choice([16, 32, 40, 64, 80, 96, 128, 160, 256])
+    dim_v = dim if r.random() < 0.8 else r.choice([32, 64, 128])
+    batch, heads, groups, page = r.randint(1, 3), r.randint(1, 3), r.randint(1, 2), r.choice([16, 64, 256])
+    while True:  # lengths that the mask's random sequences can split (a query of some needs as many keys)
+        mq, mk = r.choice([1, 7, 33, 129, 300]), r.choice([1, 7, 33, 129, 300])
+        if bias_type not in _ANY_LENGTHS:
+            mq, mk = sorted((mq, mk))
+        try:
+            bias = create_attn_bias(bias_type, batch, heads, groups, mq, mk, "cuda", dtype, True, fmt, page_size=page)
+            break
+        except ValueError:
+            continue
+    if isinstance(bias, (ab.PagedBlockDiagonalPaddedKeysMask, ab.PagedBlockDiagonalGappyKeysMask)):
+        batch, mq, mk = 1, batch * mq, batch * -(-mk // page) * page  # a pool of pages
+    elif isinstance(bias, ab.VARLEN_BIASES):  # the sequences packed in one batch element
+        batch, mq, mk = 1, batch * mq, batch * mk
+    lead = {"BMK": (), "BMHK": (heads,), "BMGHK": (groups, heads)}[fmt]
+    if fmt == "BMK":  # heads folded into the batch, as create_attn_bias's BMK bias has them
+        batch *= heads
+    strided = r.random() < 0.25
+    q, k, v = (
+        testing.randn(batch, m, *lead, d + 8 * strided, dtype=dtype, device="cuda")[..., :d]
+        for m, d in ((mq, dim), (mk, dim), (mk, dim_v))
+    )
+    if lead and r.random() < 0.25:  # one K/V head expanded over the query heads
+        k, v = (t[..., :1, :].expand(*t.shape[:-2], heads, t.shape[-1]) for t in (k, v))
+    return q, k, v, bias, r.choice([None, 0.3])
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("seed", range(64))
+def test_gpu_random_cases(seed):
+    """What users get (the dispatched op) and MSLK's Triton op pinned, forward and backward where the op takes it,
+    against the float64 oracle on a random case (`_random_case`). Cases like these found PyTorch's CUTLASS kernel
+    wrong on K/V expanded with stride 0, cuDNN's backward raising on one query and one key, and the Gluon backward
+    failing on one head of few queries."""
+    q, k, v, bias, scale = _random_case(seed)
+    tol = testing.default_tolerance(q.dtype)
+    for op in (None, fmha.MemoryEfficientAttentionMslkTritonOp):
+        if op is not None and op[0].not_supported_reasons(fmha.Inputs(q, k, v, bias, scale=scale)):
+            continue
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        bias_leaf, bias64 = _fresh_bias(bias), _fresh_bias(bias, torch.float64)
+        out = fmha.memory_efficient_attention(*leaves, bias_leaf, scale=scale, op=op)
+        ref = attention_reference(*leaves64, bias64, scale)[0]
+        testing.assert_rel_close(out, ref, 2 * tol, what=f"output ({op and op[0].NAME})")
+        if op is not None and op[1].not_supported_reasons(fmha.Inputs(q, k, v, bias, scale=scale)):
+            continue
+        out.backward(grad := testing.randn(*out.shape, dtype=out.dtype, device="cuda"))
+        want = torch.autograd.grad(ref, leaves64 + _bias_tensors(bias64), grad.double())
+        got = [t.grad for t in leaves + _bias_tensors(bias_leaf)]
+        for g, w, name in zip(got, want, ["dq", "dk", "dv", "dbias"], strict=False):
+            testing.assert_rel_close(g, w, 4 * tol, what=f"{name} ({op and op[1].NAME})")
+
+
+def _fresh_bias(bias, dtype=None):
+    """A copy of a tensor bias (alone or in B02) as a leaf of its own (dtype: another), other masks as they are."""
+    if isinstance(bias, torch.Tensor):
+        return bias.detach().to(dtype or bias.dtype).requires_grad_()
+    if isinstance(bias, ab.LowerTriangularMaskWithTensorBias):
+        return ab.LowerTriangularMaskWithTensorBias(_fresh_bias(bias._bias, dtype))
+    return bias
+
+
+def _bias_tensors(bias) -> list[torch.Tensor]:
+    return (
+        [bias]
+        if isinstance(bias, torch.Tensor)
+        else [bias._bias]
+        if isinstance(bias, ab.LowerTriangularMaskWithTensorBias)
+        else []
+    )

@@ -435,6 +435,12 @@ def check_lastdim_alignment_stride1(reasons: list[str], name: str, x: torch.Tens
         )
 
 
+def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor) -> None:
+    """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA)."""
+    if 0 in x.stride()[:-1]:
+        reasons.append(f"{name} is expanded with a stride of 0 (stride() = {x.stride()})")
+
+
 def _set_text(values) -> str:
     """A set as Python writes it, in a stable order (error texts must not change from run to run)."""
     return "{" + ", ".join(sorted(repr(v) for v in values)) + "}"

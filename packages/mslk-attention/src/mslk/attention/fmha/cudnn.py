@@ -20,6 +20,7 @@ from mslk.attention.fmha.common import (
     Inputs,
     bias_types,
     check_lastdim_alignment_stride1,
+    check_not_expanded,
 )
 from mslk.attention.fmha.flash import _mergeable_heads
 from mslk.core import arch
@@ -38,9 +39,8 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: 8-element aligned rows, square causal masks, real K/V rows."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
-        if 0 in t.stride()[:-1]:
-            reasons.append(f"{name} is expanded with a stride of 0 (stride() = {t.stride()})")
-        elif t.dim() == 5 and not _mergeable_heads(t):
+        check_not_expanded(reasons, name, t)
+        if 0 not in t.stride()[:-1] and t.dim() == 5 and not _mergeable_heads(t):
             reasons.append(f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3): BMGHK needs mergeable heads")
     if d.attn_bias is not None and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support causal masks if equal number of keys and queries")
@@ -112,7 +112,10 @@ class BwOp(AttentionBwOpBase):
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
-        return _kernel_reasons(d, super().not_supported_reasons(d))
+        reasons = _kernel_reasons(d, super().not_supported_reasons(d))
+        if d.query.shape[1] == d.key.shape[1] == 1:  # (cuDNN frontend's words: it raised them as a RuntimeError)
+            reasons.append("s_q = s_kv = 1 is not supported")
+        return reasons
 
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:

@@ -24,6 +24,7 @@ from mslk.attention.fmha.common import (
     capturing_cuda_graph,
     causal_window,
     check_lastdim_alignment_stride1,
+    check_not_expanded,
     queries_without_keys,
     tensor_bias,
     varlen_args,
@@ -55,6 +56,9 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     alignment = _gemm_alignment(d)
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, alignment)
+        # K/V heads broadcast with stride 0 (MQA) came out wrong for sequences of one query (a varlen one; Mq = 1
+        # with a bias and K != Kv), right on contiguous copies of the same values (torch 2.11, the H200).
+        check_not_expanded(reasons, name, t)
     # Rows that see no key come out of the kernels wrong (output from head dim 136 on, dQ in fp32 or from the
     # bottom right, the other rows too when queries outnumber keys from the bottom right; torch 2.11 on the H200).
     if queries_without_keys(d):

@@ -461,12 +461,13 @@ def _box_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def _stat_descriptor(t: torch.Tensor, block: int) -> TensorDescriptor:
-    """[1, block] boxes of a [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows (zeros past Mq),
-    copied to 16-byte rows where Mq is not a multiple of 4 (TMA's stride alignment)."""
+    """[1, block] boxes of a contiguous [B, G, H, Mq] fp32 statistic (LSE, delta) as [B·G·H, Mq] rows (zeros past
+    Mq), copied to 16-byte rows where Mq is not a multiple of 4 (TMA's stride alignment). The stride is the padded
+    copy's own: a slice of it flattened where B·G·H = 1 would get the stride Mq back."""
     b, g, h, m = t.shape
+    rows = t.reshape(b * g * h, m)
     if m % 4:
-        t = torch.nn.functional.pad(t, (0, 4 - m % 4))[..., :m]
-    rows = t.flatten(0, 2)
+        rows = torch.nn.functional.pad(rows, (0, 4 - m % 4))
     return TensorDescriptor(rows, [b * g * h, m], [rows.stride(0), 1], [1, block], _STAT_LAYOUT)
 
 
