@@ -530,7 +530,7 @@ _MASK_CLASSES = sorted(
     ),
     key=lambda c: c.__name__,
 )
-# Masks whose queries need no more keys than queries (the others: mostly as many, create_attn_bias's lengths)
+# Masks that take any lengths (the others' queries need about as many keys: create_attn_bias's sequences)
 _ANY_LENGTHS = (None, torch.Tensor, ab.LowerTriangularMask, ab.LowerTriangularMaskWithTensorBias, ab.BlockDiagonalMask,
                 ab.BlockDiagonalCausalMask)  # fmt: skip
 
@@ -610,10 +610,7 @@ def _fresh_bias(bias, dtype=None):
 
 
 def _bias_tensors(bias) -> list[torch.Tensor]:
-    return (
-        [bias]
-        if isinstance(bias, torch.Tensor)
-        else [bias._bias]
-        if isinstance(bias, ab.LowerTriangularMaskWithTensorBias)
-        else []
-    )
+    """The tensor of a tensor bias (alone or in B02): the one with a gradient."""
+    if isinstance(bias, ab.LowerTriangularMaskWithTensorBias):
+        bias = bias._bias
+    return [bias] if isinstance(bias, torch.Tensor) else []
