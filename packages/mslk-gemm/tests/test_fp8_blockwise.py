@@ -103,6 +103,24 @@ def test_hopper_kernel_gpu(m, n, k, block, row_pad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n"), [(300, 264), (129, 136)], ids=str)
+def test_hopper_kernel_output_inside_a_wider_buffer_gpu(m, n):
+    """Blockwise tiles leave by TMA stores: into the first n columns of a wider row-major buffer (rows 16-byte
+    aligned, TMA can write them), the tiles at the right and bottom edges clipped to the output; the columns past
+    n, which the last tiles' boxes cover, keep their poison."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    xq, xs = g.quantize_blocks(testing.randn(m, 4096, device="cuda"), 128, 128)
+    wq, ws = g.quantize_blocks(testing.randn(n, 4096, device="cuda"), 128, 128)
+    wide = testing.empty_poisoned(m, n + 56, dtype=torch.bfloat16, device="cuda")
+    out = wide[:, :n]
+    assert g.fp8_blockwise_hopper.tma_ready(out)
+    g.fp8_blockwise_hopper.run(xq, wq, out, xs, xs.stride(), ws, ws.stride(), 128, 128, 128)
+    testing.assert_rel_close(out, oracle(xq, wq, xs, ws, 128, 128, 128), 1e-2)
+    assert wide[:, n:].isnan().all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m_major", [True, False], ids=["m_major", "k_major"])
 @pytest.mark.parametrize(("m", "n", "k"), [(129, 257, 384), (300, 264, 1408), (1000, 777, 4224)], ids=str)
 def test_hopper_kernel_groupwise_gpu(m, n, k, m_major):

@@ -1,11 +1,15 @@
-"""Pieces the domains' Gluon kernels share (Hopper): a TMA ring's barriers. Imported by those kernels only, so that
-mslk.core itself imports without Triton."""
+"""Pieces the domains' Gluon kernels share (Hopper): a TMA ring's barriers, a barrier of a partition's warps.
+Imported by those kernels only, so that mslk.core itself imports without Triton."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+# A barrier of the partition's warps (the CTA's outside warp specialization): gl.barrier from Triton 3.7 on,
+# gl.thread_barrier before.
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit

@@ -58,7 +58,7 @@ from mslk.attention.fmha.triton_flash import (
     _visible,
 )
 from mslk.core import launch
-from mslk.core.gluon import ring_barriers
+from mslk.core.gluon import partition_barrier, ring_barriers
 
 HEAD_DIMS = (64, 128)  # the same tiles at both
 BLOCK_M = 64  # queries a step
@@ -67,9 +67,6 @@ STAGES = 2  # Q and dO slots of the ring
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg), which leaves 240 to the multiplying ones
 _LOG2E = gl.constexpr(1.4426950408889634)
-# A barrier of the partition's warps (the CTA's outside warp specialization): gl.barrier from Triton 3.7 on,
-# gl.thread_barrier before.
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @builtin
@@ -114,7 +111,7 @@ def _zero_rows_from(tile, first):
         part = tile.slice(chunk, CHUNK)
         part.store(gl.where((chunk + rows < first)[:, None], part.load(layout), 0.0))
     fence_async_shared()
-    _partition_barrier()
+    partition_barrier()
 
 
 @gluon.jit
@@ -254,7 +251,7 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         fence_async_shared()
         # The add of block i - 2's dQ share has read its slot (i - 1's was issued after the last barrier).
         tma.store_wait(0)
-        _partition_barrier()
+        partition_barrier()
         if i > 0:  # block i - 1's share is whole in shared memory
             _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout),
@@ -263,7 +260,7 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         mbarrier.arrive(empty.index(slot))
         if dq_bufs.shape[0] == 1:  # the add of block i - 1's share, issued above, has read the one slot
             tma.store_wait(0)
-            _partition_barrier()
+            partition_barrier()
         dq_bufs.index(i % dq_bufs.shape[0]).store(dq * sm_scale)
         fence_async_shared()
         last_start = start
@@ -302,7 +299,7 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
             lse_rows, delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift,
             window_left, window_right, qk_scale, sm_scale, part != 1, VARLEN, HAS_BIAS,
         )  # fmt: skip
-    _partition_barrier()
+    partition_barrier()
     if i > 0:
         _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
     # dK and dV leave from the Q and dO slots
@@ -311,7 +308,7 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
     dk_tile.store((dk * sm_scale).to(dk_tile.dtype))
     dv_tile.store(dv.to(dv_tile.dtype))
     fence_async_shared()
-    _partition_barrier()
+    partition_barrier()
     if VARLEN:  # a key block that reaches past its sequence: the kernel stores its rows
         if first_col + BN <= k_len:
             _store_tiles(dk_desc, dv_desc, [box_at[0], k_start + first_col, box_at[1]], dk_tile, dv_tile)

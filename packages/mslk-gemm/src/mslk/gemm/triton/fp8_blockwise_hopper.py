@@ -9,7 +9,8 @@ tensor cores idle meanwhile). Here, as in DeepGEMM's and CUTLASS's Hopper kernel
 warp-specialized: one warp loads the operands through a ring of TMA stages, running ahead across tiles, and two
 warpgroups multiply, 64 rows of the tile each. Two products take turns: step j + 1's wgmma starts before step j's
 product is waited for, scaled and added, and the loop goes UNROLL steps at a time, so the tensor cores wait only at
-its back edge (where no wgmma may be in flight).
+its back edge (where no wgmma may be in flight). With blockwise scales a finished tile leaves through shared memory
+by a TMA store, which runs on while the next tile's products start.
 """
 
 from __future__ import annotations
@@ -17,23 +18,31 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
+from mslk.core.gluon import partition_barrier
 from mslk.gemm.triton.fp8_gemm import tma_ready
 from mslk.gemm.triton.gluon_tile_order import operand_ring, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = BLOCK_N = BLOCK_K = 128
 # Shared-memory layout of the A and B tiles, made once (a call to get_default_for costs host time on every launch).
 _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+_OUT_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
 NUM_WARPS = 8  # the multiplying warpgroups, 64 rows of the tile each; the loading warp comes on top
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg), which leaves 240 to the multiplying ones
 # H200, us, the variants in turn in one process (RESULTS.md, fifteenth session), 8192^3 / 4096 x 28672 x 8192 /
 # 4096 x 7168 x 4096: one program per tile without warp specialization (eight steps a turn) 1030 / 1784 / 239;
 # warp-specialized 985 / 1781 / 231; persistent and warp-specialized, 4 / 5 stages, 8 steps 955 / 945, 1690 / 1636,
 # 215 / 218; 16 steps 916 / 930, 1676 / 1601, 213 / 207.
-STAGES = 5  # (128 + 128) · 128 B each: 160 KiB of shared memory
+STAGES = 5  # (128 + 128) · 128 B each: 160 KiB of shared memory, and 32 KiB for the output tile's TMA store
 UNROLL = 16  # K steps per loop iteration (even: the two products alternate)
 GROUP_M = 16  # tiles go in groups of 16 rows of tiles, so that neighbouring programs share B in L2
 # Dispatch takes this kernel from this K up. On the H200 its GPU time beat the Triton kernel's at every shape
@@ -102,13 +111,14 @@ def _next_step(a_bufs, b_bufs, ready, empty, g, acc, current, following, scale, 
 
 @gluon.jit
 def _mma_partition(
-    a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
+    a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_smem, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
     stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
     A_SCALE_ROWS: gl.constexpr, B_SCALE_ROWS: gl.constexpr, STEPS_PER_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
-    UNROLL: gl.constexpr,
+    UNROLL: gl.constexpr, TMA_STORE: gl.constexpr,
 ):  # fmt: skip
     """The multiplying warpgroups: each of the program's tiles, K step by K step from the ring, then its bf16
-    store."""
+    store: TMA_STORE, through c_smem by c_desc, the copy running on under the next tile's products; else from
+    registers to c_ptr."""
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = b_bufs.shape[1]
@@ -145,32 +155,47 @@ def _mma_partition(
             part0 = _issue_step(a_bufs, b_bufs, ready, g0 + step, part0)
             acc, part0, part1 = _next_step(a_bufs, b_bufs, ready, empty, g0 + step, acc, part0, part1, scale, True)
         g0 += steps
-        out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], out, mask=mask)
+        if TMA_STORE:
+            tma.store_wait(0)  # the last tile's copy has read c_smem (TMA leaves out what lies past M and N)
+            partition_barrier()
+            c_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            partition_barrier()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        else:
+            out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], out, mask=mask)
+    if TMA_STORE:
+        tma.store_wait(0)  # before the kernel ends: the copy reads shared memory
 
 
 @gluon.jit
 def _blockwise_wgmma_kernel(
-    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
+    a_desc, b_desc, c_ptr, c_desc, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
     stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k,
     A_SCALE_ROWS: gl.constexpr, B_SCALE_ROWS: gl.constexpr, STEPS_PER_SCALE: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, UNROLL: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    GROUP_M: gl.constexpr, UNROLL: gl.constexpr, LOAD_REGISTERS: gl.constexpr, TMA_STORE: gl.constexpr,
 ):  # fmt: skip
-    """C [M, N] (bf16, row stride stride_cm) of A [M, K] and B [N, K] (TMA descriptors of [BM, BK] and [BN, BK]
-    tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS 1 or a
-    multiple of BM, B_SCALE_ROWS a multiple of BN), kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles
-    p, p + programs, ..."""
+    """C [M, N] (bf16, row stride stride_cm; with TMA_STORE also c_desc, its [BM, BN] tiles) of A [M, K] and B
+    [N, K] (TMA descriptors of [BM, BK] and [BN, BK] tiles) with scales a_scale[m // A_SCALE_ROWS, kb] and
+    b_scale[n // B_SCALE_ROWS, kb] (A_SCALE_ROWS 1 or a multiple of BM, B_SCALE_ROWS a multiple of BN),
+    kb = step // STEPS_PER_SCALE. Persistent: program p takes tiles p, p + programs, ..."""
     a_bufs, b_bufs, ready, empty = operand_ring(a_desc, b_desc, STAGES)
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:  # warp_specialize's partitions take no None: A's descriptor and ring stand in (never used)
+        c_desc, c_smem = a_desc, a_bufs
     # The partitions' argument tuples are written in the call: a tuple assigned to a name first turns its
     # constexprs into tensors.
     gl.warp_specialize(
         [
             (_mma_partition, (
-                a_bufs, b_bufs, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm, stride_sa_rows,
-                stride_sa_k, stride_sb_rows, stride_sb_k, A_SCALE_ROWS, B_SCALE_ROWS, STEPS_PER_SCALE, GROUP_M, UNROLL,
+                a_bufs, b_bufs, ready, empty, c_ptr, c_desc, c_smem, a_scale_ptr, b_scale_ptr, M, N, K, stride_cm,
+                stride_sa_rows, stride_sa_k, stride_sb_rows, stride_sb_k, A_SCALE_ROWS, B_SCALE_ROWS, STEPS_PER_SCALE,
+                GROUP_M, UNROLL, TMA_STORE,
             )),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
         ],
@@ -202,10 +227,14 @@ def run(a, b, out, a_scale, a_scale_strides, b_scale, b_scale_strides, a_scale_r
     (m, k), n = a.shape, b.shape[0]
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [BLOCK_M, BLOCK_K], _TILE_LAYOUT)
     b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [BLOCK_N, BLOCK_K], _TILE_LAYOUT)
+    # Blockwise scales store tiles by TMA (H200, eager, session 38: 8192^3 1198 -> 1211 TFLOP/s, 1.1-2.0% at four
+    # Llama shapes); a scale per row of a keeps the stores from registers (TMA stores 1.2-2.3% slower at four of five).
+    tma_store = a_scale_rows != 1 and tma_ready(out)
+    c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [BLOCK_M, BLOCK_N], _OUT_LAYOUT) if tma_store else None
     grid = (min(arch.sm_count(a.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
     _blockwise_wgmma_kernel[grid](
-        a_desc, b_desc, out, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
+        a_desc, b_desc, out, c_desc, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
         A_SCALE_ROWS=a_scale_rows, B_SCALE_ROWS=b_scale_rows, STEPS_PER_SCALE=scale_k // BLOCK_K, STAGES=STAGES,
-        GROUP_M=GROUP_M, UNROLL=UNROLL, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
+        GROUP_M=GROUP_M, UNROLL=UNROLL, LOAD_REGISTERS=LOAD_REGISTERS, TMA_STORE=tma_store, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
