@@ -1,6 +1,8 @@
 """Host-side launch arithmetic (mslk.core.launch) against Triton's own helpers."""
 
+import pytest
 import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,3 +18,166 @@ def test_cdiv(a, b):
 def test_next_power_of_2(n):
     p = launch.next_power_of_2(n)
     assert p == triton.next_power_of_2(n) and p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+
+
+# -- Launcher: Triton's compiled kernels kept by the arguments' specialization ------------------------------------
+
+
+def _specialization_samples():
+    """Arguments of every kind Triton specializes on, with the edges of each property."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    storage = torch.empty(4096, dtype=torch.uint8)
+    samples = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32):
+        size = torch.empty(0, dtype=dtype).element_size()
+        for byte_offset in (0, 4, 8, 16, 32):
+            if byte_offset % size == 0:
+                samples.append(storage[byte_offset : byte_offset + 64 * size].view(dtype))
+    for edge in (0, 1, 16, 2**31, 2**63, 2**64 - 16):
+        samples += [edge + d for d in (-17, -16, -1, 0, 1, 15, 16) if edge + d < 2**64]
+    samples += [True, False, 0.0, 1.0, 1.5, None]
+    matrix = torch.empty(64, 64, dtype=torch.bfloat16)
+    for t in (matrix, matrix[1:], matrix[:, :24], matrix.float()):
+        for block in ([16, 16], [16, 32], [8, 16]):
+            samples.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block))
+            element = gl.float32 if t.dtype == torch.float32 else gl.bfloat16
+            layout = gl.NVMMASharedLayout.get_default_for(block, element)
+            samples.append(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+    return samples
+
+
+def test_specialization_is_at_least_as_fine_as_tritons():
+    """Arguments with one launch.specialization have one Triton specialization, so a kernel kept for one serves
+    the other (Triton's own function, the one its launches call)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    seen = {}
+    for value in _specialization_samples():
+        theirs = native_specialize_impl(BaseBackend, value, False, True, True)
+        ours = launch.specialization(value)
+        assert seen.setdefault(ours, theirs) == theirs, (value, ours, theirs, seen[ours])
+    assert len(seen) > 20  # the samples do differ
+
+
+class _FakeCompiled:
+    """What a Triton launch returns: its launcher records the calls."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _FakeRuntime:
+    hooks = False
+
+    def current_device(self):
+        return 0
+
+    def current_stream(self, device):
+        return 7
+
+    def hooks_set(self):
+        return self.hooks
+
+
+def _kernel_source(x_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr = True):
+    pass
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    """A real (not interpreted) JITFunction whose Triton launches are recorded, and the runtime launch.Launcher
+    sees: (kernel, Triton's launches, the compiled kernel, the runtime)."""
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(_kernel_source)
+    compiled, slow = _FakeCompiled(), []
+
+    def triton_run(*args, grid, warmup, **kwargs):
+        slow.append((grid, args, kwargs))
+        return compiled
+
+    kernel.run = triton_run
+    runtime = _FakeRuntime()
+    monkeypatch.setattr(launch._TritonRuntime, "_instance", runtime)
+    return kernel, slow, compiled, runtime
+
+
+def test_launcher_calls_the_kept_kernel_directly(fake_launch):
+    import torch
+
+    kernel, slow, compiled, _ = fake_launch
+    launcher = launch.Launcher(kernel)
+    x = torch.empty(64)
+    launcher[(3, 2)](x, 32, 0.5, BLOCK=128, num_warps=4)
+    assert len(slow) == 1 and not compiled.calls
+    y = torch.empty(64)  # another tensor, same dtype and alignment; another n, same properties
+    assert launcher[(5,)](y, 48, 2.0, BLOCK=128, num_warps=4) is compiled
+    assert len(slow) == 1
+    # every parameter in the kernel's order, constexprs and defaults included, after Triton's launch arguments
+    assert compiled.calls == [(5, 1, 1, 7, "function", "metadata", None, None, None, y, 48, 2.0, 128, True)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["misaligned", "dtype", "n_is_1", "n_not_multiple_of_16", "n_64_bit", "constexpr", "default_given", "option"],
+)
+def test_launcher_goes_through_triton_when_a_property_differs(fake_launch, change):
+    import torch
+
+    kernel, slow, compiled, _ = fake_launch
+    launcher = launch.Launcher(kernel)
+    args, kwargs = [torch.empty(64), 32, 0.5], {"BLOCK": 128, "num_warps": 4}
+    launcher[(1,)](*args, **kwargs)
+    if change == "misaligned":
+        args[0] = torch.empty(65)[1:]
+    elif change == "dtype":
+        args[0] = torch.empty(64, dtype=torch.float16)
+    elif change == "n_is_1":
+        args[1] = 1
+    elif change == "n_not_multiple_of_16":
+        args[1] = 33
+    elif change == "n_64_bit":
+        args[1] = 2**32
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 256
+    elif change == "default_given":
+        kwargs["EVEN"] = False
+    else:
+        kwargs["num_warps"] = 8
+    launcher[(1,)](*args, **kwargs)
+    assert len(slow) == 2 and not compiled.calls
+    launcher[(1,)](*args, **kwargs)  # and kept under its own key
+    assert len(slow) == 2 and len(compiled.calls) == 1
+
+
+@pytest.mark.parametrize("case", ["launch_hook", "grid_function", "unhashable", "interpreted"])
+def test_launcher_leaves_to_triton(fake_launch, case):
+    """Launch hooks (a profiler), grids given as functions, arguments it cannot key, kernels Triton does not
+    compile (the interpreter's, autotuned ones): every launch through Triton."""
+    import torch
+
+    kernel, slow, compiled, runtime = fake_launch
+    grid, extra = (1,), 0.5
+    if case == "launch_hook":
+        runtime.hooks = True
+    elif case == "grid_function":
+        grid = lambda meta: (1,)  # noqa: E731
+    elif case == "unhashable":
+        extra = [0.5]
+    else:
+        jit = kernel
+        kernel = type("Interpreted", (), {"__getitem__": lambda self, g: jit[g]})()
+    launcher = launch.Launcher(kernel)
+    for _ in range(3):
+        launcher[grid](torch.empty(64), 32, extra, BLOCK=128)
+    assert len(slow) == 3 and not compiled.calls

@@ -1,7 +1,8 @@
-"""Host-side arithmetic of kernel launchers, in plain Python.
+"""The host side of kernel launches: arithmetic in plain Python, and a shorter launch path (`fast`, `Launcher`).
 
 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.7, whose call from the host
-costs about 5 us (their wrapper unwraps every argument): several per launch add up on small inputs.
+costs about 5 us (their wrapper unwraps every argument): several per launch add up on small inputs. Triton is
+imported at a launcher's first launch only: mslk.core imports without it.
 """
 
 from __future__ import annotations
@@ -28,3 +29,132 @@ def no_products(out: torch.Tensor, k: int) -> bool:
         out.zero_()
         return True
     return False
+
+
+class Launcher:
+    """`Launcher(kernel)[grid](*args, **kwargs)` launches a `@triton.jit` or `@gluon.jit` kernel as
+    `kernel[grid](*args, **kwargs)` does, in less host time once it has launched with arguments alike.
+
+    Triton's launch path binds and specializes every argument, hashes the specialization to find the compiled
+    kernel and builds launch metadata, on every call: about 25 us of the 45 a launch took on the GPU machine's host
+    (FP8 rowwise GEMM, 37 arguments; RESULTS.md, thirty-eighth session). Here the first launch goes through Triton
+    and its compiled kernel is kept under a key of the arguments' properties that Triton specializes on
+    (`specialization`), so that later launches with the same key call its launcher directly. The key is at least as
+    fine as Triton's (tested against Triton's own specialization), so a kept kernel only ever assumes what the new
+    arguments also satisfy. Triton's own path still serves: the interpreter, autotuned kernels, grids given as
+    functions, launch hooks (profilers), unhashable arguments. Triton's knobs are read at a kernel's first launch.
+    """
+
+    MAX_KEPT = 64  # compiled kernels kept per launcher; more means keys that rarely repeat: start again
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._kept: dict = {}
+        self._runtime: _TritonRuntime | None = None
+        self._params: list[tuple[str, bool, object]] = []  # (name, constexpr?, default) in the kernel's order
+        self._constexpr: dict[str, bool] = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args: tuple, kwargs: dict):
+        runtime = self._runtime or self._first_launch()
+        if runtime is None or not isinstance(grid, tuple) or runtime.hooks_set():
+            return self.kernel[grid](*args, **kwargs)
+        device = runtime.current_device()
+        try:
+            key = (device, self._key(args, kwargs))
+            kept = self._kept.get(key)
+        except TypeError:  # an unhashable argument: Triton's path
+            return self.kernel[grid](*args, **kwargs)
+        if kept is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if compiled is not None and not hasattr(compiled, "result"):  # (a future under async compilation)
+                if len(self._kept) >= self.MAX_KEPT:
+                    self._kept.clear()
+                self._kept[key] = compiled
+            return compiled
+        # Every parameter in order, constexprs included, as Triton's launcher takes them (it skips constexprs).
+        values = [*args]
+        for name, _, default in self._params[len(args) :]:
+            values.append(kwargs.get(name, default))
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        stream = runtime.current_stream(device)
+        kept.run(grid_x, grid_y, grid_z, stream, kept.function, kept.packed_metadata, None, None, None, *values)
+        return kept
+
+    def _first_launch(self) -> _TritonRuntime | None:
+        """The runtime when the kernel is compiled by Triton: a JITFunction (not interpreted, not autotuned)
+        without pre-run hooks; else None, and every launch takes Triton's path."""
+        from triton.runtime.jit import JITFunction
+
+        if not isinstance(self.kernel, JITFunction) or self.kernel.pre_run_hooks:
+            return None
+        self._params = [(p.name, p.is_constexpr, p.default) for p in self.kernel.params]
+        self._constexpr = {name: is_constexpr for name, is_constexpr, _ in self._params}
+        self._runtime = _TritonRuntime.get()
+        return self._runtime
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        params, constexpr = self._params, self._constexpr
+        key = [value if params[i][1] else specialization(value) for i, value in enumerate(args)]
+        for name, value in kwargs.items():  # launch options (num_warps, ...) are not parameters: kept as they are
+            key.append((name, value if constexpr.get(name, True) else specialization(value)))
+        return tuple(key)
+
+
+_launchers: dict[int, Launcher] = {}
+
+
+def fast(kernel) -> Launcher:
+    """The Launcher of `kernel` (one a kernel, kept for the process): `launch.fast(kernel)[grid](*args, **kwargs)`
+    in place of `kernel[grid](*args, **kwargs)`."""
+    launcher = _launchers.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _launchers[id(kernel)] = Launcher(kernel)
+    return launcher
+
+
+def specialization(value):
+    """What Triton may specialize a kernel on in a non-constexpr argument (Triton 3.6 and 3.7: a tensor's dtype and
+    16-byte alignment; an int's width, whether it is 1 and whether 16 divides it; a TMA descriptor's dtype, block
+    and layout; only the type of a bool or float), or the value itself for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        width = 32 if -(2**31) <= value < 2**31 else 64 if value < 2**63 else "u64"
+        return width, value == 1, value % 16 == 0
+    if isinstance(value, float):
+        return float
+    block_shape = getattr(value, "block_shape", None)
+    if block_shape is not None and hasattr(value, "base"):  # a TMA descriptor, triton.tools' or Gluon's
+        return type(value), value.base.dtype, tuple(block_shape), getattr(value, "layout", None)
+    return value
+
+
+class _TritonRuntime:
+    """Triton's driver and launch hooks, looked up once (the driver is a lazy proxy)."""
+
+    _instance: _TritonRuntime | None = None
+
+    def __init__(self):
+        from triton import knobs
+        from triton.runtime import driver
+
+        self.knobs = knobs
+        self.current_device = driver.active.get_current_device
+        self.current_stream = driver.active.get_current_stream
+
+    @classmethod
+    def get(cls) -> _TritonRuntime:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def hooks_set(self) -> bool:
+        """Whether a launch hook is set (a profiler's): Triton's path then, which calls it."""
+        runtime = self.knobs.runtime
+        # HookChain (Triton 3.6 on): its calls; a plain hook (older): itself
+        return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))

@@ -117,7 +117,7 @@ def _gather_triton(x, token_indices, expert_indices, scores, valid_token_count=N
     rows, d = token_indices.shape[0], x.shape[1]
     out = x.new_empty((rows, d))
     if rows and d:
-        _gather_scale_kernel[(rows,)](
+        launch.fast(_gather_scale_kernel)[(rows,)](
             x, out, token_indices, expert_indices, scores, valid_token_count, x.shape[0], scores.shape[1], d,
             x.stride(0), out.stride(0), *scores.stride(), token_indices.stride(0), expert_indices.stride(0),
             HAS_COUNT=valid_token_count is not None,
@@ -320,7 +320,7 @@ def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None,
             token_indices, token_indices.stride(0), source_rows, valid_token_count, multiplicity, rows, tokens,
             BLOCK=1024, **flags,
         )  # fmt: skip
-    _scatter_add_kernel[(rows,)](
+    launch.fast(_scatter_add_kernel)[(rows,)](
         out_tokens, in_rows, token_indices, source_rows, valid_token_count, multiplicity, locks, tokens, d,
         out_tokens.stride(0), in_rows.stride(-2), token_indices.stride(0), LOCKED=locks is not None,
         BLOCK_D=_row_block(d), num_warps=4, **flags,

@@ -778,7 +778,7 @@ def _flash_forward(
         blocks = launch.cdiv(max_q, block_m)
         descriptors = _tile_descriptors(block_n, (k, block_k), (v, block_kv)) if tma else None
         bias_desc = _bias_descriptor(bias, q, block_m, block_n) if tma else None
-        _flash_forward_kernel[(blocks * sequences * groups * heads,)](
+        launch.fast(_flash_forward_kernel)[(blocks * sequences * groups * heads,)](
             q, k, v, out, lse, bias, seqstart_q, seqstart_k, seqlen_k,
             *descriptors or (None, None), bias_desc,
             groups, heads, mq, mk, dim, dim_v, scale * _LOG2E, window_left, window_right, seed, p,
@@ -878,7 +878,7 @@ def _flash_backward(
                 if tma and _tma_readable(k, v) and _flat_rows(k) and _flat_rows(v):
                     kv_descriptors = _row_descriptors(block_n, (k, block_k), (v, block_kv))
                 blocks = launch.cdiv(max_q, block_m) if dq_pass else launch.cdiv(max_k, block_n)
-                _flash_backward_kernel[(blocks * sequences * groups * heads,)](
+                launch.fast(_flash_backward_kernel)[(blocks * sequences * groups * heads,)](
                     q, k, v, do, lse, delta, dq_sum, dk, dv, bias, db_args[0], seqstart_q, seqstart_k, seqlen_k,
                     *descriptors, *kv_descriptors,
                     groups, heads, mq, mk, dim, dim_v, scale * _LOG2E, scale, window_left,
@@ -1061,7 +1061,7 @@ def _backward_prologue(
     delta = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=out.device)
     block_m = 64 if out.is_cuda else 16
     blocks = launch.cdiv(mq if varlen is None else max(mq, mk), block_m)
-    _backward_prologue_kernel[(blocks * batch * groups * heads,)](
+    launch.fast(_backward_prologue_kernel)[(blocks * batch * groups * heads,)](
         out, do, delta, dq_sum, dk, dv, *(None, 0) if varlen is None else (varlen.seqstart_k, varlen.num_sequences),
         groups, heads, mq, mk, dim, dim_v, *_strides(out, do), *delta.stride()[:3],
         ZERO_DQ=dq_sum is not None, ZERO_KEYS_OUTSIDE=varlen is not None, BLOCK_M=block_m,

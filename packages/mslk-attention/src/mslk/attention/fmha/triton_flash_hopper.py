@@ -478,7 +478,7 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
     bias_desc = None if bias is None else _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
-    _flash_backward_hopper_kernel[(blocks * sequences * groups * heads,)](
+    launch.fast(_flash_backward_hopper_kernel)[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),
         _box_descriptor(dq_sum, BLOCK_M),

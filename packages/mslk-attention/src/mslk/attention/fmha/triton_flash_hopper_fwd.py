@@ -382,7 +382,7 @@ def run(q, k, v, out, lse, scale, window_right, bottom_right, bias=None):
     blocks = launch.cdiv(mq, BLOCK_M)
     units = (blocks + 1) // 2  # pairs of query blocks (_tile)
     all_heads = batch * groups * heads
-    _flash_forward_hopper_kernel[(min(units * all_heads, arch.sm_count(q.device)),)](
+    launch.fast(_flash_forward_hopper_kernel)[(min(units * all_heads, arch.sm_count(q.device)),)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), bias_desc, out, lse, groups,
         heads, mq, mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3],
         *(bias.stride()[:3] if bias is not None else (0, 0, 0)), blocks, all_heads,

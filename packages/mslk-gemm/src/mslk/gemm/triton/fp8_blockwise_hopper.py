@@ -232,7 +232,7 @@ def run(a, b, out, a_scale, a_scale_strides, b_scale, b_scale_strides, a_scale_r
     tma_store = a_scale_rows != 1 and tma_ready(out)
     c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [BLOCK_M, BLOCK_N], _OUT_LAYOUT) if tma_store else None
     grid = (min(arch.sm_count(a.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
-    _blockwise_wgmma_kernel[grid](
+    launch.fast(_blockwise_wgmma_kernel)[grid](
         a_desc, b_desc, out, c_desc, a_scale, b_scale, m, n, k, out.stride(0), *a_scale_strides, *b_scale_strides,
         A_SCALE_ROWS=a_scale_rows, B_SCALE_ROWS=b_scale_rows, STEPS_PER_SCALE=scale_k // BLOCK_K, STAGES=STAGES,
         GROUP_M=GROUP_M, UNROLL=UNROLL, LOAD_REGISTERS=LOAD_REGISTERS, TMA_STORE=tma_store, num_warps=NUM_WARPS,

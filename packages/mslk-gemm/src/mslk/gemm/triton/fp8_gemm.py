@@ -301,7 +301,7 @@ def _run_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
             b_half_desc = row_tiles(b_rows, cfg["BLOCK_N"] // 2, cfg["BLOCK_K"])
     if cfg["PERSISTENT"] and a_desc is not None and out.dim() == 2 and tma_ready(out):
         c_desc = row_tiles(out, cfg["BLOCK_M"], cfg["BLOCK_N"] // 2)  # (a 2-D descriptor: one batch)
-    _fp8_rowwise_kernel[grid](
+    launch.fast(_fp8_rowwise_kernel)[grid](
         a, b, a_desc, b_desc, b_half_desc, out, c_desc, sa, sb, bias,
         rows, cols, k, a_batch, a.stride(-2), b_batch, b.stride(-2), *c_strides,
         sa.stride(0) if sa.dim() == 2 else 0, sb.stride(0) if sb.dim() == 2 else 0, tail,

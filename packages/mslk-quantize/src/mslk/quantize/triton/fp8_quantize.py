@@ -217,7 +217,7 @@ def run_row_kernel(a, dtype, scale_ub, zero_start_index_M, k_out, eps):
     if n_rows:
         config = _row_launch_config(k_out)
         qmax = float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
-        _quantize_row_kernel[(launch.cdiv(n_rows, config["BLOCK_M"]),)](
+        launch.fast(_quantize_row_kernel)[(launch.cdiv(n_rows, config["BLOCK_M"]),)](
             rows, xq, scale, scale_ub, None if zero_start_index_M is None else zero_start_index_M.contiguous(),
             n_rows, k, k_out, a.shape[-2] if a.dim() > 1 else 1, rows.stride(0), rows.stride(1), k_out,
             eps, QMAX=qmax, HAS_UB=scale_ub is not None, JAGGED=zero_start_index_M is not None, **config,
