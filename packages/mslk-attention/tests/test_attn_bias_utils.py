@@ -7,18 +7,16 @@ import pytest
 import torch
 
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha.attn_bias_utils import create_attn_bias, pack_kv_cache, ref_attention, ref_attention_bmhk
+from mslk.attention.fmha.attn_bias_utils import (
+    MASK_CLASSES,
+    create_attn_bias,
+    pack_kv_cache,
+    ref_attention,
+    ref_attention_bmhk,
+)
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import launch, testing
 
-MASKS = sorted(  # every public mask class but the base
-    (
-        c
-        for name, c in vars(ab).items()
-        if isinstance(c, type) and issubclass(c, ab.AttentionBias) and c is not ab.AttentionBias and name[0] != "_"
-    ),
-    key=lambda c: c.__name__,
-)
 PAGED = (ab.PagedBlockDiagonalPaddedKeysMask, ab.PagedBlockDiagonalGappyKeysMask)
 BATCH, HEADS, GROUPS, Q_LEN, KV_LEN, PAGE = 3, 2, 2, 5, 11, 4
 
@@ -35,7 +33,7 @@ def inputs_for(bias, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["BMHK", "BMGHK"])
-@pytest.mark.parametrize("bias_type", [*MASKS, torch.Tensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bias_type", [*MASK_CLASSES, torch.Tensor], ids=lambda c: c.__name__)
 def test_create_attn_bias_every_type(bias_type, fmt):
     make = lambda: create_attn_bias(  # noqa: E731
         bias_type, BATCH, HEADS, GROUPS, Q_LEN, KV_LEN, "cpu", torch.float32, False, fmt, page_size=PAGE

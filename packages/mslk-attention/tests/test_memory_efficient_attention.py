@@ -11,7 +11,7 @@ import torch
 from mslk.attention import fmha
 from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha import cutlass, torch_reference
-from mslk.attention.fmha.attn_bias_utils import create_attn_bias
+from mslk.attention.fmha.attn_bias_utils import MASK_CLASSES, create_attn_bias
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import testing
 
@@ -522,14 +522,6 @@ def test_gpu_queries_that_see_no_key(case, head_dim, dtype):
         fmha.memory_efficient_attention(q, k, v, mask, op=fmha.MemoryEfficientAttentionCutlassOp)
 
 
-_MASK_CLASSES = sorted(
-    (
-        c
-        for name, c in vars(ab).items()
-        if isinstance(c, type) and issubclass(c, ab.AttentionBias) and c is not ab.AttentionBias and name[0] != "_"
-    ),
-    key=lambda c: c.__name__,
-)
 # Masks that take any lengths (the others' queries need about as many keys: create_attn_bias's sequences)
 _ANY_LENGTHS = (None, torch.Tensor, ab.LowerTriangularMask, ab.LowerTriangularMaskWithTensorBias, ab.BlockDiagonalMask,
                 ab.BlockDiagonalCausalMask)  # fmt: skip
@@ -540,7 +532,7 @@ def _random_case(seed: int):
     its tensors requiring gradients), BMK / BMHK / BMGHK, fp16 / bf16 / fp32, head dims from 16 to 256 (value's
     another at times), lengths from 1 to 300, K and V heads expanded with stride 0 (MQA) or rows of wider buffers."""
     r = random.Random(seed)
-    bias_type = r.choice([None, torch.Tensor, *_MASK_CLASSES])
+    bias_type = r.choice([None, torch.Tensor, *MASK_CLASSES])
     fmt = r.choice(["BMHK", "BMGHK", *(["BMK"] if bias_type in (None, torch.Tensor, ab.LowerTriangularMask) else [])])
     dtype = r.choice([torch.float16, torch.bfloat16, torch.float32])
     dim = r.choice([16, 32, 40, 64, 80, 96, 128, 160, 256])

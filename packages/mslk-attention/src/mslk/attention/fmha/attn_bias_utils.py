@@ -1,5 +1,5 @@
-"""Test and reference helpers of the fmha tests (spec A-14): a random instance of any attention bias, the
-reference attention (with dropout by an explicit mask), and a paged K/V cache.
+"""Test and reference helpers of the fmha tests (spec A-14): the mask classes, a random instance of any attention
+bias, the reference attention (with dropout by an explicit mask), and a paged K/V cache.
 
 Tensor layouts: BMK [B, M, K], BMHK [B, M, H, K], BMGHK [B, M, G, H, K]. The varlen ("block diagonal") masks
 made here describe `batch_size` sequences packed into one: queries [1, batch_size · q_len, ...] and keys
@@ -20,6 +20,15 @@ from mslk.attention.fmha.reference import attention_reference
 from mslk.core import launch
 
 # ------------------------------------------------------------------------------------ random biases
+
+MASK_CLASSES = sorted(  # every public attention bias class but the base, by name
+    (
+        c
+        for name, c in vars(ab).items()
+        if isinstance(c, type) and issubclass(c, ab.AttentionBias) and c is not ab.AttentionBias and name[0] != "_"
+    ),
+    key=lambda c: c.__name__,
+)
 
 
 def _rand_parts(r: random.Random, total: int, low: Sequence[int], high: Sequence[int]) -> list[int]:
