@@ -435,10 +435,13 @@ def check_lastdim_alignment_stride1(reasons: list[str], name: str, x: torch.Tens
         )
 
 
-def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor) -> None:
-    """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA)."""
-    if 0 in x.stride()[:-1]:
+def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor) -> bool:
+    """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA); whether
+    it is."""
+    expanded = 0 in x.stride()[:-1]
+    if expanded:
         reasons.append(f"{name} is expanded with a stride of 0 (stride() = {x.stride()})")
+    return expanded
 
 
 def _set_text(values) -> str:

@@ -39,8 +39,8 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: 8-element aligned rows, square causal masks, real K/V rows."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
-        check_not_expanded(reasons, name, t)
-        if 0 not in t.stride()[:-1] and t.dim() == 5 and not _mergeable_heads(t):
+        expanded = check_not_expanded(reasons, name, t)
+        if not expanded and t.dim() == 5 and not _mergeable_heads(t):
             reasons.append(f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3): BMGHK needs mergeable heads")
     if d.attn_bias is not None and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support causal masks if equal number of keys and queries")
