@@ -36,13 +36,15 @@ class Launcher:
     `kernel[grid](*args, **kwargs)` does, in less host time once it has launched with arguments alike.
 
     Triton's launch path binds and specializes every argument, hashes the specialization to find the compiled
-    kernel and builds launch metadata, on every call: about 25 us of the 45 a launch took on the GPU machine's host
-    (FP8 rowwise GEMM, 37 arguments; RESULTS.md, thirty-eighth session). Here the first launch goes through Triton
+    kernel and builds launch metadata, on every call (45 us a launch of the FP8 rowwise GEMM's kernel, 37 arguments,
+    on the GPU machine's host; its launcher alone 20 us). Here the first launch goes through Triton
     and its compiled kernel is kept under a key of the arguments' properties that Triton specializes on
     (`specialization`), so that later launches with the same key call its launcher directly. The key is at least as
     fine as Triton's (tested against Triton's own specialization), so a kept kernel only ever assumes what the new
     arguments also satisfy. Triton's own path still serves: the interpreter, autotuned kernels, grids given as
     functions, launch hooks (profilers), unhashable arguments. Triton's knobs are read at a kernel's first launch.
+    Measured (H200 machine, host time a call): FP8 rowwise GEMM 106 -> 93 us at 2048 x 7168 x 2048 and 82 -> 75 us
+    at 16 x 8192 x 8192, varlen attention forward and backward 1479-1892 -> 1249-1628 us (RESULTS.md, 38th session).
     """
 
     MAX_KEPT = 64  # compiled kernels kept per launcher; more means keys that rarely repeat: start again
