@@ -1,6 +1,7 @@
-"""Host-side launch arithmetic (mslk.core.launch) against Triton's own helpers."""
+"""mslk.core.launch: host-side launch arithmetic against Triton's own helpers, and the Launcher's kept kernels."""
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 from hypothesis import given
@@ -25,7 +26,6 @@ def test_next_power_of_2(n):
 
 def _specialization_samples():
     """Arguments of every kind Triton specializes on, with the edges of each property."""
-    import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -113,8 +113,6 @@ def fake_launch(monkeypatch):
 
 
 def test_launcher_calls_the_kept_kernel_directly(fake_launch):
-    import torch
-
     kernel, slow, compiled, _ = fake_launch
     launcher = launch.Launcher(kernel)
     x = torch.empty(64)
@@ -132,8 +130,6 @@ def test_launcher_calls_the_kept_kernel_directly(fake_launch):
     ["misaligned", "dtype", "n_is_1", "n_not_multiple_of_16", "n_64_bit", "constexpr", "default_given", "option"],
 )
 def test_launcher_goes_through_triton_when_a_property_differs(fake_launch, change):
-    import torch
-
     kernel, slow, compiled, _ = fake_launch
     launcher = launch.Launcher(kernel)
     args, kwargs = [torch.empty(64), 32, 0.5], {"BLOCK": 128, "num_warps": 4}
@@ -164,8 +160,6 @@ def test_launcher_goes_through_triton_when_a_property_differs(fake_launch, chang
 def test_launcher_leaves_to_triton(fake_launch, case):
     """Launch hooks (a profiler), grids given as functions, arguments it cannot key, kernels Triton does not
     compile (the interpreter's, autotuned ones): every launch through Triton."""
-    import torch
-
     kernel, slow, compiled, runtime = fake_launch
     grid, extra = (1,), 0.5
     if case == "launch_hook":
