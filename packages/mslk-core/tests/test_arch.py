@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -49,6 +50,27 @@ def test_nvidia(mock_gpu):
     assert ref_device.cuda_version_at_least(13) and not ref_device.cuda_version_at_least(14)
     assert not ref_device.supports_float8_fnuz()
     assert get_fp8_constants()[0] == torch.float8_e4m3fn and get_fp8_constants()[2] == 448.0
+
+
+def test_compiled_callers_read_the_kept_answers(mock_gpu, monkeypatch):
+    """Code that torch.compile traces (a dispatcher choosing a kernel by capability) reads the answers as kept: the
+    device is not queried again while tracing, and Dynamo has no cache wrapper to trace through and warn about."""
+    real_is_available = torch.cuda.is_available
+    queries = mock_gpu(H200)
+    device = torch.device("cuda", 0)  # (callers pass their tensors' device; Dynamo would ask the driver for None's)
+    assert arch.capability(device) == (9, 0)
+    # Dynamo itself saves the CUDA RNG state when torch says a GPU is there: the answer stays kept in arch only.
+    monkeypatch.setattr(torch.cuda, "is_available", real_is_available)
+
+    def pick(x):
+        return x * 2 if arch.is_cuda() and arch.capability(device) >= (9, 0) and arch.sm_count(device) == 132 else x
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lru_cache.*")
+        compiled = torch.compile(pick, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert queries == [0]
 
 
 def test_gfx942_uses_fnuz(mock_gpu):

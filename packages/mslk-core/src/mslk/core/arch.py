@@ -6,7 +6,6 @@ Code elsewhere in MSLK asks these functions, never `torch.cuda` directly, so tha
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,10 +58,18 @@ class DeviceInfo:
         )
 
 
-@functools.cache
+# The answers, kept in dicts rather than by functools.cache: Dynamo traces through a cache's wrapper (with a warning)
+# and would query the device again, while it reads a dict and guards on it, so compiled callers get the kept answer.
+_gpu_visible: dict[str, bool] = {}
+_device_infos: dict[int, DeviceInfo] = {}
+
+
 def has_gpu() -> bool:
     """True when torch sees a CUDA or ROCm device (does not create a CUDA context)."""
-    return torch.cuda.is_available()
+    visible = _gpu_visible.get("any")
+    if visible is None:
+        visible = _gpu_visible["any"] = torch.cuda.is_available()
+    return visible
 
 
 def vendor() -> Vendor:
@@ -89,10 +96,12 @@ def _index(device: torch.device | int | None) -> int:
     return torch.cuda.current_device()
 
 
-@functools.cache
 def _device_info(index: int) -> DeviceInfo:
-    props = torch.cuda.get_device_properties(index)
-    return DeviceInfo.from_properties(props, index=index, hip=torch.version.hip is not None)
+    info = _device_infos.get(index)
+    if info is None:
+        props = torch.cuda.get_device_properties(index)
+        info = _device_infos[index] = DeviceInfo.from_properties(props, index=index, hip=torch.version.hip is not None)
+    return info
 
 
 def device_info(device: torch.device | int | None = None) -> DeviceInfo:
@@ -155,5 +164,5 @@ def hip_version() -> tuple[int, int] | None:
 
 def clear_cache() -> None:
     """Forget cached answers (tests that mock devices call this)."""
-    has_gpu.cache_clear()
-    _device_info.cache_clear()
+    _gpu_visible.clear()
+    _device_infos.clear()
