@@ -886,25 +886,31 @@ def test_gpu_more_than_65535_heads(backward_mode):
 # ------------------------------------------------------------------------------------------------ torch.compile
 
 
-def _check_compiled(bias_id, dtype, sizes, backend):
-    """memory_efficient_attention pinned to the Triton kernels and compiled by `backend` (fullgraph), forward and
-    backward (a tensor bias's gradient too), against float64 autograd of the oracle."""
+def _check_compiled(bias_id, dtype, sizes, backend, calls=1, **options):
+    """memory_efficient_attention pinned to the Triton kernels and compiled by `backend` (fullgraph, with `options`),
+    called `calls` times with one mask on new random inputs: each call's forward and backward (a tensor bias's
+    gradient too) against float64 autograd of the oracle, before the next call (CUDA-graph replays reuse outputs)."""
     q, k, v, bias = _inputs(bias_id, "BMHK", sizes, dtype, DEVICE)
-    leaves = [t.requires_grad_() for t in (q, k, v, common.tensor_bias(bias)) if t is not None]
 
     def attend(q, k, v, bias):
         return fmha.memory_efficient_attention(q, k, v, bias, op=fmha.MemoryEfficientAttentionMslkTritonOp)
 
-    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v, bias)
-    do = testing.randn(*out.shape, dtype=dtype, device=DEVICE)
-    grads = torch.autograd.grad(out, leaves, do)
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    bias64 = bias if len(leaves) == 3 else leaves64[3] if isinstance(bias, torch.Tensor) else type(bias)(leaves64[3])
-    ref, _ = attention_reference(*leaves64[:3], bias64)
-    want = torch.autograd.grad(ref, leaves64, do.double())
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    for name, got, expected in zip(("out", "dq", "dk", "dv", "db"), (out, *grads), (ref, *want), strict=False):
-        testing.assert_rel_close(got, expected, tolerance, what=name)
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, **options)
+    for _ in range(calls):
+        q, k, v = (testing.randn(*t.shape, dtype=dtype, device=DEVICE) for t in (q, k, v))
+        leaves = [t.requires_grad_() for t in (q, k, v, common.tensor_bias(bias)) if t is not None]
+        out = compiled(q, k, v, bias)
+        do = testing.randn(*out.shape, dtype=dtype, device=DEVICE)
+        grads = torch.autograd.grad(out, leaves, do)
+        leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+        bias64 = (
+            bias if len(leaves) == 3 else leaves64[3] if isinstance(bias, torch.Tensor) else type(bias)(leaves64[3])
+        )
+        ref, _ = attention_reference(*leaves64[:3], bias64)
+        want = torch.autograd.grad(ref, leaves64, do.double())
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        for name, got, expected in zip(("out", "dq", "dk", "dv", "db"), (out, *grads), (ref, *want), strict=False):
+            testing.assert_rel_close(got, expected, tolerance, what=name)
 
 
 @pytest.mark.parametrize("bias_id", ["None", "T", "B02", "B08", "B12"])
@@ -939,10 +945,19 @@ def test_opcheck_of_the_launches(bias_id):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", ["None", "T", "B03", "B07", "B12"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_torch_compile_inductor(bias_id, dtype):
-    """Inductor over the Triton kernels, forward and backward (fp32 failed to compile while Dynamo traced into the
-    launches and Inductor compiled the kernels itself)."""
-    _check_compiled(bias_id, dtype, (2, 150, 230, 1, 4, 64), "inductor")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_torch_compile_inductor(bias_id, dtype, head_dim):
+    """Inductor over the Triton kernels (at head dim 128 on Hopper the Gluon ones), forward and backward (fp32
+    failed to compile while Dynamo traced into the launches and Inductor compiled the kernels itself)."""
+    _check_compiled(bias_id, dtype, (2, 150, 230, 1, 4, head_dim), "inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B02", "B07", "B12"])
+def test_gpu_torch_compile_reduce_overhead(bias_id):
+    """mode="reduce-overhead": Inductor's CUDA graphs around the kernels, the way small launch-bound calls are
+    compiled. Three calls (warm-up, recording, replay), each on new inputs, forward and backward."""
+    _check_compiled(bias_id, torch.bfloat16, (3, 150, 230, 1, 4, 128), "inductor", calls=3, mode="reduce-overhead")
 
 
 def _dropout_draws_replayed(out, v, device):

@@ -207,7 +207,7 @@ def _run_kernel(x0, x1, out, scale=None, scale_ub=None, valid_token_count=None):
     grid = (launch.cdiv(t, config["BLOCK_M"]), 1 if quant else launch.cdiv(d, config["BLOCK_D"]))
     count = None if valid_token_count is None else valid_token_count.to(x0.device)
     compiled = not testing.interpreting()
-    _silu_mul_kernel[grid](
+    launch.fast(_silu_mul_kernel)[grid](
         x0, x1, out, scale, scale_ub, count, t, d, x0.stride(0), x1.stride(0), out.stride(0), FP8_ROW_EPS,
         QUANT=quant, QMAX=float(torch.finfo(out.dtype).max), HAS_UB=scale_ub is not None,
         HAS_COUNT=count is not None, LIBDEVICE=compiled, RCP_RN=compiled and arch.is_cuda(), **config,

@@ -316,7 +316,7 @@ def _run_scatter_add(out_tokens, in_rows, token_indices, valid_token_count=None,
     multiplicity = None
     if locks is None:
         multiplicity = torch.zeros(tokens, dtype=torch.int32, device=out_tokens.device)
-        _multiplicity_kernel[(launch.cdiv(rows, 1024),)](
+        launch.fast(_multiplicity_kernel)[(launch.cdiv(rows, 1024),)](
             token_indices, token_indices.stride(0), source_rows, valid_token_count, multiplicity, rows, tokens,
             BLOCK=1024, **flags,
         )  # fmt: skip

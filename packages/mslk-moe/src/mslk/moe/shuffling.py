@@ -260,7 +260,7 @@ def _index_shuffling_triton(routing_scores, expert_index_start=None, expert_inde
     # Histogram tiles of 16 counts a thread, up to 4 loaded at once.
     rows = max(1, min(launch.next_power_of_2(programs), 512 * warps // bins))
     workspace = torch.empty(tokens * top_k + programs * local, **ints)
-    _index_shuffling_kernel[(programs,)](
+    launch.fast(_index_shuffling_kernel)[(programs,)](
         routing_scores, workspace, workspace[tokens * top_k :], kept_zeros(device, BARRIER, 2),
         counts if valid_token_count is None else valid_token_count, counts, expert_indices, token_indices, tokens,
         experts, start, *routing_scores.stride(), blocks_per_program, E_LOCAL=local,

@@ -406,7 +406,7 @@ def _run_merge(attn: tuple, lse: tuple, chunks_per_tensor: int, outputs: list[to
     if n_rows:
         lse_out = outputs[1] if len(outputs) > 1 else None
         grid, config = _launch_config(n_rows, Kq)
-        _merge_kernel[grid](
+        launch.fast(_merge_kernel)[grid](
             attn, tuple(t.stride()[-5:] for t in attn), tuple(t.stride(0) if t.dim() == 6 else 0 for t in attn),
             lse, tuple(t.stride()[-4:] for t in lse), tuple(t.stride(0) if t.dim() == 5 else 0 for t in lse),
             chunks_per_tensor, out, out.stride(), lse_out, (0,) * 4 if lse_out is None else lse_out.stride(),
@@ -445,7 +445,7 @@ def triton_merge_attentions_varargs_backward(attn_split, lse_split, attn_out, ls
         # The kernel indexes every [B, M, G, H, K] tensor alike: view the chunks' [B, G, H, M, K] that way.
         attn, d_attn_rows = (tuple(t.movedim(-2, -4) for t in chunks) for chunks in (attn_split, d_attn))
         grid, config = _launch_config(n_rows, Kq)
-        _merge_backward_kernel[grid](
+        launch.fast(_merge_backward_kernel)[grid](
             attn, tuple(t.stride() for t in attn), tuple(lse_split), tuple(t.stride() for t in lse_split),
             d_attn_rows, tuple(t.stride() for t in d_attn_rows), tuple(d_lse), tuple(t.stride() for t in d_lse),
             attn_out, attn_out.stride(), lse_out, lse_out.stride(), grad_attn, grad_attn.stride(),

@@ -568,7 +568,7 @@ def dropout_mask(seed: torch.Tensor | int, batch: int, groups: int, heads: int, 
     if mask.numel():
         seed = torch.as_tensor(seed, dtype=torch.int32, device=device).reshape(1)
         grid = (launch.cdiv(mq, 16) * launch.cdiv(mk, 16) * batch * groups * heads,)
-        _dropout_mask_kernel[grid](mask, seed, groups, heads, mq, mk, p, BLOCK_M=16, BLOCK_N=16)
+        launch.fast(_dropout_mask_kernel)[grid](mask, seed, groups, heads, mq, mk, p, BLOCK_M=16, BLOCK_N=16)
     return mask
 
 

@@ -121,7 +121,7 @@ def split_parts(x: torch.Tensor, kp: int) -> torch.Tensor:
     parts = torch.empty((3, r, kp), dtype=torch.bfloat16, device=x.device)
     if parts.numel():
         grid = (launch.cdiv(r, _SPLIT_BLOCK), launch.cdiv(kp, _SPLIT_BLOCK))
-        _split_kernel[grid](
+        launch.fast(_split_kernel)[grid](
             x, parts, r, k, kp, x.stride(0), x.stride(1), parts.stride(0), BLOCK_R=_SPLIT_BLOCK, BLOCK_K=_SPLIT_BLOCK
         )
     return parts
@@ -138,7 +138,7 @@ def _run(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     a_parts = TensorDescriptor(split_parts(A, kp), [3 * m, kp], [kp, 1], [CONFIG["BLOCK_M"], block_k])
     b_parts = TensorDescriptor(split_parts(B, kp), [3 * n, kp], [kp, 1], [CONFIG["BLOCK_N"], block_k])
     grid = (launch.cdiv(m, CONFIG["BLOCK_M"]) * launch.cdiv(n, CONFIG["BLOCK_N"]),)
-    _bf16x9_kernel[grid](
+    launch.fast(_bf16x9_kernel)[grid](
         a_parts, b_parts, out, m, n, kp, out.stride(0), out.stride(1),
         A_PARTS=_packed(0), B_PARTS=_packed(1), N_PRODUCTS=len(PRODUCTS), UPCAST=not out.is_cuda, **CONFIG,
     )  # fmt: skip

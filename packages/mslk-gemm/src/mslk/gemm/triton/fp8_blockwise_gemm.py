@@ -132,7 +132,7 @@ def _run_block_scaled(XQ, WQ, x_scale, x_scale_strides, w_scale, w_scale_strides
     cfg = _block_scaled_config(m, n, _k_step(block_k))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]),)
     a_desc, b_desc = tma_descriptors(a, b, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
-    _fp8_block_scaled_kernel[grid](
+    launch.fast(_fp8_block_scaled_kernel)[grid](
         a, b, a_desc, b_desc, out, x_scale, w_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0),
         *x_scale_strides, *w_scale_strides, A_SCALE_ROWS=x_rows, B_SCALE_ROWS=w_rows, SCALE_K=block_k,
         EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,

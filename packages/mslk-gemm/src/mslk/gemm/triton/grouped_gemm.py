@@ -237,7 +237,7 @@ def _run_grouped(
     b_scale_strides = b_scale.stride()[:2] if scales == GROUPWISE else (n, 0)
     even_k = grouping != K_GROUPED and a.shape[1] % cfg["BLOCK_K"] == 0
     a_desc, b_desc = _descriptors(a, b, grouping, cfg)
-    _grouped_gemm_kernel[(programs,)](
+    launch.fast(_grouped_gemm_kernel)[(programs,)](
         a, b, a_desc, b_desc, out, sizes, a_scale, b_scale, bias, token_weights, scatter, groups, rows, a.shape[1], n,
         out.shape[-2], *a.stride(), *b_strides, *out_strides, a.shape[0] if grouping == K_GROUPED else 0,
         *b_scale_strides, GROUPING=grouping.value, SIZES_ARE_ENDS=ends, SCALES=scales.value, ZERO_FILL=zero_fill,

@@ -204,7 +204,7 @@ def run(a, b, out, sizes, a_scale, b_scale, *, ends=False, zero_fill=True, progr
     b_desc = TensorDescriptor(b, [groups * n, k], [b.stride(1), 1], [BLOCK_N, BLOCK_K], _TILE_LAYOUT)
     tiles = (launch.cdiv(rows, BLOCK_M) + groups + 1) * launch.cdiv(n, BLOCK_N)  # at most, the tail included
     grid = (max(1, min(programs or arch.sm_count(a.device), tiles)),)
-    _grouped_wgmma_kernel[grid](
+    launch.fast(_grouped_wgmma_kernel)[grid](
         a_desc, b_desc, out, a_scale, b_scale, sizes, groups, rows, n, k, out.stride(0), SIZES_ARE_ENDS=ends,
         ZERO_FILL=zero_fill, STAGES=STAGES, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -313,7 +313,7 @@ def relabelled_activations(X: torch.Tensor, shuffled: bool = False) -> tuple[tor
     xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
     sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
     dependent = dependent_launch(X.device)
-    _activations_kernel[(runs,)](
+    launch.fast(_activations_kernel)[(runs,)](
         X, xp, sums, m, k, *X.stride(), BM=bm, SHUFFLED=shuffled, DEPENDENT=dependent, num_warps=4,
         launch_pdl=dependent,
     )  # fmt: skip
@@ -341,7 +341,7 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
     dependent = dependent_launch(out.device)
-    _int4_decode_kernel[(tiles, splits)](
+    launch.fast(_int4_decode_kernel)[(tiles, splits)](
         *descs, c, m, n, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
         GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, NUM_WARPS=NUM_WARPS, MMA_REGISTERS=MMA_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,

@@ -657,7 +657,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
     dependent = dependent_launch(X.device)
-    _int4_gemm_kernel[grid](
+    launch.fast(_int4_gemm_kernel)[grid](
         X, w, x_desc, w_desc, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
         *c_strides, SHUFFLED=shuffled, TABLE=table, X_SCALE=x_scale is not None, W_SCALE=w_scale is not None,
@@ -690,7 +690,7 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     w = _weights_view(W, True, table)
     x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, True)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
-    _int4_grouped_kernel[(programs,)](
+    launch.fast(_int4_grouped_kernel)[(programs,)](
         X, w, x_desc, w_desc, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
         w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
         0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),

@@ -259,7 +259,7 @@ def run(X, W, scale, zero, out, group_size: int):
         W, [k // BLOCK_K, n, row_bytes], [row_bytes, W.stride(0), 1], [2, BLOCK_N, row_bytes], _W_LAYOUT
     )
     grid = (min(arch.sm_count(X.device), launch.cdiv(m, BLOCK_M) * launch.cdiv(n, BLOCK_N)),)
-    _int4_wgmma_kernel[grid](
+    launch.fast(_int4_wgmma_kernel)[grid](
         x_desc, w_desc, scale, zero, out, m, n, k, scale.shape[0], scale.stride(0), out.stride(0),
         GROUP_SIZE=group_size, X_STAGES=X_STAGES, W_SLOTS=W_SLOTS, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=NUM_WARPS,

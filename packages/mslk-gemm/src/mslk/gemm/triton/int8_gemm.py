@@ -109,7 +109,7 @@ def _run(XQ, WQ, scale: float, scale_tensor, split_k: int) -> torch.Tensor:
     c = torch.empty((splits, m, n), dtype=torch.int32, device=XQ.device) if split else out
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits)
     dependent = dependent_launch(XQ.device)
-    _i8_gemm_kernel[grid](
+    launch.fast(_i8_gemm_kernel)[grid](
         a, b, c, scale_tensor, scale, m, n, k, per_split, a.stride(0), b.stride(0), c.stride(0) if split else 0,
         c.stride(-2), SCALE_PTR=scale_tensor is not None, SPLIT=split, EVEN_K=k % cfg["BLOCK_K"] == 0,
         DEPENDENT_LAUNCH=dependent, launch_pdl=dependent, **cfg,

@@ -55,7 +55,7 @@ def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_te
     splits, r, n = ws.shape
     block = 512
     dependent = dependent_launch(ws.device)
-    splitk_reduce_kernel[(launch.cdiv(r * n, block),)](
+    launch.fast(splitk_reduce_kernel)[(launch.cdiv(r * n, block),)](
         ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, SPLITS=splits, ROW_SCALE=row_scale is not None,
         COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, DEPENDENT=dependent, BLOCK=block,
         num_warps=4, launch_pdl=dependent,

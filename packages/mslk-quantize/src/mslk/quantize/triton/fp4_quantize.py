@@ -198,7 +198,7 @@ def _launch_fp4(kernel, tile, x, q, scale, m_sizes=None, **args):
         grid = (launch.cdiv(m, tiles["BLOCK_M"]), launch.cdiv(k, tiles["BLOCK_K"]))
         g = 0 if m_sizes is None else m_sizes.numel()
         segments = 0 if m_sizes is None else max(16, launch.next_power_of_2(g))
-        kernel[grid](
+        launch.fast(kernel)[grid](
             x2, q, scale, m, k, x2.stride(0), x2.stride(1), x2 if m_sizes is None else m_sizes.contiguous(), g,
             SEGMENTS=segments, **tiles, **args,
         )  # fmt: skip
@@ -522,7 +522,7 @@ def _row_abs_max(x: torch.Tensor) -> torch.Tensor:
     if x2.numel():
         block_k = min(launch.next_power_of_2(x2.shape[1]), 1024)
         block_m = max(1, 4096 // block_k)
-        _row_abs_max_kernel[(launch.cdiv(x2.shape[0], block_m),)](
+        launch.fast(_row_abs_max_kernel)[(launch.cdiv(x2.shape[0], block_m),)](
             x2, out, x2.shape[0], x2.shape[1], x2.stride(0), x2.stride(1), BLOCK_M=block_m, BLOCK_K=block_k
         )
     return out

@@ -414,7 +414,7 @@ def triton_quantize_fp8_block(x, block_m=256, block_k=256, scale_ub=None, use_tr
         grid_m = launch.cdiv(m, config["TILE_M"]) if config["WHOLE_BLOCKS"] else launch.cdiv(m, block_m)
         grid = (grid_m, launch.cdiv(k, config["TILE_K"]))
         stride_sm, stride_sk = scale.stride() if k_major else scale.stride()[::-1]
-        _quantize_fp8_block_kernel[grid](
+        launch.fast(_quantize_fp8_block_kernel)[grid](
             x2, xq, scale, scale_ub, m, k, x2.stride(0), x2.stride(1), k, stride_sm, stride_sk, arch.FP8_EPS,
             FP8_MAX=torch.finfo(fp8).max, HAS_UB=scale_ub is not None, BM=block_m, BK=block_k, **config,
         )  # fmt: skip
@@ -582,8 +582,8 @@ def triton_quantize_fp8_tensor(a, use_triton=True):
     programs = max(1, min(launch.cdiv(n, _TENSOR_BLOCK), _TENSOR_MAX_PROGRAMS, 4 * sms))
     partial = torch.empty(programs, dtype=torch.float32, device=a.device)
     flat = a.as_strided((n,), (1,))
-    _amax_partial_kernel[(programs,)](flat, partial, n, BLOCK=_TENSOR_BLOCK, num_warps=8)
-    _quantize_fp8_tensor_kernel[(programs,)](
+    launch.fast(_amax_partial_kernel)[(programs,)](flat, partial, n, BLOCK=_TENSOR_BLOCK, num_warps=8)
+    launch.fast(_quantize_fp8_tensor_kernel)[(programs,)](
         flat, xq.as_strided((n,), (1,)), partial, scale, n, programs, arch.FP8_EPS,
         FP8_MAX=torch.finfo(fp8).max, BLOCK=_TENSOR_BLOCK, PARTIALS=launch.next_power_of_2(programs), num_warps=8,
     )  # fmt: skip

@@ -163,7 +163,7 @@ def _fake_quantize_nvfp4_kernel(x_ptr, y_ptr, amax_ptr, numel, BLOCKS: tl.conste
 def _launch(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor) -> None:
     """Fake-quantize contiguous bf16 x into contiguous out, reading the global amax (fp32 [1]) on the device."""
     grid = (launch.cdiv(x.numel(), _BLOCKS * 16),)
-    _fake_quantize_nvfp4_kernel[grid](x, out, amax, x.numel(), BLOCKS=_BLOCKS, num_warps=4)
+    launch.fast(_fake_quantize_nvfp4_kernel)[grid](x, out, amax, x.numel(), BLOCKS=_BLOCKS, num_warps=4)
 
 
 @fake_quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
