@@ -52,7 +52,8 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._kept: dict = {}
-        self._runtime: _TritonRuntime | None = None
+        self._runtime: _TritonRuntime | None = None  # after the first launch, None: Triton's path every launch
+        self._first = True
         self._params: list[tuple[str, bool, object]] = []  # (name, constexpr?, default) in the kernel's order
         self._constexpr: dict[str, bool] = {}
 
@@ -60,7 +61,10 @@ class Launcher:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict):
-        runtime = self._runtime or self._first_launch()
+        if self._first:
+            self._first = False
+            self._runtime = self._first_launch()
+        runtime = self._runtime
         if runtime is None or not isinstance(grid, tuple) or runtime.hooks_set():
             return self.kernel[grid](*args, **kwargs)
         device = runtime.current_device()
@@ -94,8 +98,7 @@ class Launcher:
             return None
         self._params = [(p.name, p.is_constexpr, p.default) for p in self.kernel.params]
         self._constexpr = {name: is_constexpr for name, is_constexpr, _ in self._params}
-        self._runtime = _TritonRuntime.get()
-        return self._runtime
+        return _TritonRuntime.get()
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         params, constexpr = self._params, self._constexpr
