@@ -489,6 +489,28 @@ def test_backward_choice_follows_the_lse_layout(monkeypatch):
         assert str(info.value).startswith("No operator found for `memory_efficient_attention_backward` with inputs:")
 
 
+def test_search_skips_backends_that_cannot_fit(monkeypatch):
+    """Backends not built here (flash3 without its package) or not for the device (mtia) are not asked for their
+    reasons while the dispatcher searches: that would cost host time on every call. The error still lists them."""
+    asked = []
+    for op in (flash3.FwOp, flash_mtia.FwOp, cudnn.FwOp):
+        reasons = op.not_supported_reasons.__func__
+        monkeypatch.setattr(
+            op, "not_supported_reasons", classmethod(lambda cls, d, f=reasons: asked.append(cls) or f(cls, d))
+        )
+    with fake_gpu(monkeypatch):
+        inp = fmha.Inputs(*cuda_qkv())
+        ops = [flash3.FwOp, flash_mtia.FwOp, cudnn.FwOp, torch_reference.FwOp]
+        assert not flash3.FwOp.is_available()
+        assert dispatch._run_priority_list("memory_efficient_attention_forward", ops, inp) is cudnn.FwOp
+        assert asked == [cudnn.FwOp]
+        with pytest.raises(NotImplementedError) as info:
+            dispatch._run_priority_list("memory_efficient_attention_forward", ops[:2], inp)
+    text = str(info.value)
+    assert f"`{flash3.FwOp.NAME}` is not supported because:\n    operator wasn't built\n" in text
+    assert f"`{flash_mtia.FwOp.NAME}` is not supported because:\n    device=cuda (supported: {{'mtia'}})\n" in text
+
+
 def test_kernel_calls_on_faked_gpu(monkeypatch):
     """The API down to the ATen kernels on fake CUDA tensors: PyTorch's fake implementations of the kernels check
     our arguments (names, ranks, layouts) and give the output, LSE and gradient shapes."""
