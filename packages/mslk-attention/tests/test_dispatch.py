@@ -511,6 +511,22 @@ def test_search_skips_backends_that_cannot_fit(monkeypatch):
     assert f"`{flash_mtia.FwOp.NAME}` is not supported because:\n    device=cuda (supported: {{'mtia'}})\n" in text
 
 
+def test_backward_checks_its_operator_once(monkeypatch):
+    """A backward the forward dispatched is not checked again in the backward; a pinned one is checked there."""
+    asked = []
+    reasons = torch_reference.BwOp.not_supported_reasons.__func__
+    monkeypatch.setattr(
+        torch_reference.BwOp, "not_supported_reasons", classmethod(lambda cls, d: asked.append(cls) or reasons(cls, d))
+    )
+    for op, forward_checks in ((None, 1), ((torch_reference.FwOp, torch_reference.BwOp), 0)):
+        q, k, v = (testing.randn(1, 9, 2, 16).requires_grad_() for _ in "qkv")
+        out = fmha.memory_efficient_attention(q, k, v, op=op)
+        assert len(asked) == forward_checks
+        out.backward(testing.randn(*out.shape))
+        assert len(asked) == 1 and q.grad is not None
+        asked.clear()
+
+
 def test_kernel_calls_on_faked_gpu(monkeypatch):
     """The API down to the ATen kernels on fake CUDA tensors: PyTorch's fake implementations of the kernels check
     our arguments (names, ranks, layouts) and give the output, LSE and gradient shapes."""

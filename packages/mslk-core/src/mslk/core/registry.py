@@ -240,7 +240,7 @@ class Op:
                         next_step=self.next_step or _default_next_step(self),
                     )
                 )
-        if env.LOG_DISPATCH.enabled():
+        if log.isEnabledFor(logging.INFO) and env.LOG_DISPATCH.enabled():  # (the cheaper test first)
             log.info("%s -> %s%s", self.qualname, chosen.name, " (pinned)" if pinned else "")
         return chosen
 

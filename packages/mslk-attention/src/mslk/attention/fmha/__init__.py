@@ -244,6 +244,8 @@ class _fMHA(torch.autograd.Function):
         op_fw = _fw_op(inp, op_fw, needs_gradient=True)
         out, op_ctx = _apply_fw(op_fw, inp, needs_gradient=True)
         ctx.op_bw = _backward_op(inp, op_fw, op_bw, op_ctx)
+        # A backward the dispatcher chose fits these inputs: the backward need not check it again (host time).
+        ctx.op_bw_dispatched = op_bw is None and op_ctx.op_bw is None
         bias_t = attn_bias if isinstance(attn_bias, torch.Tensor) else None
         ctx.save_for_backward(query, key, value, op_ctx.out, op_ctx.lse, bias_t)
         ctx.attn_bias = None if bias_t is not None else attn_bias
@@ -264,7 +266,10 @@ class _fMHA(torch.autograd.Function):
         inp = Inputs(query, key, value, bias_t if bias_t is not None else ctx.attn_bias, ctx.p, ctx.scale)
         op_ctx = Context(lse=lse, out=out, rng_state=ctx.rng_state)
         # (the forward validated and normalized the inputs: grad has the shape of its output)
-        grads = _backward_normalized(op_ctx, inp, grad, ctx.op_bw)
+        if ctx.op_bw_dispatched:
+            grads = ctx.op_bw.apply(op_ctx, inp, grad)
+        else:
+            grads = _backward_normalized(op_ctx, inp, grad, ctx.op_bw)
         return None, None, grads.dq, grads.dk, grads.dv, None, grads.db, None, None, None, None
 
 

@@ -103,7 +103,8 @@ def _run_priority_list(
     device_type = inp.device.type
     for op in priority_list:
         if op.is_available() and device_type in op.SUPPORTED_DEVICES and not reasons(op):
-            if FMHA_LOG_DISPATCH.enabled() or env.LOG_DISPATCH.enabled():
+            # (the logger's level first: reading the environment costs a few us a call)
+            if log.isEnabledFor(logging.INFO) and (FMHA_LOG_DISPATCH.enabled() or env.LOG_DISPATCH.enabled()):
                 log.info("%s -> %s", name, op.NAME)
             return op
     raise NotImplementedError(
