@@ -40,6 +40,16 @@ from mslk.core import env
 
 log = logging.getLogger("mslk.dispatch")
 
+
+def dispatch_logging(*switches: env.EnvVar) -> bool:
+    """Whether to log a dispatch decision: MSLK_LOG_DISPATCH or one of `switches` is on. The logger's level is asked
+    first (reading the environment costs a few us a call), except while torch.compile traces, which cannot trace
+    a Logger method."""
+    if not torch.compiler.is_compiling() and not log.isEnabledFor(logging.INFO):
+        return False
+    return env.LOG_DISPATCH.enabled() or any(switch.enabled() for switch in switches)
+
+
 REFERENCE = "reference"
 
 
@@ -240,7 +250,7 @@ class Op:
                         next_step=self.next_step or _default_next_step(self),
                     )
                 )
-        if log.isEnabledFor(logging.INFO) and env.LOG_DISPATCH.enabled():  # (the cheaper test first)
+        if dispatch_logging():
             log.info("%s -> %s%s", self.qualname, chosen.name, " (pinned)" if pinned else "")
         return chosen
 

@@ -41,7 +41,7 @@ from mslk.attention.fmha.common import (
     rocm_build,
 )
 from mslk.core import arch, env
-from mslk.core.registry import format_not_supported
+from mslk.core.registry import dispatch_logging, format_not_supported
 
 log = logging.getLogger("mslk.dispatch")
 
@@ -103,8 +103,7 @@ def _run_priority_list(
     device_type = inp.device.type
     for op in priority_list:
         if op.is_available() and device_type in op.SUPPORTED_DEVICES and not reasons(op):
-            # (the logger's level first: reading the environment costs a few us a call)
-            if log.isEnabledFor(logging.INFO) and (FMHA_LOG_DISPATCH.enabled() or env.LOG_DISPATCH.enabled()):
+            if dispatch_logging(FMHA_LOG_DISPATCH):
                 log.info("%s -> %s", name, op.NAME)
             return op
     raise NotImplementedError(
