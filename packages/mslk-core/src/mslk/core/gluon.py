@@ -23,3 +23,36 @@ def ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr = 1):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=READERS)
     return ready, empty
+
+
+@gluon.jit
+def to_16bit(x, dtype: gl.constexpr):
+    """x (fp32).to(dtype), fp16 or bf16, rounded to nearest even, two elements an instruction: Gluon converts them
+    one by one and ptxas packs each pair with a PRMT (an attention forward's weights: 32 instructions a thread a key
+    block)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)  # fmt: skip
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)  # fmt: skip
+
+
+@gluon.jit
+def to_fp32(x):
+    """x (fp16 or bf16).to(fp32); a bf16 pair in two instructions, its halves moved into place, where Gluon's
+    conversion takes three (a PRMT and two shifts)."""
+    if x.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                         dtype=gl.float32, is_pure=True, pack=2)  # fmt: skip
+    else:
+        return x.to(gl.float32)
+
+
+@gluon.jit
+def row_max(x):
+    """gl.max(x, 1) of a [M, N] tensor whose columns' high bits a thread holds (a warpgroup MMA's result) as a tree:
+    Gluon chains a row's maxima one after the other, a dependent instruction each, before the shuffles."""
+    for _ in gl.static_range(4):
+        x = gl.max(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1)
+    return gl.max(x, 1)

@@ -55,7 +55,7 @@ from mslk.attention.fmha.triton_flash import (
 )
 from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _bias_descriptor, _box, _descriptor, _tma_operands
 from mslk.core import arch, launch
-from mslk.core.gluon import ring_barriers
+from mslk.core.gluon import ring_barriers, row_max, to_16bit, to_fp32
 
 HEAD_DIMS = (128,)  # at 64 measured 0.80-1.00x the Triton kernel (RESULTS.md, twenty-third session)
 BLOCK_M = 128  # queries a program: 64 per warpgroup
@@ -166,7 +166,7 @@ def _scores(q, k_bufs, bias_bufs, k_ready, b_ready, b_empty, turn, i, n, bias_sc
     slot = _landed(k_ready, i)
     if HAS_BIAS:
         bias_slot = _landed(b_ready, i)
-        init = bias_bufs.index(bias_slot).slice(WG * HALF, HALF).load(s_layout).to(gl.float32) * bias_scale
+        init = to_fp32(bias_bufs.index(bias_slot).slice(WG * HALF, HALF).load(s_layout)) * bias_scale
         mbarrier.arrive(b_empty.index(bias_slot))
     else:
         init = gl.zeros([HALF, BN], gl.float32, s_layout)
@@ -184,7 +184,7 @@ def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_sca
     if MASKED:
         cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_visible(rows, cols, q_len, k_len, shift, -1, window_right), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.convert_layout(row_max(s), m_i.type.layout) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s * qk_scale - m_safe[:, None])
@@ -214,7 +214,7 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_e
         mbarrier.arrive(v_empty.index(prev))
         m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_a = gl.convert_layout(p.to(q.dtype), p_a.type.layout)
+        p_a = gl.convert_layout(to_16bit(p, q.dtype), p_a.type.layout)
         i += 1
         n += 1
     return acc, p_a, m_i, l_i, i, n
@@ -260,7 +260,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
             if HAS_BIAS:
                 mbarrier.arrive(k_empty.index(i % STAGES))
             m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
-            p_a = gl.convert_layout(p.to(q.dtype), p_layout)
+            p_a = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
             i += 1
             n += 1
             rest = gl.minimum(BN, hi)
