@@ -759,6 +759,38 @@ def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
     assert len(runs) == (2 if sizes[1] == 129 else 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", ["none", "causal", "ramp_bias"])
+def test_hopper_forward_growing_maxima_gpu(dtype, mask, monkeypatch):
+    """The Gluon forward where rows' maxima keep growing along the keys, by more than a factor 2^8 a key block and
+    by less (keys whose norms grow, or a bias rising along them): its lazy rescaling moves a row's maximum only past
+    that factor, and the weights it leaves larger must still give the oracle's output and LSE."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    runs = []
+    run = triton_flash_hopper_fwd.run
+
+    def poisoned_run(q, k, v, out, lse, *args):
+        runs.append(1)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        run(q, k, v, out, lse, *args)
+
+    monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
+    b, m, h, d = 2, 1000, 2, 128
+    q, k, v = (testing.randn(b, m, h, d, dtype=dtype, device="cuda") for _ in "qkv")
+    keys = torch.arange(m, device="cuda")
+    bias = fmha.attn_bias.LowerTriangularMask() if mask == "causal" else None
+    if mask == "ramp_bias":  # about 4-8 (log2) a key block, noisy
+        ramp = 0.04 * keys + testing.randn(b, h, m, m, device="cuda")
+        bias = ramp.to(dtype)
+    else:  # scores up to ~60 (log2) at the last keys
+        k = (k.float() * (1 + 6 * keys / m)[None, :, None, None]).to(dtype)
+    _check(q, k, v, bias, dtype)
+    assert runs == [1]
+
+
 def test_hopper_forward_declines_what_it_does_not_serve():
     """FwOp takes the Gluon forward for one sequence without a mask or causal, over long keys only, and the kernel
     serves sm_90 GPUs, 16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here: a
