@@ -763,9 +763,9 @@ def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask", ["none", "causal", "ramp_bias"])
 def test_hopper_forward_growing_maxima_gpu(dtype, mask, monkeypatch):
-    """The Gluon forward where rows' maxima keep growing along the keys, by more than a factor 2^8 a key block and
-    by less (keys whose norms grow, or a bias rising along them): its lazy rescaling moves a row's maximum only past
-    that factor, and the weights it leaves larger must still give the oracle's output and LSE."""
+    """The Gluon forward where rows' maxima keep growing along the keys, by up to about 2^8 a key block (keys whose
+    norms grow, or a bias rising along them), so that the output is rescaled block after block: the oracle's output
+    and LSE."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
     runs = []

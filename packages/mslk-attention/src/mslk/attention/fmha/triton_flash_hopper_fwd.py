@@ -63,7 +63,6 @@ BLOCK_N = 128  # keys a step
 STAGES = 3  # slots of the K ring and of the V ring (block j-1's V is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
-_RESCALE_AFTER = gl.constexpr(8.0)
 BIAS_STAGES = 2  # with a tensor bias: slots of each ring (K, V and [BLOCK_M, BLOCK_N] bias tiles)
 
 
@@ -186,14 +185,10 @@ def _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_sca
         cols = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(_visible(rows, cols, q_len, k_len, shift, -1, window_right), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.convert_layout(row_max(s), m_i.type.layout) * qk_scale)
-    # Lazy rescaling (FlashAttention-4): a row's maximum moves only once it grows by more than _RESCALE_AFTER (log2);
-    # until then its weights reach at most 2^_RESCALE_AFTER, and the output is rescaled only where one moved.
-    m_new = gl.where(m_new > m_i + _RESCALE_AFTER, m_new, m_i)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row without keys so far stays at zero
     alpha = gl.exp2(m_i - m_safe)
-    rescale = gl.max((m_new != m_i).to(gl.int32), 0) > 0
     p = gl.exp2(s * qk_scale - m_safe[:, None])
-    return m_new, alpha, p, l_i * alpha + gl.sum(p, 1), rescale
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -217,10 +212,8 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_e
         if HAS_BIAS:  # and K too
             mbarrier.arrive(k_empty.index(i % STAGES))
         mbarrier.arrive(v_empty.index(prev))
-        m_i, alpha, p, l_i, rescale = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale,
-                                               MASKED)  # fmt: skip
-        if rescale:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_a = gl.convert_layout(to_16bit(p, q.dtype), p_a.type.layout)
         i += 1
         n += 1
@@ -266,7 +259,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
             s = warpgroup_mma_wait(0, deps=(s,))
             if HAS_BIAS:
                 mbarrier.arrive(k_empty.index(i % STAGES))
-            m_i, _, p, l_i, _ = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
+            m_i, _, p, l_i = _softmax(s, m_i, l_i, rows, 0, Mq, Mk, shift, window_right, qk_scale, True)
             p_a = gl.convert_layout(to_16bit(p, q.dtype), p_layout)
             i += 1
             n += 1
