@@ -720,6 +720,25 @@ def test_hopper_backward_declines_what_it_does_not_serve():
         assert not takes(q, q[:, :, :, :1].expand_as(q), q)
 
 
+@pytest.fixture
+def gluon_forward_runs(monkeypatch):
+    """The launches of the Gluon forward (triton_flash_hopper_fwd.run), each with its output and LSE poisoned first;
+    sm_90 only."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    runs = []
+    run = triton_flash_hopper_fwd.run
+
+    def poisoned_run(q, k, v, out, lse, *args):
+        runs.append(1)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        run(q, k, v, out, lse, *args)
+
+    monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
+    return runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", ["None", "B01", "B03"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -732,52 +751,26 @@ def test_hopper_backward_declines_what_it_does_not_serve():
         ("BMHK", (1, 700, 520, 1, 2, 128)),  # bottom-right: the first 180 queries see no key
     ],
 )
-def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch):
+def test_hopper_forward_gpu(bias_id, dtype, fmt, sizes, monkeypatch, gluon_forward_runs):
     """The Gluon forward (triton_flash_hopper_fwd) at any length (FwOp takes it from _GLUON_FORWARD_MIN_KEYS keys
     on), without a mask and causal: partial query and key blocks, Mq != Mk, groups, one query, many key blocks (the
     ring and the warpgroups' turns go round), its output and LSE poisoned first; a custom scale and an fp32 output
     at one size."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    from mslk.attention.fmha import triton_flash_hopper_fwd
-
-    runs = []
-    run = triton_flash_hopper_fwd.run
-
-    def poisoned_run(q, k, v, out, lse, *args):
-        runs.append(1)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        run(q, k, v, out, lse, *args)
-
-    monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
     monkeypatch.setattr(triton_flash, "_GLUON_FORWARD_MIN_KEYS", 0)
     q, k, v, bias = _inputs(bias_id, fmt, sizes, dtype, "cuda")
     _check(q, k, v, bias, dtype)
     if sizes[1] == 129:
         _check(q, k, v, bias, dtype, scale=0.3, output_dtype=torch.float32)
-    assert len(runs) == (2 if sizes[1] == 129 else 1)
+    assert len(gluon_forward_runs) == (2 if sizes[1] == 129 else 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask", ["none", "causal", "ramp_bias"])
-def test_hopper_forward_growing_maxima_gpu(dtype, mask, monkeypatch):
+def test_hopper_forward_growing_maxima_gpu(dtype, mask, gluon_forward_runs):
     """The Gluon forward where rows' maxima keep growing along the keys, by up to about 2^8 a key block (keys whose
     norms grow, or a bias rising along them), so that the output is rescaled block after block: the oracle's output
     and LSE."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90 only")
-    runs = []
-    run = triton_flash_hopper_fwd.run
-
-    def poisoned_run(q, k, v, out, lse, *args):
-        runs.append(1)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        run(q, k, v, out, lse, *args)
-
-    monkeypatch.setattr(triton_flash_hopper_fwd, "run", poisoned_run)
     b, m, h, d = 2, 1000, 2, 128
     q, k, v = (testing.randn(b, m, h, d, dtype=dtype, device="cuda") for _ in "qkv")
     keys = torch.arange(m, device="cuda")
@@ -788,7 +781,7 @@ def test_hopper_forward_growing_maxima_gpu(dtype, mask, monkeypatch):
     else:  # scores up to ~60 (log2) at the last keys
         k = (k.float() * (1 + 6 * keys / m)[None, :, None, None]).to(dtype)
     _check(q, k, v, bias, dtype)
-    assert runs == [1]
+    assert gluon_forward_runs == [1]
 
 
 def test_hopper_forward_declines_what_it_does_not_serve():
