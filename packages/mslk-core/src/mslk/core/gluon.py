@@ -1,4 +1,5 @@
-"""Pieces the domains' Gluon kernels share (Hopper): a TMA ring's barriers, a barrier of a partition's warps.
+"""Pieces the domains' Gluon kernels share (Hopper): a TMA ring's barriers, a barrier of a partition's warps, and
+conversions and a row reduction in fewer instructions than Gluon's own.
 Imported by those kernels only, so that mslk.core itself imports without Triton."""
 
 from __future__ import annotations

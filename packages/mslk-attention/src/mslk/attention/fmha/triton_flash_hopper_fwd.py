@@ -23,7 +23,7 @@ slot frees once both warpgroups' scores are done, a V slot once their P·V is, a
 their rows of it), so that the next K and bias tiles come in while the last P·V still reads V; a warpgroup reads
 its rows before its scores and starts them from bias / scale (so the scores' product adds Q·Kᵀ to it and the
 softmax is the one without a bias). Each ring has BIAS_STAGES slots then (224 KiB in all).
-B=2 M=4096 H=16, bias [B, H, M, M]: 645-675 us against FlexAttention's 750-782 in the same runs (1.15-1.20x; 1.21-1.22x
+B=2 M=4096 H=16, bias [B, H, M, M]: 645-675 us against FlexAttention's 750-782 in the same runs (1.15-1.20x; 1.21-1.25x
 since, below), causal 355-382 against 490-507 (1.28-1.40x; RESULTS.md, thirtieth session). Measured slower: one ring
 of 64-key slots for K, V and bias together (the twenty-ninth session's kernel: 729-741 us), the bias added in the
 softmax (718), a warp of its own loading the bias tiles (673), with L2 prefetches of the tiles 2 or 4 blocks ahead
@@ -38,7 +38,7 @@ With a bias the softmax warps, not the tensor cores, set the pace, so their inst
 128-key block): the weights are packed to 16 bits two a conversion (`to_16bit`; Gluon's conversion left a PRMT a
 pair), the bias tile is widened to fp32 two instructions a pair (`to_fp32`; Gluon's took three) and a row's maximum
 is a tree (`row_max`; Gluon chains 32 dependent maxima): 689 -> 635 instructions with a bias, 491 -> 459 without.
-Forty-first session (RESULTS.md): bias 652-662 -> 633-652 us, 1.21-1.22x FlexAttention; without a bias unchanged.
+Forty-first session (RESULTS.md): bias 662-671 -> 633-652 us, 1.21-1.25x FlexAttention; without a bias unchanged.
 Lazy rescaling of the output (FlashAttention-4: a row's maximum moves only past a factor 2^8) measured no faster
 (its warpgroup-wide vote costs what the skipped multiplies save).
 """
