@@ -31,12 +31,8 @@ def to_16bit(x, dtype: gl.constexpr):
     """x (fp32).to(dtype), fp16 or bf16, rounded to nearest even, two elements an instruction: Gluon converts them
     one by one and ptxas packs each pair with a PRMT (an attention forward's weights: 32 instructions a thread a key
     block)."""
-    if dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)  # fmt: skip
-    else:
-        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                         is_pure=True, pack=2)  # fmt: skip
+    cvt: gl.constexpr = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+    return gl.inline_asm_elementwise(cvt + " $0, $2, $1;", "=r,r,r", [x], dtype=dtype.value, is_pure=True, pack=2)
 
 
 @gluon.jit
