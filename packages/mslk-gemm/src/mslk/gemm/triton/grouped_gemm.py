@@ -184,11 +184,15 @@ def _grouped_config(fp8: bool, small_groups: bool = False) -> dict:
     # K=7168 (665 TFLOP/s; 128 x 128 on 4 stages: 556; 128 x 256 on 4 stages: 1.3% slower); groups of 256 rows
     # or fewer on average, each weight read once: 128 x 256 on 4 stages (G=64 x 128 rows, N=2048: 459 /
     # 439 TFLOP/s on two machines against 452 / 436 for 128 x 128 on 5 stages; G=128 x 64: 240 / 221 against 219 /
-    # 218; RESULTS.md, thirty-second session). There L2 is the bound (ncu: 92% busy, as for torch._grouped_mm's
-    # CUTLASS kernel): each tile reads its group's rows again, which only TMA multicast across a cluster would share
-    # (not in Triton 3.6's Gluon; thirty-third session). FP8: 128 x 128 tiles on 4 stages. A group's tiles go in
-    # bands of 16 rows of tiles, column by column, so that the programs running at once share both operands' tiles
-    # in L2 (G=8 x 2048: 700.5 TFLOP/s against 671.9 row by row; bands of 4 / 8: 698.1 / 695.4).
+    # 218; RESULTS.md, thirty-second session). There the weights' stream is the bound: W read alone in this kernel's
+    # tile order into a light product takes 445-461 us against the kernel's 522-545 at G=64 x 128 (ncu: 2.06 GB from
+    # DRAM, 2.03 the least; L2 92% busy, as for a plain reduction over W), X's re-reads from L2 add 34 us, 128-row
+    # products 23, the output tiles 19 (forty-second session). Only TMA multicast across a cluster would share X's
+    # re-reads (not in Triton 3.6's Gluon; thirty-third session). No faster: L2 prefetches of W ahead of the ring,
+    # 32-deep K steps on 7-8 stages, grouped_gemm_hopper's warp-specialized kernel on bf16 (4 stages, stores from the
+    # wgmma layout). FP8: 128 x 128 tiles on 4 stages. A group's tiles go in bands of 16 rows of tiles, column by
+    # column, so that the programs running at once share both operands' tiles in L2 (G=8 x 2048: 700.5 TFLOP/s
+    # against 671.9 row by row; bands of 4 / 8: 698.1 / 695.4).
     tiles = {"GROUP_M": 16, "num_warps": 8, "BLOCK_M": 128}
     if fp8:
         return {"BLOCK_N": 128, "BLOCK_K": 128, "num_stages": 4, **tiles}
