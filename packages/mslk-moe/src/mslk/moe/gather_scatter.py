@@ -97,8 +97,8 @@ def _gather_scale_kernel(
 ):  # fmt: skip
     """out[i] = x[token[i]] · scores[token[i], expert[i]], one program per output row i.
 
-    H200, T=16384, D=5120 (RESULTS.md, forty-second session): 3820-3834 GB/s, rows in token order 3861-3874, against
-    3990-4030 for torch.mul over the same contiguous bytes. Programs over (row, 1024-8192 columns) and persistent
+    H200, T=16384, D=5120 (RESULTS.md, forty-second session): 3791-3834 GB/s, rows in token order 3861-3874, against
+    3984-4028 for torch.mul over the same contiguous bytes. Programs over (row, 1024-8192 columns) and persistent
     programs that fetch the next row's indices and score under this row's loads measured no faster (3167-3856)."""
     i = tl.program_id(0)
     token = tl.load(token_ptr + i * stride_token).to(tl.int64)

@@ -185,7 +185,7 @@ def _grouped_config(fp8: bool, small_groups: bool = False) -> dict:
     # or fewer on average, each weight read once: 128 x 256 on 4 stages (G=64 x 128 rows, N=2048: 459 /
     # 439 TFLOP/s on two machines against 452 / 436 for 128 x 128 on 5 stages; G=128 x 64: 240 / 221 against 219 /
     # 218; RESULTS.md, thirty-second session). There the weights' stream is the bound: W read alone in this kernel's
-    # tile order into a light product takes 445-461 us against the kernel's 522-545 at G=64 x 128 (ncu: 2.06 GB from
+    # tile order into a light product takes 445-461 us against the kernel's 522-552 at G=64 x 128 (ncu: 2.06 GB from
     # DRAM, 2.03 the least; L2 92% busy, as for a plain reduction over W), X's re-reads from L2 add 34 us, 128-row
     # products 23, the output tiles 19 (forty-second session). Only TMA multicast across a cluster would share X's
     # re-reads (not in Triton 3.6's Gluon; thirty-third session). No faster: L2 prefetches of W ahead of the ring,

@@ -16,8 +16,8 @@ run (RESULTS.md, twenty-third session): G=8 x 2048 rows 0.698 / 0.778, G=64 x 12
 0.154 / 0.164, G=128 x 64 0.568 / 0.618. The same kernel on bf16 (64-deep K steps) was not faster than the Triton
 kernel there (G=8 x 2048: 1.353 ms with 128 x 256 tiles on 3 stages, 1.486 with 128 x 128 on 5, Triton 1.233;
 G=64 x 128: 0.528 / 0.529), nor on 128 x 256 tiles with 4 stages and the tile stored from the wgmma layout (no
-shared memory for the epilogue; forty-second session: G=64 x 128 547 against 546 us, G=8 x 2048 1485 against 1434):
-16-bit grouped GEMMs stay on the Triton kernel.
+shared memory for the epilogue; forty-second session: G=64 x 128 547 us against the Triton kernel's 546, G=8 x 2048
+1485 against 1434): 16-bit grouped GEMMs stay on the Triton kernel.
 """
 
 from __future__ import annotations
