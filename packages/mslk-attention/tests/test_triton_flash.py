@@ -789,7 +789,7 @@ def test_hopper_forward_declines_what_it_does_not_serve():
     serves sm_90 GPUs, 16-bit operands of head dim 128, a positive scale and rows TMA reads; the rest (here: a
     tensor bias TMA cannot read, broadcast over the queries; a left window, dropout, short keys, CPU tensors, a
     negative scale, fp32, head dims 64 and 256, Kv != K, stride-0 GQA heads) runs the Triton kernel."""
-    from mslk.attention.fmha import attn_bias, triton_flash_hopper_fwd
+    from mslk.attention.fmha import attn_bias
 
     q = torch.randn(1, triton_flash._GLUON_FORWARD_MIN_KEYS, 1, 2, 128, dtype=torch.bfloat16)
     q4 = q[:, :, 0]
