@@ -453,6 +453,38 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw_priority_list(fp32, False)[-2:] == [triton_flash.FwOp, torch_reference.FwOp]
 
 
+def test_few_pairs_causal_forward_before_cudnn_on_faked_gpu(monkeypatch):
+    """Causal attention over few (batch x head) pairs on Hopper: MSLK's Gluon forward before cuDNN's (measured
+    faster there), the backward cuDNN's; many pairs, small problems, no mask, head dim 64 and dropout keep their
+    kernels."""
+    causal, bottom_right = ab.LowerTriangularMask(), ab.LowerTriangularFromBottomRightMask()
+
+    def qkv(m=8192, heads=(8,), k=128):
+        return cuda_qkv(b=1, mq=m, mk=m, heads=heads, k=k, dtype=torch.bfloat16)
+
+    with fake_gpu(monkeypatch):
+        few = qkv()
+        for mask in (causal, bottom_right):
+            assert dispatch._dispatch_fw(fmha.Inputs(*few, mask), False) is triton_flash.FwOp
+            assert dispatch._dispatch_fw(fmha.Inputs(*few, mask), True) is triton_flash.FwOp, "training"
+            assert dispatch._dispatch_bw(fmha.Inputs(*few, mask), None) is cudnn.BwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*qkv(heads=(2, 8)), causal), False) is triton_flash.FwOp, "BMGHK"
+        assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=65536, heads=(1,)), causal), False) is triton_flash.FwOp
+        for inputs, why in (
+            (fmha.Inputs(*few), "no mask"),
+            (fmha.Inputs(*qkv(heads=(32,)), causal), "32 pairs"),
+            (fmha.Inputs(*qkv(m=4096, heads=(16,)), causal), "2^28 scores: the host's time decides"),
+            (fmha.Inputs(*qkv(k=64), causal), "head dim 64: no Gluon forward"),
+        ):
+            assert dispatch._dispatch_fw(inputs, False) is cudnn.FwOp, why
+        assert dispatch._dispatch_fw(fmha.Inputs(*few, causal, p=0.1), False) is flash.FwOp, "dropout"
+        q, k, v = few
+        transposed = fmha.Inputs(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, causal)
+        assert not triton_flash.gluon_forward_before_cudnn(transposed), "rows TMA cannot read"
+    with fake_gpu(monkeypatch, capability=(10, 0)):
+        assert not triton_flash.gluon_forward_before_cudnn(fmha.Inputs(*qkv(), causal)), "Hopper only"
+
+
 def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
     """BMHK and BMGHK through PyTorch's fake cuDNN kernels: [B, H, M, K] views in, output, LSE and gradients
     back in the inputs' layouts."""
@@ -465,6 +497,14 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
             grads = cudnn.BwOp.apply(ctx, inp, torch.randn_like(out))
             assert (grads.dq.shape, grads.dk.shape, grads.dv.shape) == (q.shape, k.shape, v.shape)
         q, k, v = cuda_qkv()
+        # 8 bytes off a 16-byte boundary: FlashAttention-2 and CUTLASS stopped on it, cuDNN got it wrong (H200).
+        off = torch.randn(4 + q.numel(), device="cuda", dtype=q.dtype)[4:].view(q.shape)
+        for op in (cudnn.FwOp, cudnn.BwOp, flash.FwOp, flash.BwOp, cutlass.FwOp, cutlass.BwOp):
+            reasons = op.not_supported_reasons(fmha.Inputs(off, k, v))
+            assert "query does not start on a 16-byte boundary (storage offset 4)" in reasons, op
+        with monkeypatch.context() as compiling:  # Inductor copies misaligned inputs; Dynamo cannot trace the check
+            compiling.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert cudnn.FwOp.not_supported_reasons(fmha.Inputs(off, k, v)) == []
         expanded = k[:, :, :1].expand(k.shape)
         reasons = cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, expanded, expanded))
         assert any("stride of 0" in reason for reason in reasons)

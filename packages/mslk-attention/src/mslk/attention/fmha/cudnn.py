@@ -18,7 +18,9 @@ from mslk.attention.fmha.common import (
     Context,
     Gradients,
     Inputs,
+    aligned,
     bias_types,
+    check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     check_not_expanded,
 )
@@ -36,9 +38,11 @@ else:
 
 
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
-    """cuDNN's limits beyond the class attributes: 8-element aligned rows, square causal masks, real K/V rows."""
+    """cuDNN's limits beyond the class attributes: 16-byte aligned operands with 8-element aligned rows, square
+    causal masks, real K/V rows."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
+        check_16_byte_aligned(reasons, name, t)
         expanded = check_not_expanded(reasons, name, t)
         if not expanded and t.dim() == 5 and not _mergeable_heads(t):
             reasons.append(f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3): BMGHK needs mergeable heads")
@@ -120,9 +124,8 @@ class BwOp(AttentionBwOpBase):
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
         q, k, v = (_bhmk(t) for t in (inp.query, inp.key, inp.value))
-        # The kernel reads out and grad in one layout, in query's dtype (a merged partial's are fp32).
-        out = _bhmk(ctx.out.to(inp.query.dtype).contiguous())
-        grad = _bhmk(grad.to(inp.query.dtype).contiguous())
+        # The kernel reads out and grad in one layout, in query's dtype (a merged partial's are fp32), 16-byte aligned.
+        out, grad = (_bhmk(aligned(t.to(inp.query.dtype).contiguous())) for t in (ctx.out, grad))
         lse = (ctx.lse.flatten(1, 2) if ctx.lse.dim() == 4 else ctx.lse)[..., : q.shape[2], None].float()
         seed = offset = torch.zeros((), dtype=torch.int64, device=inp.device)  # read only with dropout
         mq, mk = q.shape[2], k.shape[2]

@@ -20,9 +20,11 @@ from mslk.attention.fmha.common import (
     Context,
     Gradients,
     Inputs,
+    aligned,
     bias_types,
     capturing_cuda_graph,
     causal_window,
+    check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     check_not_expanded,
     queries_without_keys,
@@ -56,6 +58,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     alignment = _gemm_alignment(d)
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, alignment)
+        check_16_byte_aligned(reasons, name, t)
         # K/V heads broadcast with stride 0 (MQA) came out wrong for sequences of one query (a varlen one; Mq = 1
         # with a bias and K != Kv), right on contiguous copies of the same values (torch 2.11, the H200).
         check_not_expanded(reasons, name, t)
@@ -238,10 +241,11 @@ class BwOp(AttentionBwOpBase):
             seed = offset = torch.empty((), dtype=torch.int64, device=inp.device)
         bias = tensor_bias(inp.attn_bias)
         bias_requires_grad = bias is not None and bias.requires_grad
-        dtype = inp.query.dtype  # the kernel reads out and grad as query's dtype (a merged partial's are fp32)
+        # The kernel reads out and grad as query's dtype (a merged partial's are fp32), 16-byte aligned.
+        out, grad = aligned(ctx.out.to(inp.query.dtype)), aligned(grad.to(inp.query.dtype))
         dq, dk, dv, db = _backward_kernel(
-            grad.to(dtype), inp.query, inp.key, inp.value, bias, ctx.out.to(dtype), seqstart_q, seqstart_k,
-            max_q, max_k, ctx.get_padded_lse(_LSE_ALIGNMENT), inp.p, seed, offset, mask_type, bias_requires_grad,
-            kwargs["scale"], kwargs.get("window_size"),
+            grad, inp.query, inp.key, inp.value, bias, out, seqstart_q, seqstart_k, max_q, max_k,
+            ctx.get_padded_lse(_LSE_ALIGNMENT), inp.p, seed, offset, mask_type, bias_requires_grad, kwargs["scale"],
+            kwargs.get("window_size"),
         )  # fmt: skip
         return Gradients(dq, dk, dv, db if bias_requires_grad else None)

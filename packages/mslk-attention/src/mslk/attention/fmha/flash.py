@@ -19,9 +19,11 @@ from mslk.attention.fmha.common import (
     Context,
     Gradients,
     Inputs,
+    aligned,
     bias_types,
     capturing_cuda_graph,
     causal_window,
+    check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     varlen_args,
 )
@@ -57,9 +59,11 @@ def _kv_expanded(d: Inputs) -> bool:
 
 
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
-    """The kernel's own limits: 8-element loads, bottom-right causality, BMGHK head merging."""
+    """The kernel's own limits: 8-element loads from 16-byte aligned operands, bottom-right causality, BMGHK head
+    merging."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
+        check_16_byte_aligned(reasons, name, t)
     bias = d.attn_bias
     if isinstance(bias, ab.BlockDiagonalCausalMask):
         if bias.q_seqinfo.seqstart_py != bias.k_seqinfo.seqstart_py:
@@ -186,7 +190,7 @@ class BwOp(AttentionBwOpBase):
             unused = torch.empty((), dtype=torch.int64, device=inp.device)
         lse = ctx.lse[0] if varlen_args(inp.attn_bias) is not None else ctx.lse
         # The kernel takes out and grad in query's dtype (a merged partial's are fp32).
-        out, grad = ctx.out.to(inp.query.dtype), grad.to(inp.query.dtype)
+        out, grad = aligned(ctx.out.to(inp.query.dtype)), aligned(grad.to(inp.query.dtype))
         q, k, v, out, grad = _kernel_layout(inp, inp.query, inp.key, inp.value, out, grad)
         dq, dk, dv = cls.OPERATOR(grad, q, k, v, out, lse.contiguous(), *args, rng_state, unused, **kwargs)
         if varlen_args(inp.attn_bias) is not None:

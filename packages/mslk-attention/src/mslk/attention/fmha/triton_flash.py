@@ -25,11 +25,11 @@ dQ's shares in fp32 (TMA reduce-add on Hopper, atomics elsewhere), or, under tor
 two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without dropout, padded keys or
 a bias gradient the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this
-module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher
-tries both last before the reference, for GPU inputs no other kernel takes (pin them with `op=` elsewhere): on the
-H200 the forward runs at 0.79-1.04x cuDNN on dense attention (0.93-1.04x from 4096 keys) and beats FlexAttention on
-sliding windows and varlen; forward+backward runs at 0.87-0.95x cuDNN's on dense bf16 attention at head dims 64 and
-128 (RESULTS.md).
+module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher (dispatch.py) tries them after cuDNN and
+flash on Hopper (elsewhere after all of PyTorch's kernels), and the forward before cuDNN on causal attention over
+few (batch x head) pairs, where it is measured faster (`gluon_forward_before_cudnn`); on the H200 the forward runs at
+0.92-0.97x cuDNN on dense attention with many pairs (B=4 M=4096 H=16) and beats FlexAttention on sliding windows,
+tensor biases and varlen (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -608,16 +608,17 @@ def _tiles(
     return 128, 64, 8, 3
 
 
-def _tma_readable(*tensors: torch.Tensor) -> bool:
+def _tma_readable(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     """Whether kernels may read these [B, M, G, H, K] tensors through TMA descriptors: NVIDIA Hopper (SM90, where it
     is tested and measured), 16-bit, head dims 64, 128 or 256 (others take the pointer path), 16-byte aligned rows
-    and no stride 0 (K/V expanded for GQA)."""
+    and no stride 0 (K/V expanded for GQA). pointers=False leaves the data pointers unread (the dispatcher's
+    question, which torch.compile asks of fake tensors): shapes and strides only."""
     if not all(t.is_cuda and t.element_size() == 2 and t.shape[-1] in _TMA_HEAD_DIMS for t in tensors):
         return False
     if not (arch.is_cuda() and arch.capability(tensors[0].device) == (9, 0)):
         return False
     return not any(
-        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16
+        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or (pointers and t.data_ptr() % 16)
         for t in tensors
     )
 
@@ -1014,11 +1015,11 @@ class BwOp(AttentionBwOpBase):
 _GLUON_FORWARD_MIN_KEYS = 512
 
 
-def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left):
+def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
     """triton_flash_hopper_fwd where its Gluon forward serves these [B, M, G, H, K] inputs and is measured faster
     (no mask or a causal one, top-left or bottom-right, and a [B, G, H, Mq, Mk] tensor bias that TMA reads or none;
     at least _GLUON_FORWARD_MIN_KEYS keys), else None. Not with a left window (sliding windows: 0.96x the Triton
-    kernel), dropout or varlen."""
+    kernel), dropout or varlen. pointers: as _tma_readable's."""
     if window_left >= 0 or p > 0.0 or varlen is not None:
         return None
     if bias is not None and _bias_view(bias, q) is None:
@@ -1027,7 +1028,33 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left):
         return None
     from mslk.attention.fmha import triton_flash_hopper_fwd  # (imports this module)
 
-    return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale) else None
+    return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale, pointers) else None
+
+
+# Causal attention over few (batch x head) pairs, where the Gluon forward's persistent programs, each taking query
+# blocks in pairs of equal work, keep every SM busy to the end and cuDNN's grid leaves some idle at its tail (H200,
+# bf16/fp16, K=128, RESULTS.md, forty-third session: 1.04-1.19x cuDNN's forward with 4-16 pairs of 8192-65536 rows,
+# forward+backward 1.01-1.03x; 1.02-1.04x at 24 and 32 pairs, but 0.99x in an earlier session; below about 2^29
+# scores the host's time decides).
+_FEW_PAIRS = 16
+_FEW_PAIRS_MIN_SCORES = 2**29
+_CAUSAL = bias_types("B01 B03")
+
+
+def gluon_forward_before_cudnn(inp: Inputs) -> bool:
+    """Whether MSLK's forward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): a
+    causal mask (top-left or bottom-right) with as many keys as queries, no dropout, at most _FEW_PAIRS (batch x
+    head) pairs and _FEW_PAIRS_MIN_SCORES scores or more, operands the Gluon forward takes (their shapes and strides:
+    a data pointer off 16 bytes, seen at launch, takes the Triton kernel instead)."""
+    q = inp.query
+    mq, mk = q.shape[1], inp.key.shape[1]
+    pairs = math.prod(q.shape) // (mq * q.shape[-1]) if q.numel() else 0
+    if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0 or mq != mk or not 0 < pairs <= _FEW_PAIRS:
+        return False
+    if pairs * mq * mk < _FEW_PAIRS_MIN_SCORES:
+        return False
+    q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
+    return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
 
 
 def _gluon_backward(q, k, v, do, bias, bias_grad, p, varlen, deterministic):

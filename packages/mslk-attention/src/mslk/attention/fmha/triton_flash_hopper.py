@@ -408,10 +408,15 @@ def _flash_backward_hopper_kernel(
             _store_rows(dv_ptr, dv_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
 
 
-def _tma_operands(*tensors: torch.Tensor) -> bool:
+def _tma_operands(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     """Whether the Gluon attention kernels read these [B, M, G, H, K] operands: what triton_flash's TMA paths read
-    (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of a [B·M, G·H·K] matrix), all of one dtype."""
-    return _tma_readable(*tensors) and all(_flat_rows(t) for t in tensors) and len({t.dtype for t in tensors}) == 1
+    (an sm_90 GPU, 16-bit, aligned rows without stride 0, rows of a [B·M, G·H·K] matrix), all of one dtype.
+    pointers: as _tma_readable's."""
+    return (
+        _tma_readable(*tensors, pointers=pointers)
+        and all(_flat_rows(t) for t in tensors)
+        and len({t.dtype for t in tensors}) == 1
+    )
 
 
 def supports(q, k, v, do) -> bool:

@@ -364,12 +364,12 @@ def _flash_forward_hopper_kernel(
     )  # fmt: skip
 
 
-def supports(q, k, v, scale: float) -> bool:
+def supports(q, k, v, scale: float, pointers: bool = True) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    varlen): triton_flash_hopper._tma_operands, a head dim of HEAD_DIMS and a positive scale (scores stay raw, scaled
-    inside the exponent)."""
+    varlen): triton_flash_hopper._tma_operands (pointers: whether it reads the data pointers), a head dim of
+    HEAD_DIMS and a positive scale (scores stay raw, scaled inside the exponent)."""
     return (
-        _tma_operands(q, k, v)
+        _tma_operands(q, k, v, pointers=pointers)
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         and scale > 0.0
         # offsets within a batch element in int32 (the output is contiguous like q)
