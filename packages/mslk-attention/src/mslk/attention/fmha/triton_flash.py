@@ -1046,12 +1046,12 @@ def gluon_forward_before_cudnn(inp: Inputs) -> bool:
     causal mask (top-left or bottom-right) with as many keys as queries, no dropout, at most _FEW_PAIRS (batch x
     head) pairs and _FEW_PAIRS_MIN_SCORES scores or more, operands the Gluon forward takes (their shapes and strides:
     a data pointer off 16 bytes, seen at launch, takes the Triton kernel instead)."""
+    if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0:  # first: the dispatcher asks on every Hopper call
+        return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
-    pairs = math.prod(q.shape) // (mq * q.shape[-1]) if q.numel() else 0
-    if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0 or mq != mk or not 0 < pairs <= _FEW_PAIRS:
-        return False
-    if pairs * mq * mk < _FEW_PAIRS_MIN_SCORES:
+    pairs = math.prod((q.shape[0], *q.shape[2:-1]))  # B·(G·)H
+    if mq != mk or not 0 < pairs <= _FEW_PAIRS or pairs * mq * mk < _FEW_PAIRS_MIN_SCORES:
         return False
     q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
     return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
