@@ -470,10 +470,11 @@ def test_few_pairs_causal_forward_before_cudnn_on_faked_gpu(monkeypatch):
             assert dispatch._dispatch_bw(fmha.Inputs(*few, mask), None) is cudnn.BwOp
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(heads=(2, 8)), causal), False) is triton_flash.FwOp, "BMGHK"
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=65536, heads=(1,)), causal), False) is triton_flash.FwOp
+        assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=4096, heads=(48,)), causal), False) is triton_flash.FwOp
         for inputs, why in (
             (fmha.Inputs(*few), "no mask"),
-            (fmha.Inputs(*qkv(heads=(32,)), causal), "32 pairs"),
-            (fmha.Inputs(*qkv(m=4096, heads=(16,)), causal), "2^28 scores: the host's time decides"),
+            (fmha.Inputs(*qkv(heads=(64,)), causal), "64 pairs"),
+            (fmha.Inputs(*qkv(m=2048, heads=(48,)), causal), "48 · 2^22 scores: the host's time decides"),
             (fmha.Inputs(*qkv(k=64), causal), "head dim 64: no Gluon forward"),
         ):
             assert dispatch._dispatch_fw(inputs, False) is cudnn.FwOp, why

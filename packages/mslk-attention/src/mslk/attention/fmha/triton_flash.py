@@ -1033,10 +1033,10 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
 
 # Causal attention over few (batch x head) pairs, where the Gluon forward's persistent programs, each taking query
 # blocks in pairs of equal work, keep every SM busy to the end and cuDNN's grid leaves some idle at its tail (H200,
-# bf16/fp16, K=128, RESULTS.md, forty-third session: 1.04-1.47x cuDNN's forward with 1-16 pairs of 8192-65536 rows,
-# forward+backward 1.00-1.03x; 1.02-1.04x at 24 and 32 pairs, but 0.99x in an earlier session; below about 2^29
-# scores the host's time decides).
-_FEW_PAIRS = 16
+# bf16/fp16, K=128, RESULTS.md, forty-third and forty-fourth sessions: 1.04-1.47x cuDNN's forward with 1-16 pairs of
+# 8192-65536 rows, 1.01-1.09x with 24-48 pairs of 4096-16384; forward+backward 1.00-1.03x; 64 pairs 0.99-1.02x;
+# below about 2^29 scores the host's time decides).
+_FEW_PAIRS = 48
 _FEW_PAIRS_MIN_SCORES = 2**29
 _CAUSAL = bias_types("B01 B03")
 

@@ -11,12 +11,12 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   block's K and V in one slot, freed once both warpgroups' P·V is done; a tensor bias takes more rings, below);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
-  the other's products use the tensor cores ("ping-pong").
+  the other's products use the tensor cores ("ping-pong"); away from the mask's edge and without a bias, its own
+  P·V too (_attend).
 
-H200, bf16, H=16, forward alone (RESULTS.md, twenty-second session; TFLOP/s, bench specs): B=4 M=4096 causal 498
-and no mask 556 against cuDNN's 516 and 598, B=1 M=16384 causal 570 against 548; 1.03-1.14x the Triton kernel
-from 512 to 16384 keys, causal or not. Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge
-spilled here). Still short of cuDNN on short rows (B=16 M=1024: 453 against 571).
+H200, bf16, H=16, forward alone (RESULTS.md, forty-fourth session; TFLOP/s): B=4 M=4096 causal 511 and no mask 581
+against cuDNN's 517 and 593, B=1 M=16384 causal 587 against 545; still short of cuDNN on short rows (B=16 M=1024:
+465 against 554). Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge spilled here).
 
 With a tensor bias, K, V and the key block's bias tile for the tile's 128 queries each have a ring of their own (a K
 slot frees once both warpgroups' scores are done, a V slot once their P·V is, a bias slot once both have read
@@ -203,8 +203,9 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_e
             MASKED: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
     """Key blocks [start_col, end_col) (ring blocks i on, turns n on): block j's scores and block j-1's P·V start
     together in this warpgroup's turn, then the other warpgroup's turn comes, whose products run under this one's
-    softmax. (The softmax under this warpgroup's own products too, as FlashAttention-3 does, spilled at 240
-    registers and ran slower.)"""
+    softmax. In the unmasked loop without a bias the softmax runs under this warpgroup's own P·V too, as in
+    FlashAttention-3 (it waits for the scores alone; block j's weights and factor wait in registers for P·V): 3-5%
+    faster (RESULTS.md, forty-fourth session). Not in the masked loop (slower: registers) nor with a bias (spills)."""
     STAGES: gl.constexpr = k_bufs.shape[0]
     o_layout: gl.constexpr = acc.type.layout
     for start in range(start_col, end_col, k_bufs.shape[1]):
@@ -214,13 +215,20 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_e
         prev = (i - 1) % STAGES
         acc = warpgroup_mma(p_a, v_bufs.index(prev), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - WG))
-        s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
+        OVERLAP: gl.constexpr = not (MASKED or HAS_BIAS)  # the softmax under this warpgroup's P·V
+        if OVERLAP:
+            s = warpgroup_mma_wait(1, deps=(s,))
+        else:
+            s, acc, p_a = warpgroup_mma_wait(0, deps=(s, acc, p_a))
         if HAS_BIAS:  # and K too
             mbarrier.arrive(k_empty.index(i % STAGES))
-        mbarrier.arrive(v_empty.index(prev))
         m_i, alpha, p, l_i = _softmax(s, m_i, l_i, rows, start, q_len, k_len, shift, window_right, qk_scale, MASKED)
+        p = to_16bit(p, q.dtype)
+        if OVERLAP:
+            acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
+        mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_a = gl.convert_layout(to_16bit(p, q.dtype), p_a.type.layout)
+        p_a = gl.convert_layout(p, p_a.type.layout)
         i += 1
         n += 1
     return acc, p_a, m_i, l_i, i, n
