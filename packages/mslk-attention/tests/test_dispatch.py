@@ -453,10 +453,10 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw_priority_list(fp32, False)[-2:] == [triton_flash.FwOp, torch_reference.FwOp]
 
 
-def test_few_pairs_causal_forward_before_cudnn_on_faked_gpu(monkeypatch):
-    """Causal attention over few (batch x head) pairs on Hopper: MSLK's Gluon forward before cuDNN's (measured
-    faster there), the backward cuDNN's; many pairs, small problems, no mask, head dim 64 and dropout keep their
-    kernels."""
+def test_few_pairs_forward_before_cudnn_on_faked_gpu(monkeypatch):
+    """Causal attention, and long rows without a mask, over few (batch x head) pairs on Hopper: MSLK's Gluon forward
+    before cuDNN's (measured faster there), the backward cuDNN's; many pairs, small problems, shorter rows without a
+    mask, other masks, head dim 64 and dropout keep their kernels."""
     causal, bottom_right = ab.LowerTriangularMask(), ab.LowerTriangularFromBottomRightMask()
 
     def qkv(m=8192, heads=(8,), k=128):
@@ -471,8 +471,12 @@ def test_few_pairs_causal_forward_before_cudnn_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(heads=(2, 8)), causal), False) is triton_flash.FwOp, "BMGHK"
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=65536, heads=(1,)), causal), False) is triton_flash.FwOp
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=4096, heads=(48,)), causal), False) is triton_flash.FwOp
+        long_rows = fmha.Inputs(*qkv(m=16384, heads=(4,)))
+        assert dispatch._dispatch_fw(long_rows, True) is triton_flash.FwOp, "no mask, 16384 rows"
+        assert dispatch._dispatch_bw(long_rows, None) is cudnn.BwOp
         for inputs, why in (
-            (fmha.Inputs(*few), "no mask"),
+            (fmha.Inputs(*few), "no mask, 8192 rows"),
+            (fmha.Inputs(*qkv(m=16384, heads=(64,))), "no mask, 64 pairs"),
             (fmha.Inputs(*qkv(heads=(64,)), causal), "64 pairs"),
             (fmha.Inputs(*qkv(m=2048, heads=(48,)), causal), "48 · 2^22 scores: the host's time decides"),
             (fmha.Inputs(*qkv(k=64), causal), "head dim 64: no Gluon forward"),
@@ -482,6 +486,8 @@ def test_few_pairs_causal_forward_before_cudnn_on_faked_gpu(monkeypatch):
         q, k, v = few
         transposed = fmha.Inputs(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, causal)
         assert not triton_flash.gluon_forward_before_cudnn(transposed), "rows TMA cannot read"
+        window = fmha.Inputs(*qkv(m=16384, heads=(4,)), ab.LocalAttentionFromBottomRightMask(4096, 0))
+        assert not triton_flash.gluon_forward_before_cudnn(window), "a window"
     with fake_gpu(monkeypatch, capability=(10, 0)):
         assert not triton_flash.gluon_forward_before_cudnn(fmha.Inputs(*qkv(), causal)), "Hopper only"
 

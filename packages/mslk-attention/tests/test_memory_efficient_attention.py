@@ -492,28 +492,28 @@ def test_gpu_autograd_dispatch_and_dropout(dtype):
 
 @pytest.mark.gpu
 @testing.skipUnlessCuda()
-@pytest.mark.parametrize("off", ["none", "query", "grad"])
-def test_gpu_few_pairs_causal_dispatch(off):
-    """Causal attention over 8 (batch x head) pairs of 8192 rows: on Hopper the dispatcher picks MSLK's forward and
-    cuDNN's backward; both match the reference. A query 8 bytes off a 16-byte boundary takes MSLK's Triton kernels
-    (the Gluon forward reads through TMA; FlashAttention-2 and CUTLASS stopped on such a query, cuDNN got it wrong),
-    such an output gradient an aligned copy."""
-    shape = (1, 8192, 8, 128)
+@pytest.mark.parametrize("case", ["causal", "query", "grad", "long-rows"])
+def test_gpu_few_pairs_dispatch(case):
+    """Causal attention over 8 (batch x head) pairs of 8192 rows, and attention without a mask over 2 pairs of 16384
+    rows: on Hopper the dispatcher picks MSLK's forward and cuDNN's backward; both match the reference. A query 8
+    bytes off a 16-byte boundary takes MSLK's Triton kernels (the Gluon forward reads through TMA; FlashAttention-2
+    and CUTLASS stopped on such a query, cuDNN got it wrong), such an output gradient an aligned copy."""
+    shape = (1, 16384, 2, 128) if case == "long-rows" else (1, 8192, 8, 128)
 
     def operand(offset=0):
         return testing.randn(offset + math.prod(shape), dtype=torch.bfloat16, device="cuda")[offset:].view(shape)
 
-    q = operand(4 if off == "query" else 0).requires_grad_()
+    q = operand(4 if case == "query" else 0).requires_grad_()
     k, v = (operand().requires_grad_() for _ in "kv")
-    causal = ab.LowerTriangularMask()
+    mask = None if case == "long-rows" else ab.LowerTriangularMask()
     if arch.capability() == (9, 0):
-        assert fmha.dispatch._dispatch_fw(fmha.Inputs(q, k, v, causal), needs_gradient=True) is triton_flash.FwOp
-        backward = fmha.dispatch._dispatch_bw(fmha.Inputs(q, k, v, causal), None)
-        assert backward is (triton_flash.BwOp if off == "query" else cudnn.BwOp), backward
-    out = fmha.memory_efficient_attention(q, k, v, causal)
-    testing.assert_rel_close(out, attention_reference(q, k, v, causal)[0])
-    out.backward(grad := operand(4 if off == "grad" else 0))
-    for got, want in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, causal, grad)[:3], strict=True):
+        assert fmha.dispatch._dispatch_fw(fmha.Inputs(q, k, v, mask), needs_gradient=True) is triton_flash.FwOp
+        backward = fmha.dispatch._dispatch_bw(fmha.Inputs(q, k, v, mask), None)
+        assert backward is (triton_flash.BwOp if case == "query" else cudnn.BwOp), backward
+    out = fmha.memory_efficient_attention(q, k, v, mask)
+    testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0])
+    out.backward(grad := operand(4 if case == "grad" else 0))
+    for got, want in zip((q.grad, k.grad, v.grad), reference_grads(q, k, v, mask, grad)[:3], strict=True):
         testing.assert_rel_close(got, want, 2 * testing.default_tolerance(torch.bfloat16))
 
 

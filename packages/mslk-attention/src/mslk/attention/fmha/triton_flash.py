@@ -1031,27 +1031,33 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
     return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale, pointers) else None
 
 
-# Causal attention over few (batch x head) pairs, where the Gluon forward's persistent programs, each taking query
-# blocks in pairs of equal work, keep every SM busy to the end and cuDNN's grid leaves some idle at its tail (H200,
-# bf16/fp16, K=128, RESULTS.md, forty-third and forty-fourth sessions: 1.04-1.47x cuDNN's forward with 1-16 pairs of
-# 8192-65536 rows, 1.01-1.09x with 24-48 pairs of 4096-16384; forward+backward 1.00-1.03x; 64 pairs 0.99-1.02x;
-# below about 2^29 scores the host's time decides).
+# Attention over few (batch x head) pairs, where the Gluon forward's persistent programs (each taking query blocks in
+# pairs of equal work under a causal mask) keep every SM busy to the end and cuDNN's grid leaves some idle at its
+# tail (H200, bf16/fp16, K=128, RESULTS.md, forty-third and forty-fourth sessions). Causal: 1.04-1.47x cuDNN's
+# forward with 1-16 pairs of 8192-65536 rows, 1.01-1.09x with 24-48 pairs of 4096-16384; 64 pairs 0.99-1.02x; below
+# about 2^29 scores the host's time decides. No mask: 1.02-1.09x with 4-48 pairs of 16384-65536 rows (1.00x at 8192,
+# 0.95-0.96x with 64 pairs of 4096). Forward+backward (cuDNN's backward) 0.99-1.03x.
 _FEW_PAIRS = 48
-_FEW_PAIRS_MIN_SCORES = 2**29
+_FEW_PAIRS_MIN_SCORES = 2**29  # causal
+_LONG_ROWS = 16384  # no mask
 _CAUSAL = bias_types("B01 B03")
 
 
 def gluon_forward_before_cudnn(inp: Inputs) -> bool:
-    """Whether MSLK's forward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): a
-    causal mask (top-left or bottom-right) with as many keys as queries, no dropout, at most _FEW_PAIRS (batch x
-    head) pairs and _FEW_PAIRS_MIN_SCORES scores or more, operands the Gluon forward takes (their shapes and strides:
-    a data pointer off 16 bytes, seen at launch, takes the Triton kernel instead)."""
-    if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0:  # first: the dispatcher asks on every Hopper call
+    """Whether MSLK's forward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): as many
+    keys as queries, no dropout, at most _FEW_PAIRS (batch x head) pairs, and a causal mask (top-left or
+    bottom-right) over _FEW_PAIRS_MIN_SCORES scores or more or no mask over _LONG_ROWS rows or more; operands the
+    Gluon forward takes (their shapes and strides: a data pointer off 16 bytes, seen at launch, takes the Triton
+    kernel instead)."""
+    causal = type(inp.attn_bias) in _CAUSAL
+    if not (causal or inp.attn_bias is None) or inp.p > 0.0:  # first: the dispatcher asks on every Hopper call
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
     pairs = math.prod((q.shape[0], *q.shape[2:-1]))  # B·(G·)H
-    if mq != mk or not 0 < pairs <= _FEW_PAIRS or pairs * mq * mk < _FEW_PAIRS_MIN_SCORES:
+    if mq != mk or not 0 < pairs <= _FEW_PAIRS:
+        return False
+    if (pairs * mq * mk < _FEW_PAIRS_MIN_SCORES) if causal else (mq < _LONG_ROWS):
         return False
     q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
     return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
