@@ -1036,7 +1036,7 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
 # tail (H200, bf16/fp16, K=128, RESULTS.md, forty-third and forty-fourth sessions). Causal: 1.04-1.47x cuDNN's
 # forward with 1-16 pairs of 8192-65536 rows, 1.01-1.09x with 24-48 pairs of 4096-16384; 64 pairs 0.99-1.02x; below
 # about 2^29 scores the host's time decides. No mask: 1.02-1.09x with 4-48 pairs of 16384-65536 rows (1.00x at 8192,
-# 0.95-0.96x with 64 pairs of 4096). Forward+backward (cuDNN's backward) 0.99-1.03x.
+# 0.95-0.96x with 64 pairs of 4096). Forward+backward (cuDNN's backward) 0.99-1.04x.
 _FEW_PAIRS = 48
 _FEW_PAIRS_MIN_SCORES = 2**29  # causal
 _LONG_ROWS = 16384  # no mask

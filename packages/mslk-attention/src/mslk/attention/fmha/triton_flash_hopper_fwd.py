@@ -11,8 +11,8 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   block's K and V in one slot, freed once both warpgroups' P·V is done; a tensor bias takes more rings, below);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
-  the other's products use the tensor cores ("ping-pong"); away from the mask's edge and without a bias, its own
-  P·V too (_attend).
+  the other's products use the tensor cores ("ping-pong"), and, away from the mask's edge and without a bias, while
+  its own P·V does too (_attend).
 
 H200, bf16, H=16, forward alone (RESULTS.md, forty-fourth session; TFLOP/s): B=4 M=4096 causal 511 and no mask 581
 against cuDNN's 517 and 593, B=1 M=16384 causal 587 against 545; still short of cuDNN on short rows (B=16 M=1024:
