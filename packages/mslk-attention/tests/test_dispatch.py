@@ -508,7 +508,7 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         off = torch.randn(4 + q.numel(), device="cuda", dtype=q.dtype)[4:].view(q.shape)
         for op in (cudnn.FwOp, cudnn.BwOp, flash.FwOp, flash.BwOp, cutlass.FwOp, cutlass.BwOp):
             reasons = op.not_supported_reasons(fmha.Inputs(off, k, v))
-            assert "query does not start on a 16-byte boundary (storage offset 4)" in reasons, op
+            assert "query does not start on a 16-byte boundary (8 bytes past one)" in reasons, op
         with monkeypatch.context() as compiling:  # Inductor copies misaligned inputs; Dynamo cannot trace the check
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)
             assert cudnn.FwOp.not_supported_reasons(fmha.Inputs(off, k, v)) == []
@@ -519,6 +519,23 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         single = fmha.Inputs(*cuda_qkv(mq=1, mk=1))
         assert cudnn.FwOp.not_supported_reasons(single) == []
         assert cudnn.BwOp.not_supported_reasons(single) == ["s_q = s_kv = 1 is not supported"]
+
+
+def test_alignment_read_from_the_data_pointer():
+    """A buffer that starts off a 16-byte boundary (torch.frombuffer, DLPack) has storage offset 0, yet the kernels
+    that read 16 bytes at a time get the reason, and the backward's out and grad an aligned copy."""
+    shape = (2, 16, 4, 64)
+    raw = bytearray(2 * math.prod(shape) + 32)
+    base = torch.frombuffer(raw, dtype=torch.uint8).data_ptr() % 16
+    off = torch.frombuffer(raw, dtype=torch.bfloat16, offset=(8 - base) % 16, count=math.prod(shape)).view(shape)
+    assert off.storage_offset() == 0 and off.data_ptr() % 16 == 8
+    reasons = []
+    common.check_16_byte_aligned(reasons, "query", off)
+    assert reasons == ["query does not start on a 16-byte boundary (8 bytes past one)"]
+    copy = common.aligned(off)
+    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, off)
+    common.check_16_byte_aligned(reasons, "query", copy)
+    assert len(reasons) == 1, "an aligned copy passes"
 
 
 def test_backward_choice_follows_the_lse_layout(monkeypatch):
