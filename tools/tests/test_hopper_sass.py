@@ -119,6 +119,9 @@ def attention_calls():
     calls["attention_fwd_k128_triton"] = lambda: gluon_off(
         calls["attention_fwd_k128"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
     )
+    # An fp32 output (partial attention, merged later): the Gluon forward's warpgroups store it themselves.
+    inp32 = Inputs(q, k, v, attn_bias=attn_bias.LowerTriangularMask(), output_dtype=torch.float32)
+    calls["attention_fwd_k128_fp32_out"] = lambda: tf.FwOp.apply(inp32, False)
     # A tensor bias [B, H, M, M], whose tiles take shared memory too: the Triton kernels (the backward's with the
     # bias's gradient), and the Gluon backward (without: its dQ ring gives the bias ring a slot's room).
     bias = torch.randn(b, h, m, m).bfloat16()
@@ -216,6 +219,7 @@ SUITES = {
             *(f"attention_bwd_k{d}_triton" for d in (64, 128)),
             "attention_bwd_k128_varlen",
             "attention_fwd_k128_triton",
+            "attention_fwd_k128_fp32_out",
             *(f"attention_{p}_k{d}_bias" for d in (64, 128, 256) for p in ("fwd", "bwd")),
             *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
             "attention_fwd_k128_bias_triton",
@@ -287,8 +291,9 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
 
 
 # The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md), and so do the Gluon ones (a few
-# scalars out of their multiplying warps' 240 registers: about 100 bytes backward, 4 forward, outside the key
-# loops): known, not regressions.
+# scalars out of their multiplying warps' 240 registers: about 100 bytes backward, 4 forward where the warpgroups
+# store an fp32 output themselves, outside the key loops; none since the output leaves by TMA, forty-fifth session):
+# known, not regressions.
 SPILLING = {
     ("attention", "attention_bwd_k128"),
     ("attention", "attention_bwd_k128_varlen"),  # 168 bytes (Triton 3.6): the sequences' bounds take registers
@@ -301,7 +306,7 @@ SPILLING = {
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
-    ("attention", "attention_fwd_k128"),
+    ("attention", "attention_fwd_k128_fp32_out"),
 }
 
 

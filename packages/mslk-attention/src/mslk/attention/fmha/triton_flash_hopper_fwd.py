@@ -6,17 +6,22 @@ varlen or left window, enough keys (triton_flash._gluon_forward decides).
 Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward,
 in pairs of query blocks that a causal mask gives as many keys together (_tile):
 
-- one warp loads a tile's queries once the warpgroups have done with the last tile's (so the next tile's loads run
-  under this one's last product and output), then K and V blocks of 128 keys through a ring of STAGES slots (a
-  block's K and V in one slot, freed once both warpgroups' P·V is done; a tensor bias takes more rings, below);
+- one warp loads a tile's queries once the warpgroups have done with the last tile's, then K and V blocks of 128
+  keys through a ring of STAGES slots (a block's K and V in one slot, freed once both warpgroups' P·V is done; a
+  tensor bias takes more rings, below);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong"), and, away from the mask's edge and without a bias, while
-  its own P·V does too (_attend).
+  its own P·V does too (_attend);
+- a warpgroup's output tile leaves through its query tile, which its products no longer read, by a TMA store; the
+  tile's queries are released to the loading warp once that store has read them. Forty-fifth session (RESULTS.md):
+  1-5% faster than stores from the products' layout (4-byte pieces, a warp's store across 8 rows), which held the
+  warpgroups up more than the next queries' load now does; outputs of another dtype than the queries' (fp32 for
+  merging partial attention) keep those stores.
 
-H200, bf16, H=16, forward alone (RESULTS.md, forty-fourth session; TFLOP/s): B=4 M=4096 causal 511 and no mask 581
-against cuDNN's 517 and 593, B=1 M=16384 causal 587 against 545; still short of cuDNN on short rows (B=16 M=1024:
-465 against 554). Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge spilled here).
+H200, bf16, H=16, forward alone (RESULTS.md, forty-fifth session; TFLOP/s): B=4 M=4096 causal 510 and no mask 577
+against cuDNN's 521 and 602, B=1 M=16384 causal 596 against 560; still short of cuDNN on short rows (B=16 M=1024:
+460 against 556). Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge spilled here).
 
 With a tensor bias, K, V and the key block's bias tile for the tile's 128 queries each have a ring of their own (a K
 slot frees once both warpgroups' scores are done, a V slot once their P·V is, a bias slot once both have read
@@ -49,7 +54,13 @@ import math
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from mslk.attention.fmha.triton_flash import (
     _bias_head,
@@ -59,7 +70,14 @@ from mslk.attention.fmha.triton_flash import (
     _unmasked_key_range,
     _visible,
 )
-from mslk.attention.fmha.triton_flash_hopper import _LOG2E, _bias_descriptor, _box, _descriptor, _tma_operands
+from mslk.attention.fmha.triton_flash_hopper import (
+    _LOG2E,
+    _bias_descriptor,
+    _box,
+    _box_descriptor,
+    _descriptor,
+    _tma_operands,
+)
 from mslk.core import arch, launch
 from mslk.core.gluon import ring_barriers, row_max, to_16bit, to_fp32
 
@@ -236,13 +254,15 @@ def _attend(acc, p_a, m_i, l_i, i, n, q, k_bufs, v_bufs, bias_bufs, k_ready, k_e
 
 @gluon.jit
 def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                       b_ready, b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob,
-                       stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
-                       BOTTOM_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       b_ready, b_empty, turn, out_ptr, out_desc, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
+                       stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads,
+                       section, BOTTOM_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, STAGED: gl.constexpr,
+                       WG: gl.constexpr):  # fmt: skip
     """One warpgroup, tile after tile: queries first_row + WG · 64 on, over the tile's key blocks, then their output
     and LSE (natural log; −inf and zeros for a query that sees no key). The first block is taken alone (masked: it
     may be the diagonal or the last), so that the loop always has the previous block's weights to multiply; the last
-    block's P·V follows the loop, after the tile's queries are released to the loading warp."""
+    block's P·V follows the loop. STAGED: the output leaves by TMA through the query tile, which is then released to
+    the loading warp; else by the warpgroup's stores, the query tile released before the last P·V."""
     HALF: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     BN: gl.constexpr = k_bufs.shape[1]
@@ -284,30 +304,39 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
                                                    k_empty, v_ready, v_empty, b_ready, b_empty, turn, rows,
                                                    bounds[part], bounds[part + 1], Mq, Mk, shift, window_right,
                                                    qk_scale, WG, part == 1, HAS_BIAS)  # fmt: skip
-            mbarrier.arrive(q_empty)
+            if not STAGED:  # the next tile's queries load under the last P·V and the output's stores
+                mbarrier.arrive(q_empty)
             last = (i - 1) % STAGES
             if HAS_BIAS:
                 _landed(v_ready, i - 1)
             acc = warpgroup_mma(p_a, v_bufs.index(last), acc, is_async=True)
             acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
             mbarrier.arrive(v_empty.index(last))
-        else:
+        elif not STAGED:
             mbarrier.arrive(q_empty)
         has_keys = l_i > 0.0
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / _LOG2E, float("-inf"))
         gl.store(lse_ptr + b * stride_lb + g * stride_lg + h * stride_lh + rows, lse, mask=rows < Mq)
         scale = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), gl.SliceLayout(1, o_layout))
         out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
-        out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        out_base = out_ptr + b * stride_ob + g * stride_og + h * stride_oh
-        gl.store(out_base + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < Mq)[:, None])
+        if STAGED:  # through this warpgroup's query tile, which its products no longer read, by a TMA store
+            q.store(out)
+            fence_async_shared()
+            at = [b.to(gl.int32), first_row + WG * HALF, (bgh % (G * H)) * HEAD_DIM]
+            tma.async_copy_shared_to_global(out_desc, at, _box(out_desc, q))
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty)
+        else:
+            out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+            dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            out_base = out_ptr + b * stride_ob + g * stride_og + h * stride_oh
+            gl.store(out_base + out_rows[:, None] * stride_om + dims[None, :], out, mask=(out_rows < Mq)[:, None])
         j += 1
 
 
 @gluon.jit
 def _flash_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, bias_desc, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
+    q_desc, k_desc, v_desc, bias_desc, out_ptr, out_desc, lse_ptr, G, H, Mq, Mk, qk_scale, window_right,
     stride_ob, stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, stride_bb, stride_bg, stride_bh,
     blocks, all_heads, section, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr, MMA_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
@@ -340,6 +369,12 @@ def _flash_forward_hopper_kernel(
         bias_bufs = gl.allocate_shared_memory(bias_desc.dtype, [STAGES, 2 * HALF, BN], bias_layout)
         b_ready, b_empty = ring_barriers(STAGES, 2)
         v_ready, v_empty = ring_barriers(STAGES, 2)
+    # Outputs of the queries' dtype leave by TMA stores (out_desc; None: by the warpgroups' own stores), whose
+    # descriptor q's stands in for otherwise.
+    STAGED: gl.constexpr = out_desc is not None
+    out_tiles = q_desc
+    if STAGED:
+        out_tiles = out_desc
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products
@@ -351,15 +386,15 @@ def _flash_forward_hopper_kernel(
         [
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, b_ready,
-                b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om,
-                stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT,
-                HAS_BIAS, 0,
+                b_empty, turn, out_ptr, out_tiles, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob,
+                stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
+                BOTTOM_RIGHT, HAS_BIAS, STAGED, 0,
             )),
             (_softmax_partition, (
                 q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, b_ready,
-                b_empty, turn, out_ptr, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob, stride_om,
-                stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section, BOTTOM_RIGHT,
-                HAS_BIAS, 1,
+                b_empty, turn, out_ptr, out_tiles, lse_ptr, G, H, Mq, Mk, qk_scale, window_right, stride_ob,
+                stride_om, stride_og, stride_oh, stride_lb, stride_lg, stride_lh, blocks, all_heads, section,
+                BOTTOM_RIGHT, HAS_BIAS, STAGED, 1,
             )),
             (_load_partition, (
                 q_desc, k_desc, v_desc, bias_tiles, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready,
@@ -397,7 +432,8 @@ def run(q, k, v, out, lse, scale, window_right, bottom_right, bias=None):
     units = (blocks + 1) // 2  # pairs of query blocks (_tile)
     all_heads = batch * groups * heads
     launch.fast(_flash_forward_hopper_kernel)[(min(units * all_heads, arch.sm_count(q.device)),)](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), bias_desc, out, lse, groups,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), bias_desc, out,
+        _box_descriptor(out, BLOCK_M // 2) if out.dtype == q.dtype else None, lse, groups,
         heads, mq, mk, scale * _LOG2E.value, window_right, *out.stride()[:4], *lse.stride()[:3],
         *(bias.stride()[:3] if bias is not None else (0, 0, 0)), blocks, all_heads,
         _heads_per_section(units, q.device), BOTTOM_RIGHT=bottom_right, STAGES=stages,
