@@ -15,7 +15,7 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   its own P·V does too (_attend);
 - a warpgroup's output tile leaves through its query tile, which its products no longer read, by a TMA store; the
   tile's queries are released to the loading warp once that store has read them. Forty-fifth session (RESULTS.md):
-  1-5% faster than stores from the products' layout (4-byte pieces, a warp's store across 8 rows), which held the
+  0-6% faster than stores from the products' layout (4-byte pieces, a warp's store across 8 rows), which held the
   warpgroups up more than the next queries' load now does; outputs of another dtype than the queries' (fp32 for
   merging partial attention) keep those stores.
 
