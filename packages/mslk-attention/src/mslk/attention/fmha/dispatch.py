@@ -2,8 +2,9 @@
 
 Forward, NVIDIA: [flash3 (while FA3 is on), cudnn, flash, cutlass, triton_splitk]; ROCm: [ck, flydsl,
 triton_splitk]. `cudnn` (MSLK's addition to the spec's lists) takes only dense attention, where it is measured
-fastest on Hopper, except causal attention and long rows without a mask over few (batch x head) pairs, where MSLK's
-Gluon forward comes before it (triton_flash.gluon_forward_before_cudnn; the backward stays cuDNN's).
+fastest on Hopper, except causal attention over up to 256 (batch x head) pairs of 4096 rows or more and long rows
+without a mask over few pairs, where MSLK's Gluon forward comes before it (triton_flash.gluon_forward_before_cudnn;
+the backward stays cuDNN's).
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
 and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
 ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash attention (`triton_flash`: any
@@ -142,7 +143,7 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
         ops.append(flash_mtia.FwOp)
     first = _triton_flash_first(inp, needs_gradient)
     ops = _with_triton_flash(ops, triton_flash.FwOp, cutlass.FwOp, inp.device.type, first)
-    if first and cudnn.FwOp in ops and triton_flash.gluon_forward_before_cudnn(inp):  # few (batch x head) pairs
+    if first and cudnn.FwOp in ops and triton_flash.gluon_forward_before_cudnn(inp):
         ops.remove(triton_flash.FwOp)
         ops.insert(ops.index(cudnn.FwOp), triton_flash.FwOp)
     return [*ops, torch_reference.FwOp]

@@ -27,9 +27,10 @@ two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 a bias gradient the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this
 module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher (dispatch.py) tries them after cuDNN and
 flash on Hopper (elsewhere after all of PyTorch's kernels), and the forward before cuDNN on causal attention over
-few (batch x head) pairs, where it is measured faster (`gluon_forward_before_cudnn`); on the H200 the forward runs at
-0.92-0.97x cuDNN on dense attention with many pairs (B=4 M=4096 H=16) and beats FlexAttention on sliding windows,
-tensor biases and varlen (RESULTS.md).
+up to 256 (batch x head) pairs of 4096 rows or more and on long rows without a mask over few pairs, where it is
+measured faster (`gluon_forward_before_cudnn`; B=4 M=4096 H=16 causal 1.03-1.05x); on the H200 the forward runs at
+0.97x cuDNN without a mask there and beats FlexAttention on sliding windows, tensor biases and varlen
+(RESULTS.md).
 """
 
 from __future__ import annotations
@@ -1031,33 +1032,38 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
     return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale, pointers) else None
 
 
-# Attention over few (batch x head) pairs, where the Gluon forward's persistent programs (each taking query blocks in
-# pairs of equal work under a causal mask) keep every SM busy to the end and cuDNN's grid leaves some idle at its
-# tail (H200, bf16/fp16, K=128, RESULTS.md, forty-third and forty-fourth sessions). Causal: 1.04-1.47x cuDNN's
-# forward with 1-16 pairs of 8192-65536 rows, 1.01-1.09x with 24-48 pairs of 4096-16384; 64 pairs 0.99-1.02x; below
-# about 2^29 scores the host's time decides. No mask: 1.02-1.09x with 4-48 pairs of 16384-65536 rows (1.00x at 8192,
-# 0.95-0.96x with 64 pairs of 4096). Forward+backward (cuDNN's backward) 0.99-1.04x.
-_FEW_PAIRS = 48
-_FEW_PAIRS_MIN_SCORES = 2**29  # causal
-_LONG_ROWS = 16384  # no mask
+# Where the Gluon forward is measured faster than cuDNN's (H200, bf16/fp16, K=128; RESULTS.md, forty-third,
+# forty-fourth and forty-sixth sessions): its persistent programs take query blocks in pairs of equal causal work and
+# keep every SM busy to the end, where cuDNN's grid leaves some idle at its tail. Causal: 1.04-1.47x cuDNN's forward
+# with 1-16 pairs of 8192-65536 rows, 1.02-1.06x with 24-256 pairs of 4096-8192 rows (issue 5's 4 x 16 x 4096
+# 1.03-1.05x); with 128-512 pairs of 2048 rows 0.96-0.99x, and below about 2^29 scores the host's time decides. No
+# mask: 1.02-1.09x with 4-48 pairs of 16384-65536 rows (1.00x at 8192, 0.97-0.99x with 64 pairs of 4096).
+# Forward+backward (cuDNN's backward) 0.99-1.04x.
+_CAUSAL_PAIRS = 256
+_CAUSAL_MIN_ROWS = 4096
+_CAUSAL_MIN_SCORES = 2**29
+_LONG_ROWS_PAIRS = 48  # no mask
+_LONG_ROWS = 16384
 _CAUSAL = bias_types("B01 B03")
 
 
 def gluon_forward_before_cudnn(inp: Inputs) -> bool:
     """Whether MSLK's forward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): as many
-    keys as queries, no dropout, at most _FEW_PAIRS (batch x head) pairs, and a causal mask (top-left or
-    bottom-right) over _FEW_PAIRS_MIN_SCORES scores or more or no mask over _LONG_ROWS rows or more; operands the
-    Gluon forward takes (their shapes and strides: a data pointer off 16 bytes, seen at launch, takes the Triton
-    kernel instead)."""
+    keys as queries, no dropout, and a causal mask (top-left or bottom-right) over at most _CAUSAL_PAIRS (batch x
+    head) pairs of _CAUSAL_MIN_ROWS rows or more, _CAUSAL_MIN_SCORES scores in all, or no mask over at most
+    _LONG_ROWS_PAIRS pairs of _LONG_ROWS rows or more; operands the Gluon forward takes (their shapes and strides: a
+    data pointer off 16 bytes, seen at launch, takes the Triton kernel instead)."""
     causal = type(inp.attn_bias) in _CAUSAL
     if not (causal or inp.attn_bias is None) or inp.p > 0.0:  # first: the dispatcher asks on every Hopper call
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
     pairs = math.prod((q.shape[0], *q.shape[2:-1]))  # B·(G·)H
-    if mq != mk or not 0 < pairs <= _FEW_PAIRS:
-        return False
-    if (pairs * mq * mk < _FEW_PAIRS_MIN_SCORES) if causal else (mq < _LONG_ROWS):
+    if causal:
+        measured_faster = pairs <= _CAUSAL_PAIRS and mq >= _CAUSAL_MIN_ROWS and pairs * mq * mk >= _CAUSAL_MIN_SCORES
+    else:
+        measured_faster = pairs <= _LONG_ROWS_PAIRS and mq >= _LONG_ROWS
+    if mq != mk or pairs == 0 or not measured_faster:
         return False
     q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
     return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None

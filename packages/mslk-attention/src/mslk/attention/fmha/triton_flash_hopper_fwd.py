@@ -6,9 +6,11 @@ varlen or left window, enough keys (triton_flash._gluon_forward decides).
 Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward,
 in pairs of query blocks that a causal mask gives as many keys together (_tile):
 
-- one warp loads a tile's queries once the warpgroups have done with the last tile's, then K and V blocks of 128
-  keys through a ring of STAGES slots (a block's K and V in one slot, freed once both warpgroups' P·V is done; a
-  tensor bias takes more rings, below);
+- one warp loads K and V blocks of 128 keys through a ring of STAGES slots (a block's K and V in one slot, freed
+  once both warpgroups' P·V is done; a tensor bias takes more rings, below), and a tile's queries, each warpgroup's
+  half once that warpgroup's output of the last tile has left; the tile's first PRELOAD key blocks go before its
+  queries, as their slots free under the last tile's last products (forty-sixth session, RESULTS.md: 0.6-2.5%
+  faster than the queries first, both halves together);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong"), and, away from the mask's edge and without a bias, while
@@ -19,9 +21,10 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   warpgroups up more than the next queries' load now does; outputs of another dtype than the queries' (fp32 for
   merging partial attention) keep those stores.
 
-H200, bf16, H=16, forward alone (RESULTS.md, forty-fifth session; TFLOP/s): B=4 M=4096 causal 510 and no mask 577
-against cuDNN's 521 and 602, B=1 M=16384 causal 596 against 560; still short of cuDNN on short rows (B=16 M=1024:
-460 against 556). Not taken: sliding windows (0.96x the Triton kernel, whose masked left edge spilled here).
+H200, bf16, H=16, forward alone (RESULTS.md, forty-sixth session; TFLOP/s): B=4 M=4096 causal 513-520 and no mask
+577-581 against cuDNN's 512-514 and 594-599, B=1 M=16384 causal 596-603 against 546-553; still short of cuDNN on
+short rows (B=16 M=1024: 470 against 550). Not taken: sliding windows (0.96x the Triton kernel, whose masked left
+edge spilled here).
 
 With a tensor bias, K, V and the key block's bias tile for the tile's 128 queries each have a ring of their own (a K
 slot frees once both warpgroups' scores are done, a V slot once their P·V is, a bias slot once both have read
@@ -87,6 +90,9 @@ BLOCK_N = 128  # keys a step
 STAGES = 3  # slots of the K ring and of the V ring (block j-1's V is still read by its P·V while block j+1 loads)
 MMA_REGISTERS = 240  # per thread of the second warpgroup (setmaxnreg); the first gets as many from what is left
 LOAD_REGISTERS = 24
+# Key blocks of a tile loaded before its queries: at most a ring's slots (BIAS_STAGES too), as more would wait for
+# slots that this tile's own blocks hold, whose products wait for the queries.
+PRELOAD = gl.constexpr(2)
 BIAS_STAGES = 2  # with a tensor bias: slots of each ring (K, V and [BLOCK_M, BLOCK_N] bias tiles)
 
 
@@ -127,19 +133,36 @@ def _ring_slot(ready, empty, i, nbytes: gl.constexpr):
 
 
 @gluon.jit
+def _load_key_block(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, b_ready,
+                    b_empty, i, key_row, head_col, bias_b, bias_g, bias_h, first_row, start,
+                    HAS_BIAS: gl.constexpr):  # fmt: skip
+    """Ring block i: K and V of keys key_row on in one slot, or, HAS_BIAS, K, bias tile and V each through its own
+    ring (K's slot frees when the scores are done, the bias tile's when the warpgroups have read it, V's when P·V
+    is done)."""
+    if HAS_BIAS:
+        slot, bar = _ring_slot(k_ready, k_empty, i, k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key_row, head_col], bar, k_bufs.index(slot))
+        slot, bar = _ring_slot(b_ready, b_empty, i, bias_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(bias_desc, [bias_b, bias_g, bias_h, first_row, start], bar,
+                                        _box(bias_desc, bias_bufs.index(slot)))  # fmt: skip
+        slot, bar = _ring_slot(v_ready, v_empty, i, v_desc.block_type.nbytes)
+    else:  # K and V in one slot of one ring
+        slot, bar = _ring_slot(k_ready, k_empty, i, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key_row, head_col], bar, k_bufs.index(slot))
+    tma.async_copy_global_to_shared(v_desc, [key_row, head_col], bar, v_bufs.index(slot))
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_ready,
                     k_empty, v_ready, v_empty, b_ready, b_empty, G, H, Mq, Mk, window_right, blocks, all_heads,
                     section, stride_bb, stride_bg, stride_bh, BOTTOM_RIGHT: gl.constexpr,
                     HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The loading warp, tile after tile: the tile's queries (two halves) once both warpgroups are done with the last
-    tile's, then its key blocks' K and V in order through their ring, or, HAS_BIAS, K, bias tile and V each through
-    its own ring (K's slot frees when the scores are done, the bias tile's when the warpgroups have read it, V's when
-    P·V is done)."""
+    """The loading warp, tile after tile: the tile's key blocks in order through the ring (_load_key_block), the
+    first PRELOAD of them before the tile's queries, whose halves load once their warpgroup's last output has left
+    (q_empty)."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    K_BYTES: gl.constexpr = k_desc.block_type.nbytes
-    V_BYTES: gl.constexpr = v_desc.block_type.nbytes
     i = 0
     j = 0
     for k in range(0, _program_tiles(blocks, all_heads)):
@@ -148,23 +171,22 @@ def _load_partition(q_desc, k_desc, v_desc, bias_desc, q_smem, k_bufs, v_bufs, b
         head_col = (bgh % (G * H)) * HEAD_DIM
         q_row = (b * Mq + first_row).to(gl.int32)
         k_row0 = (b * Mk).to(gl.int32)
-        mbarrier.wait(q_empty, (j & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         bias_b, bias_g, bias_h = _bias_head(b, (bgh // H) % G, bgh % H, stride_bb, stride_bg, stride_bh)
-        tma.async_copy_global_to_shared(q_desc, [q_row, head_col], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, head_col], q_ready, q_smem.index(1))
-        for start in range(0, hi, BN):
-            if HAS_BIAS:
-                slot, bar = _ring_slot(k_ready, k_empty, i, K_BYTES)
-                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
-                slot, bar = _ring_slot(b_ready, b_empty, i, bias_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(bias_desc, [bias_b, bias_g, bias_h, first_row, start], bar,
-                                                _box(bias_desc, bias_bufs.index(slot)))  # fmt: skip
-                slot, bar = _ring_slot(v_ready, v_empty, i, V_BYTES)
-            else:  # K and V in one slot of one ring
-                slot, bar = _ring_slot(k_ready, k_empty, i, K_BYTES + V_BYTES)
-                tma.async_copy_global_to_shared(k_desc, [k_row0 + start, head_col], bar, k_bufs.index(slot))
-            tma.async_copy_global_to_shared(v_desc, [k_row0 + start, head_col], bar, v_bufs.index(slot))
+        ahead = gl.minimum(hi, PRELOAD * BN)
+        for start in range(0, ahead, BN):
+            _load_key_block(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                            b_ready, b_empty, i, k_row0 + start, head_col, bias_b, bias_g, bias_h, first_row, start,
+                            HAS_BIAS)  # fmt: skip
+            i += 1
+        for half in gl.static_range(2):  # each warpgroup's queries once it is done with the last tile's
+            mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
+            mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF, head_col], q_ready.index(half),
+                                            q_smem.index(half))  # fmt: skip
+        for start in range(ahead, hi, BN):
+            _load_key_block(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                            b_ready, b_empty, i, k_row0 + start, head_col, bias_b, bias_g, bias_h, first_row, start,
+                            HAS_BIAS)  # fmt: skip
             i += 1
         j += 1
 
@@ -286,7 +308,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
         m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_ready, j & 1)
+        mbarrier.wait(q_ready.index(WG), j & 1)
         if hi > 0:
             s = _scores(q, k_bufs, bias_bufs, k_ready, b_ready, b_empty, turn, i, n, _LOG2E / qk_scale, WG, HAS_BIAS)
             mbarrier.arrive(turn.index(1 - WG))
@@ -305,7 +327,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
                                                    bounds[part], bounds[part + 1], Mq, Mk, shift, window_right,
                                                    qk_scale, WG, part == 1, HAS_BIAS)  # fmt: skip
             if not STAGED:  # the next tile's queries load under the last P·V and the output's stores
-                mbarrier.arrive(q_empty)
+                mbarrier.arrive(q_empty.index(WG))
             last = (i - 1) % STAGES
             if HAS_BIAS:
                 _landed(v_ready, i - 1)
@@ -313,7 +335,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
             acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
             mbarrier.arrive(v_empty.index(last))
         elif not STAGED:
-            mbarrier.arrive(q_empty)
+            mbarrier.arrive(q_empty.index(WG))
         has_keys = l_i > 0.0
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / _LOG2E, float("-inf"))
         gl.store(lse_ptr + b * stride_lb + g * stride_lg + h * stride_lh + rows, lse, mask=rows < Mq)
@@ -325,7 +347,7 @@ def _softmax_partition(q_smem, k_bufs, v_bufs, bias_bufs, q_ready, q_empty, k_re
             at = [b.to(gl.int32), first_row + WG * HALF, (bgh % (G * H)) * HEAD_DIM]
             tma.async_copy_shared_to_global(out_desc, at, _box(out_desc, q))
             tma.store_wait(0)
-            mbarrier.arrive(q_empty)
+            mbarrier.arrive(q_empty.index(WG))
         else:
             out_rows = first_row + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
             dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -376,11 +398,8 @@ def _flash_forward_hopper_kernel(
     out_tiles = q_desc
     if STAGED:
         out_tiles = out_desc
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups' scores done
+    q_ready, q_empty = ring_barriers(2, 1)  # a warpgroup's query tile landed / free
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a warpgroup may start products
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     gl.warp_specialize(
