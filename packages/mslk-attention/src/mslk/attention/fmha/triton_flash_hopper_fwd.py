@@ -10,7 +10,7 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   once both warpgroups' P·V is done; a tensor bias takes more rings, below), and a tile's queries, each warpgroup's
   half once that warpgroup's output of the last tile has left; the tile's first PRELOAD key blocks go before its
   queries, as their slots free under the last tile's last products (forty-sixth session, RESULTS.md: 0.6-2.5%
-  faster than the queries first, both halves together);
+  faster than the queries first; the halves on barriers of their own 0-2% faster than both under one);
 - two warpgroups (64 queries each) walk the same key blocks with their own online softmax and take turns, through
   two mbarriers, to start their products (block j's scores with block j-1's P·V), so that one's softmax runs while
   the other's products use the tensor cores ("ping-pong"), and, away from the mask's edge and without a bias, while
