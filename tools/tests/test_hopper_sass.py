@@ -291,9 +291,8 @@ def test_warpgroup_mmas_not_serialized(compiled, suite, kernel):
 
 
 # The Triton attention backward at head dim 128 spills (255 registers; RESULTS.md), and so do the Gluon ones (a few
-# scalars out of their multiplying warps' 240 registers: about 100 bytes backward, 4 forward where the warpgroups
-# store an fp32 output themselves, outside the key loops; none since the output leaves by TMA, forty-fifth session):
-# known, not regressions.
+# scalars out of their multiplying warps' 240 registers: about 100 bytes backward; the forward none, but 4 bytes once
+# at its start with a tensor bias, below): known, not regressions.
 SPILLING = {
     ("attention", "attention_bwd_k128"),
     ("attention", "attention_bwd_k128_varlen"),  # 168 bytes (Triton 3.6): the sequences' bounds take registers
