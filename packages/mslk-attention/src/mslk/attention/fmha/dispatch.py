@@ -3,8 +3,9 @@
 Forward, NVIDIA: [flash3 (while FA3 is on), cudnn, flash, cutlass, triton_splitk]; ROCm: [ck, flydsl,
 triton_splitk]. `cudnn` (MSLK's addition to the spec's lists) takes only dense attention, where it is measured
 fastest on Hopper, except causal attention over up to 256 (batch x head) pairs of 4096 rows or more and long rows
-without a mask over few pairs, where MSLK's Gluon forward comes before it (triton_flash.gluon_forward_before_cudnn;
-the backward stays cuDNN's).
+without a mask over few pairs, where MSLK's Gluon forward comes before it (triton_flash.gluon_forward_before_cudnn),
+and causal attention of 2^30 to 2^31 scores, where MSLK's Gluon backward comes before cuDNN's
+(triton_flash.gluon_backward_before_cudnn).
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
 and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
 ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash attention (`triton_flash`: any
@@ -144,9 +145,14 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
     first = _triton_flash_first(inp, needs_gradient)
     ops = _with_triton_flash(ops, triton_flash.FwOp, cutlass.FwOp, inp.device.type, first)
     if first and cudnn.FwOp in ops and triton_flash.gluon_forward_before_cudnn(inp):
-        ops.remove(triton_flash.FwOp)
-        ops.insert(ops.index(cudnn.FwOp), triton_flash.FwOp)
+        _move_before(ops, triton_flash.FwOp, cudnn.FwOp)
     return [*ops, torch_reference.FwOp]
+
+
+def _move_before(ops: list, op: type[AttentionOpBase], other: type[AttentionOpBase]) -> None:
+    """Moves op (in ops) right before other."""
+    ops.remove(op)
+    ops.insert(ops.index(other), op)
 
 
 def _dispatch_fw(inp: Inputs, needs_gradient: bool) -> type[AttentionFwOpBase]:
@@ -197,7 +203,10 @@ def _dispatch_bw_priority_list(device_type: str = "cuda", triton_first: bool = F
 def _dispatch_bw(inp: Inputs, varlen_lse_packed: bool | None) -> type[AttentionBwOpBase]:
     """The backward operator for these inputs, given the layout of the forward's varlen LSE (None: not varlen or
     one sequence, where the layouts agree)."""
-    ops = _dispatch_bw_priority_list(inp.device.type, _triton_flash_first(inp, needs_gradient=True))
+    first = _triton_flash_first(inp, needs_gradient=True)
+    ops = _dispatch_bw_priority_list(inp.device.type, first)
+    if first and cudnn.BwOp in ops and triton_flash.gluon_backward_before_cudnn(inp):
+        _move_before(ops, triton_flash.BwOp, cudnn.BwOp)
     extra_reasons = {}
     if varlen_lse_packed is not None:
         layout = "packed" if varlen_lse_packed else "padded"

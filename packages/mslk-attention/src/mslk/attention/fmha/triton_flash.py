@@ -1045,6 +1045,15 @@ _CAUSAL_MIN_SCORES = 2**29
 _LONG_ROWS_PAIRS = 48  # no mask
 _LONG_ROWS = 16384
 _CAUSAL = bias_types("B01 B03")
+# Where the Gluon backward is measured faster than cuDNN's (H200, bf16, K=128, causal, 4096-32768 rows; RESULTS.md,
+# forty-seventh session): its kernels (delta, backward, dQ to 16 bits) take 1-13% less time than cuDNN's with 8-256
+# (batch x head) pairs, but its host time (Python, which autograd runs on a thread of its own) is two to seven times
+# SDPA's. Forward + backward (MSLK's forward) against SDPA cuDNN: 1.01-1.07x at 2^30 scores (0.86-0.98x at two of four
+# shapes in a run whose host was slow) and 0.99-1.03x at 2^31, where cuDNN's backward gives 1.00-1.04x and
+# 0.99-1.03x; below, the host's time decides (0.84-1.01x at 2^29); above, 0.99-1.01x where cuDNN's backward gives
+# 1.00-1.02x.
+_BACKWARD_MIN_SCORES = 2**30
+_BACKWARD_MAX_SCORES = 2**31
 
 
 def gluon_forward_before_cudnn(inp: Inputs) -> bool:
@@ -1067,6 +1076,27 @@ def gluon_forward_before_cudnn(inp: Inputs) -> bool:
         return False
     q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
     return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
+
+
+def gluon_backward_before_cudnn(inp: Inputs) -> bool:
+    """Whether MSLK's backward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): as many
+    keys as queries, _CAUSAL_MIN_ROWS or more, a causal mask (top-left or bottom-right) over _BACKWARD_MIN_SCORES to
+    _BACKWARD_MAX_SCORES scores, head dim 128, no dropout nor deterministic mode, operands the Gluon backward takes
+    (their shapes and strides; the output's gradient, unknown yet, is checked at launch, where one TMA cannot read
+    takes the Triton kernel)."""
+    if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0 or torch.are_deterministic_algorithms_enabled():
+        return False
+    q = inp.query
+    mq, mk = q.shape[1], inp.key.shape[1]
+    scores = math.prod((q.shape[0], *q.shape[2:-1])) * mq * mk
+    if mq != mk or mq < _CAUSAL_MIN_ROWS or q.shape[-1] != 128:
+        return False
+    if not _BACKWARD_MIN_SCORES <= scores <= _BACKWARD_MAX_SCORES:
+        return False
+    from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
+
+    q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
+    return triton_flash_hopper.supports(q, k, v, q, pointers=False)
 
 
 def _gluon_backward(q, k, v, do, bias, bias_grad, p, varlen, deterministic):

@@ -419,11 +419,11 @@ def _tma_operands(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     )
 
 
-def supports(q, k, v, do) -> bool:
+def supports(q, k, v, do, pointers: bool = True) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    determinism): _tma_operands, and one head dim of HEAD_DIMS."""
+    determinism): _tma_operands (pointers: whether it reads the data pointers), and one head dim of HEAD_DIMS."""
     return (
-        _tma_operands(q, k, v, do)
+        _tma_operands(q, k, v, do, pointers=pointers)
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
         and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31
