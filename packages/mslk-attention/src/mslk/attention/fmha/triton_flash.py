@@ -1047,11 +1047,11 @@ _LONG_ROWS = 16384
 _CAUSAL = bias_types("B01 B03")
 # Where the Gluon backward is measured faster than cuDNN's (H200, bf16, K=128, causal, 4096-32768 rows; RESULTS.md,
 # forty-seventh session): its kernels (delta, backward, dQ to 16 bits) take 5-13% less time than cuDNN's with 8-64
-# (batch x head) pairs and about as long with 256, but its host time (Python, which autograd runs on a thread of its own) is two to six times
-# SDPA's. Forward + backward (MSLK's forward) against SDPA cuDNN: 1.00-1.07x at 2^30 scores (0.86-0.98x at two of four
-# shapes in a run whose host was slow) and 0.99-1.03x at 2^31, where cuDNN's backward gives 1.00-1.04x and
-# 0.99-1.03x; below, the host's time decides (0.84-1.01x at 2^29); above, 0.99-1.01x where cuDNN's backward gives
-# 1.00-1.02x.
+# (batch x head) pairs and about as long with 256, but its host time (Python, which autograd runs on a thread of its
+# own) is two to six times SDPA's. Forward + backward (MSLK's forward) against SDPA cuDNN: 1.00-1.07x at 2^30 scores
+# (0.86-0.98x at two of four shapes in a run whose host was slow) and 0.99-1.03x at 2^31, where cuDNN's backward gives
+# 1.00-1.04x and 0.99-1.03x; below, the host's time decides (0.84-1.01x at 2^29); above, 0.99-1.01x where cuDNN's
+# backward gives 1.00-1.02x.
 _BACKWARD_MIN_SCORES = 2**30
 _BACKWARD_MAX_SCORES = 2**31
 
