@@ -1067,15 +1067,14 @@ def gluon_forward_before_cudnn(inp: Inputs) -> bool:
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
-    pairs = math.prod((q.shape[0], *q.shape[2:-1]))  # B·(G·)H
+    pairs = _pairs(q)
     if causal:
         measured_faster = pairs <= _CAUSAL_PAIRS and mq >= _CAUSAL_MIN_ROWS and pairs * mq * mk >= _CAUSAL_MIN_SCORES
     else:
         measured_faster = pairs <= _LONG_ROWS_PAIRS and mq >= _LONG_ROWS
     if mq != mk or pairs == 0 or not measured_faster:
         return False
-    q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
-    return _gluon_forward(q, k, v, None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
+    return _gluon_forward(*_five_dim_views(inp), None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
 
 
 def gluon_backward_before_cudnn(inp: Inputs) -> bool:
@@ -1088,15 +1087,25 @@ def gluon_backward_before_cudnn(inp: Inputs) -> bool:
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
-    scores = math.prod((q.shape[0], *q.shape[2:-1])) * mq * mk
+    scores = _pairs(q) * mq * mk
     if mq != mk or mq < _CAUSAL_MIN_ROWS or q.shape[-1] != 128:
         return False
     if not _BACKWARD_MIN_SCORES <= scores <= _BACKWARD_MAX_SCORES:
         return False
     from mslk.attention.fmha import triton_flash_hopper  # (imports this module)
 
-    q, k, v = (t if t.dim() == 5 else t.unsqueeze(2) for t in (q, inp.key, inp.value))
+    q, k, v = _five_dim_views(inp)
     return triton_flash_hopper.supports(q, k, v, q, pointers=False)
+
+
+def _pairs(q: torch.Tensor) -> int:
+    """The (batch x head) pairs of a [B, M, (G,) H, K] query: B·(G·)H."""
+    return math.prod((q.shape[0], *q.shape[2:-1]))
+
+
+def _five_dim_views(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query, key and value as [B, M, G, H, K] views (no copy, unlike _bmghk: the dispatcher's rules only look)."""
+    return tuple(t if t.dim() == 5 else t.unsqueeze(2) for t in (inp.query, inp.key, inp.value))
 
 
 def _gluon_backward(q, k, v, do, bias, bias_grad, p, varlen, deterministic):
