@@ -492,26 +492,31 @@ def test_gpu_autograd_dispatch_and_dropout(dtype):
 
 @pytest.mark.gpu
 @testing.skipUnlessCuda()
-@pytest.mark.parametrize("case", ["causal", "query", "grad", "long-rows", "band", "band-grad"])
+@pytest.mark.parametrize(
+    "case", ["causal", "query", "grad", "long-rows", "band", "band-grad", "band-fp16-bottom-right"]
+)
 def test_gpu_few_pairs_dispatch(case):
     """Causal attention over 8 (batch x head) pairs of 8192 rows, and attention without a mask over 2 pairs of 16384
     rows: on Hopper the dispatcher picks MSLK's forward and cuDNN's backward; over 16 pairs of 8192 rows (2^30
-    scores, "band") MSLK's backward too; all match the reference. A query 8 bytes off a 16-byte boundary takes MSLK's
-    Triton kernels (the Gluon forward reads through TMA; FlashAttention-2 and CUTLASS stopped on such a query, cuDNN
-    got it wrong), such an output gradient an aligned copy for cuDNN, MSLK's Triton backward kernel for MSLK's."""
-    shape = {"long-rows": (1, 16384, 2, 128), "band": (1, 8192, 16, 128), "band-grad": (1, 8192, 16, 128)}
-    shape = shape.get(case, (1, 8192, 8, 128))
+    scores, "band", in fp16 with the bottom-right mask too) MSLK's backward too; all match the reference. A query 8
+    bytes off a 16-byte boundary takes MSLK's Triton kernels (the Gluon forward reads through TMA; FlashAttention-2
+    and CUTLASS stopped on such a query, cuDNN got it wrong), such an output gradient an aligned copy for cuDNN,
+    MSLK's Triton backward kernel for MSLK's."""
+    band = case.startswith("band")
+    shape = (1, 16384, 2, 128) if case == "long-rows" else (1, 8192, 16 if band else 8, 128)
+    dtype = torch.float16 if case.endswith("fp16-bottom-right") else torch.bfloat16
 
     def operand(offset=0):
-        return testing.randn(offset + math.prod(shape), dtype=torch.bfloat16, device="cuda")[offset:].view(shape)
+        return testing.randn(offset + math.prod(shape), dtype=dtype, device="cuda")[offset:].view(shape)
 
     q = operand(4 if case == "query" else 0).requires_grad_()
     k, v = (operand().requires_grad_() for _ in "kv")
-    mask = None if case == "long-rows" else ab.LowerTriangularMask()
+    mask = {"long-rows": None, "band-fp16-bottom-right": ab.LowerTriangularFromBottomRightMask()}
+    mask = mask.get(case, ab.LowerTriangularMask())
     if arch.capability() == (9, 0):
         assert fmha.dispatch._dispatch_fw(fmha.Inputs(q, k, v, mask), needs_gradient=True) is triton_flash.FwOp
         backward = fmha.dispatch._dispatch_bw(fmha.Inputs(q, k, v, mask), None)
-        assert backward is (triton_flash.BwOp if case in ("query", "band", "band-grad") else cudnn.BwOp), backward
+        assert backward is (triton_flash.BwOp if case == "query" or band else cudnn.BwOp), backward
     out = fmha.memory_efficient_attention(q, k, v, mask)
     out.backward(grad := operand(4 if case in ("grad", "band-grad") else 0))
     # 16 heads of float64 references would take tens of GB: then the first and the last (heads are independent)
@@ -520,7 +525,7 @@ def test_gpu_few_pairs_dispatch(case):
     q, k, v, out, grad = (t.detach()[:, :, heads] for t in (q, k, v, out, grad))
     testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0])
     for got, want in zip(grads, reference_grads(q, k, v, mask, grad)[:3], strict=True):
-        testing.assert_rel_close(got, want, 2 * testing.default_tolerance(torch.bfloat16))
+        testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype))
 
 
 def _no_key_case(case: str, head_dim: int, dtype: torch.dtype):
