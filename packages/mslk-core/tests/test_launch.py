@@ -40,6 +40,7 @@ def _specialization_samples():
     for edge in (0, 1, 16, 2**31, 2**63, 2**64 - 16):
         samples += [edge + d for d in (-17, -16, -1, 0, 1, 15, 16) if edge + d < 2**64]
     samples += [True, False, 0.0, 1.0, 1.5, None]
+    samples += [torch.nn.Parameter(t, requires_grad=False) for t in samples[:2]]  # a Tensor subclass (aligned, not)
     matrix = torch.empty(64, 64, dtype=torch.bfloat16)
     for t in (matrix, matrix[1:], matrix[:, :24], matrix.float()):
         for block in ([16, 16], [16, 32], [8, 16]):
@@ -156,12 +157,19 @@ def test_launcher_goes_through_triton_when_a_property_differs(fake_launch, chang
     assert len(slow) == 2 and len(compiled.calls) == 1
 
 
-@pytest.mark.parametrize("case", ["launch_hook", "grid_function", "unhashable", "interpreted"])
+@pytest.mark.parametrize("case", ["launch_hook", "grid_function", "unhashable", "interpreted", "too_many_arguments"])
 def test_launcher_leaves_to_triton(fake_launch, case):
-    """Launch hooks (a profiler), grids given as functions, arguments it cannot key, kernels Triton does not
-    compile (the interpreter's, autotuned ones): every launch through Triton."""
+    """Launch hooks (a profiler), grids given as functions, arguments it cannot key, more arguments than the kernel
+    has parameters (Triton raises), kernels Triton does not compile (the interpreter's, autotuned ones): every
+    launch through Triton."""
     kernel, slow, compiled, runtime = fake_launch
     grid, extra = (1,), 0.5
+    if case == "too_many_arguments":
+        launcher = launch.Launcher(kernel)
+        for _ in range(3):
+            launcher[grid](torch.empty(64), 32, 0.5, 128, True, 7)
+        assert len(slow) == 3 and not compiled.calls
+        return
     if case == "launch_hook":
         runtime.hooks = True
     elif case == "grid_function":

@@ -614,14 +614,20 @@ def _tma_readable(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     is tested and measured), 16-bit, head dims 64, 128 or 256 (others take the pointer path), 16-byte aligned rows
     and no stride 0 (K/V expanded for GQA). pointers=False leaves the data pointers unread (the dispatcher's
     question, which torch.compile asks of fake tensors): shapes and strides only."""
-    if not all(t.is_cuda and t.element_size() == 2 and t.shape[-1] in _TMA_HEAD_DIMS for t in tensors):
-        return False
+    # (loops, not generators: every dispatched call on Hopper asks, and again at launch)
+    for t in tensors:
+        if not t.is_cuda or t.element_size() != 2 or t.shape[-1] not in _TMA_HEAD_DIMS:
+            return False
     if not (arch.is_cuda() and arch.capability(tensors[0].device) == (9, 0)):
         return False
-    return not any(
-        t.stride(-1) != 1 or 0 in t.stride() or any(s % 8 for s in t.stride()[:-1]) or (pointers and t.data_ptr() % 16)
-        for t in tensors
-    )
+    for t in tensors:
+        strides = t.stride()
+        if strides[-1] != 1 or 0 in strides or (pointers and t.data_ptr() % 16):
+            return False
+        for stride in strides[:-1]:
+            if stride % 8:
+                return False
+    return True
 
 
 def _tile_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) -> tuple:
