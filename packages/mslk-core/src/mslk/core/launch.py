@@ -7,6 +7,8 @@ imported at a launcher's first launch only: mslk.core imports without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -173,7 +175,7 @@ def _itself(value):
     return value
 
 
-_specializers: dict[type, object] = {}
+_specializers: dict[type, Callable[[object], object]] = {}
 
 
 class _TritonRuntime:
