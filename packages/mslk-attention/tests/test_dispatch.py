@@ -454,9 +454,9 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
 
 
 def test_few_pairs_forward_before_cudnn_on_faked_gpu(monkeypatch):
-    """Causal attention over up to 256 (batch x head) pairs of 4096 rows or more, and long rows without a mask over
-    few pairs, on Hopper: MSLK's Gluon forward before cuDNN's (measured faster there), the backward cuDNN's; more
-    pairs, shorter rows, small problems, other masks, head dim 64 and dropout keep their kernels."""
+    """Attention over up to 256 (batch x head) pairs of 4096 rows or more with a causal mask, up to 128 without one,
+    on Hopper: MSLK's Gluon forward before cuDNN's (measured faster there), the backward cuDNN's; more pairs, shorter
+    rows, small problems, other masks, head dim 64 and dropout keep their kernels."""
     causal, bottom_right = ab.LowerTriangularMask(), ab.LowerTriangularFromBottomRightMask()
 
     def qkv(m=8192, heads=(8,), k=128):
@@ -472,12 +472,14 @@ def test_few_pairs_forward_before_cudnn_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=65536, heads=(1,)), causal), False) is triton_flash.FwOp
         for m, heads in ((4096, (48,)), (4096, (256,)), (8192, (64,)), (4096, (4, 16))):
             assert dispatch._dispatch_fw(fmha.Inputs(*qkv(m=m, heads=heads), causal), False) is triton_flash.FwOp
-        long_rows = fmha.Inputs(*qkv(m=16384, heads=(4,)))
-        assert dispatch._dispatch_fw(long_rows, True) is triton_flash.FwOp, "no mask, 16384 rows"
-        assert dispatch._dispatch_bw(long_rows, None) is cudnn.BwOp
+        for m, heads in ((8192, (8,)), (16384, (64,)), (4096, (128,)), (4096, (4, 32))):
+            no_mask = fmha.Inputs(*qkv(m=m, heads=heads))
+            assert dispatch._dispatch_fw(no_mask, True) is triton_flash.FwOp, f"no mask, {m} rows, {heads} heads"
+            assert dispatch._dispatch_bw(no_mask, None) is cudnn.BwOp
         for inputs, why in (
-            (fmha.Inputs(*few), "no mask, 8192 rows"),
-            (fmha.Inputs(*qkv(m=16384, heads=(64,))), "no mask, 64 pairs"),
+            (fmha.Inputs(*qkv(m=4096, heads=(129,))), "no mask, 129 pairs"),
+            (fmha.Inputs(*qkv(m=2048, heads=(128,))), "no mask, 2048 rows"),
+            (fmha.Inputs(*qkv(m=4096, heads=(16,))), "no mask, 16 · 2^24 scores: the host's time decides"),
             (fmha.Inputs(*qkv(m=4096, heads=(257,)), causal), "257 pairs"),
             (fmha.Inputs(*qkv(m=2048, heads=(256,)), causal), "2048 rows"),
             (fmha.Inputs(*qkv(m=4096, heads=(16,)), causal), "16 · 2^24 scores: the host's time decides"),

@@ -26,11 +26,10 @@ two passes without atomics. On Hopper, Q, dO, K and V tiles come through
 2D TMA descriptors where their rows allow (not varlen), and at head dims 64 and 128 without dropout, padded keys or
 a bias gradient the one-pass backward is triton_flash_hopper's warp-specialized Gluon kernel (1.10-1.40x this
 module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher (dispatch.py) tries them after cuDNN and
-flash on Hopper (elsewhere after all of PyTorch's kernels), and the forward before cuDNN on causal attention over
-up to 256 (batch x head) pairs of 4096 rows or more and on long rows without a mask over few pairs, where it is
-measured faster (`gluon_forward_before_cudnn`; B=4 M=4096 H=16 causal 1.03-1.05x); on the H200 the forward runs at
-0.97x cuDNN without a mask there and beats FlexAttention on sliding windows, tensor biases and varlen
-(RESULTS.md).
+flash on Hopper (elsewhere after all of PyTorch's kernels), and the forward before cuDNN on attention over up to
+256 (batch x head) pairs of 4096 rows or more with a causal mask, up to 128 without one, where it is measured faster
+(`gluon_forward_before_cudnn`; B=4 M=4096 H=16 1.05x causal, 1.02-1.03x without a mask); on the H200 it beats
+FlexAttention on sliding windows, tensor biases and varlen (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -1038,18 +1037,17 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
     return triton_flash_hopper_fwd if triton_flash_hopper_fwd.supports(q, k, v, scale, pointers) else None
 
 
-# Where the Gluon forward is measured faster than cuDNN's (H200, bf16/fp16, K=128; RESULTS.md, forty-third,
-# forty-fourth and forty-sixth sessions): its persistent programs take query blocks in pairs of equal causal work and
-# keep every SM busy to the end, where cuDNN's grid leaves some idle at its tail. Causal: 1.04-1.47x cuDNN's forward
-# with 1-16 pairs of 8192-65536 rows, 1.02-1.06x with 24-256 pairs of 4096-8192 rows (issue 5's 4 x 16 x 4096
-# 1.03-1.05x); with 128-512 pairs of 2048 rows 0.96-0.99x, and below about 2^29 scores the host's time decides. No
-# mask: 1.02-1.09x with 4-48 pairs of 16384-65536 rows (1.00x at 8192, 0.97-0.99x with 64 pairs of 4096).
+# Where the Gluon forward is measured faster than cuDNN's (H200, bf16/fp16, K=128; RESULTS.md, forty-third to
+# forty-sixth and forty-ninth sessions): its persistent programs take query blocks head by head, in pairs of equal
+# causal work, and keep every SM busy to the end, where cuDNN's grid leaves some idle at its tail. Causal: 1.04-1.47x
+# cuDNN's forward with 1-16 pairs of 8192-65536 rows, 1.02-1.06x with 24-256 pairs of 4096-8192 rows; with 256-512
+# pairs of 2048 rows 0.95-0.96x. No mask: 1.01-1.05x with 8-128 pairs of 4096-32768 rows, 1.00x with 192 pairs of
+# 4096, 0.96x with 256; 0.95-1.00x at 1024-2048 rows. Below about 2^29 scores the host's time decides.
 # Forward+backward (cuDNN's backward) 0.99-1.04x.
-_CAUSAL_PAIRS = 256
-_CAUSAL_MIN_ROWS = 4096
-_CAUSAL_MIN_SCORES = 2**29
-_LONG_ROWS_PAIRS = 48  # no mask
-_LONG_ROWS = 16384
+_CAUSAL_PAIRS = 256  # at most
+_NO_MASK_PAIRS = 128
+_MIN_ROWS = 4096
+_MIN_SCORES = 2**29
 _CAUSAL = bias_types("B01 B03")
 # Where the Gluon backward is measured faster than cuDNN's (H200, bf16, K=128, causal, 4096-32768 rows; RESULTS.md,
 # forty-seventh session): its kernels (delta, backward, dQ to 16 bits) take 5-13% less time than cuDNN's with 8-64
@@ -1064,28 +1062,25 @@ _BACKWARD_MAX_SCORES = 2**31
 
 def gluon_forward_before_cudnn(inp: Inputs) -> bool:
     """Whether MSLK's forward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): as many
-    keys as queries, no dropout, and a causal mask (top-left or bottom-right) over at most _CAUSAL_PAIRS (batch x
-    head) pairs of _CAUSAL_MIN_ROWS rows or more, _CAUSAL_MIN_SCORES scores in all, or no mask over at most
-    _LONG_ROWS_PAIRS pairs of _LONG_ROWS rows or more; operands the Gluon forward takes (their shapes and strides: a
-    data pointer off 16 bytes, seen at launch, takes the Triton kernel instead)."""
+    keys as queries, no dropout, no mask or a causal one (top-left or bottom-right), over at most _CAUSAL_PAIRS or
+    _NO_MASK_PAIRS (batch x head) pairs of _MIN_ROWS rows or more, _MIN_SCORES scores in all; operands the Gluon
+    forward takes (their shapes and strides: a data pointer off 16 bytes, seen at launch, takes the Triton kernel
+    instead)."""
     causal = type(inp.attn_bias) in _CAUSAL
     if not (causal or inp.attn_bias is None) or inp.p > 0.0:  # first: the dispatcher asks on every Hopper call
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
     pairs = _pairs(q)
-    if causal:
-        measured_faster = pairs <= _CAUSAL_PAIRS and mq >= _CAUSAL_MIN_ROWS and pairs * mq * mk >= _CAUSAL_MIN_SCORES
-    else:
-        measured_faster = pairs <= _LONG_ROWS_PAIRS and mq >= _LONG_ROWS
-    if mq != mk or pairs == 0 or not measured_faster:
+    most = _CAUSAL_PAIRS if causal else _NO_MASK_PAIRS
+    if mq != mk or mq < _MIN_ROWS or not 0 < pairs <= most or pairs * mq * mk < _MIN_SCORES:
         return False
     return _gluon_forward(*_five_dim_views(inp), None, 0.0, inp.scale_float, None, -1, pointers=False) is not None
 
 
 def gluon_backward_before_cudnn(inp: Inputs) -> bool:
     """Whether MSLK's backward comes before cuDNN's for these inputs (the dispatcher asks on Hopper, 16-bit): as many
-    keys as queries, _CAUSAL_MIN_ROWS or more, a causal mask (top-left or bottom-right) over _BACKWARD_MIN_SCORES to
+    keys as queries, _MIN_ROWS or more, a causal mask (top-left or bottom-right) over _BACKWARD_MIN_SCORES to
     _BACKWARD_MAX_SCORES scores, head dim 128, no dropout nor deterministic mode, operands the Gluon backward takes
     (their shapes and strides; the output's gradient, unknown yet, is checked at launch, where one TMA cannot read
     takes the Triton kernel)."""
@@ -1094,7 +1089,7 @@ def gluon_backward_before_cudnn(inp: Inputs) -> bool:
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
     scores = _pairs(q) * mq * mk
-    if mq != mk or mq < _CAUSAL_MIN_ROWS or q.shape[-1] != 128:
+    if mq != mk or mq < _MIN_ROWS or q.shape[-1] != 128:
         return False
     if not _BACKWARD_MIN_SCORES <= scores <= _BACKWARD_MAX_SCORES:
         return False
