@@ -1041,8 +1041,9 @@ def _gluon_forward(q, k, v, bias, p, scale, varlen, window_left, pointers=True):
 # forty-sixth and forty-ninth sessions): its persistent programs take query blocks head by head, in pairs of equal
 # causal work, and keep every SM busy to the end, where cuDNN's grid leaves some idle at its tail. Causal: 1.04-1.47x
 # cuDNN's forward with 1-16 pairs of 8192-65536 rows, 1.02-1.06x with 24-256 pairs of 4096-8192 rows; with 256-512
-# pairs of 2048 rows 0.95-0.96x. No mask: 1.01-1.05x with 8-128 pairs of 4096-32768 rows, 1.00x with 192 pairs of
-# 4096, 0.96x with 256; 0.95-1.00x at 1024-2048 rows. Below about 2^29 scores the host's time decides.
+# pairs of 2048 rows 0.95-0.96x. No mask: 1.01-1.05x with 8-128 pairs of 4096-32768 rows (0.99x in one run of 13),
+# 1.00x with 192 pairs of 4096, 0.96x with 256; 0.95-1.00x at 1024-2048 rows. Below about 2^29 scores the host's time
+# decides.
 # Forward+backward (cuDNN's backward) 0.99-1.04x.
 _CAUSAL_PAIRS = 256  # at most
 _NO_MASK_PAIRS = 128

@@ -4,7 +4,7 @@ scale, no mask or a causal one (top-left or bottom-right), with or without a ten
 varlen or left window, enough keys (triton_flash._gluon_forward decides).
 
 Persistent programs (one an SM) take tiles of 128 queries of one head in turn, as in FlashAttention-3's forward,
-in pairs of query blocks that a causal mask gives as many keys together (_tile):
+in pairs of query blocks that a causal mask gives as many keys together, head by head (_tile):
 
 - one warp loads K and V blocks of 128 keys through a ring of STAGES slots (a block's K and V in one slot, freed
   once both warpgroups' P·V is done; a tensor bias takes more rings, below), and a tile's queries, each warpgroup's
@@ -21,10 +21,10 @@ in pairs of query blocks that a causal mask gives as many keys together (_tile):
   warpgroups up more than the next queries' load now does; outputs of another dtype than the queries' (fp32 for
   merging partial attention) keep those stores.
 
-H200, bf16, H=16, forward alone (RESULTS.md, forty-sixth session; TFLOP/s): B=4 M=4096 causal 513-520 and no mask
-577-581 against cuDNN's 512-514 and 594-599, B=1 M=16384 causal 596-603 against 546-553; still short of cuDNN on
-short rows (B=16 M=1024: 470 against 550). Not taken: sliding windows (0.96x the Triton kernel, whose masked left
-edge spilled here).
+H200, bf16, forward alone (RESULTS.md, forty-ninth session; TFLOP/s, `mslk bench`): B=4 M=4096 H=16 causal 561
+and no mask 654 against cuDNN's 530 and 609 in the same run, B=1 M=16384 causal 622 against 567; short of cuDNN with
+256 (batch x head) pairs or more and on short rows (B=16 M=1024: 0.95x). Not taken: sliding windows (0.96x the
+Triton kernel, whose masked left edge spilled here).
 
 With a tensor bias, K, V and the key block's bias tile for the tile's 128 queries each have a ring of their own (a K
 slot frees once both warpgroups' scores are done, a V slot once their P·V is, a bias slot once both have read
