@@ -28,7 +28,7 @@ a bias gradient the one-pass backward is triton_flash_hopper's warp-specialized 
 module's; varlen 1.41-1.47x; with a tensor bias 1.57x). The dispatcher (dispatch.py) tries them after cuDNN and
 flash on Hopper (elsewhere after all of PyTorch's kernels), and the forward before cuDNN on attention over up to
 256 (batch x head) pairs of 4096 rows or more with a causal mask, up to 128 without one, where it is measured faster
-(`gluon_forward_before_cudnn`; B=4 M=4096 H=16 1.05x causal, 1.02-1.03x without a mask); on the H200 it beats
+(`gluon_forward_before_cudnn`; B=4 M=4096 H=16 1.05-1.06x causal, 1.02-1.03x without a mask); on the H200 it beats
 FlexAttention on sliding windows, tensor biases and varlen (RESULTS.md).
 """
 

@@ -369,7 +369,8 @@ def _flash_forward_hopper_kernel(
     (Q tiles [64, K], K and V tiles [BLOCK_N, K]), plus a tensor bias's [1, 1, 1, 128, BLOCK_N] tiles (bias_desc; None
     without one; its dimensions of stride 0 read at index 0, _bias_head); out written through out_desc's [1, 64, K]
     boxes of [B, Mq, G·H·K] where it has the queries' dtype (else None: through out_ptr). Persistent: each program
-    takes its units' tiles (_tile): pairs of the `blocks` query blocks of each of the `all_heads` batch·group·heads."""
+    takes its units' tiles (_tile): the `units` pairs of the `blocks` query blocks of each of the `all_heads`
+    batch·group·heads."""
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
