@@ -540,6 +540,17 @@ def test_causal_backward_before_cudnn_on_faked_gpu(monkeypatch):
         assert not triton_flash.gluon_backward_before_cudnn(fmha.Inputs(*qkv(), causal)), "Hopper only"
 
 
+def test_cudnn_past_head_dim_128_on_cpu_inputs():
+    """CPU inputs past head dim 128 pinned to cuDNN: declined with their reasons, no GPU asked about (none need be
+    visible)."""
+    q = torch.randn(1, 8, 2, 256, dtype=torch.float16)
+    for op in (cudnn.FwOp, cudnn.BwOp):
+        reasons = op.not_supported_reasons(fmha.Inputs(q, q, q))
+        assert reasons == ["device=cpu (supported: {'cuda'})", "query.shape[-1] > 128 needs Hopper (SM90) here"]
+    with pytest.raises(ValueError, match="needs Hopper"):
+        fmha.memory_efficient_attention(q, q, q, op=fmha.MemoryEfficientAttentionCudnnOp)
+
+
 def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
     """BMHK and BMGHK through PyTorch's fake cuDNN kernels: [B, H, M, K] views in, output, LSE and gradients
     back in the inputs' layouts."""

@@ -43,7 +43,8 @@ else:
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
     8-element aligned rows, square causal masks, real K/V rows."""
-    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and arch.capability(d.device) != (9, 0):
+    hopper = d.device.type == "cuda" and arch.is_cuda() and arch.capability(d.device) == (9, 0)
+    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not hopper:
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
