@@ -43,8 +43,7 @@ else:
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
     8-element aligned rows, square causal masks, real K/V rows."""
-    hopper = d.device.type == "cuda" and arch.is_cuda() and arch.capability(d.device) == (9, 0)
-    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not hopper:
+    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not _on_hopper(d.device):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
@@ -57,6 +56,10 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     if d.query.numel() == 0 or d.key.numel() == 0:
         reasons.append("empty query or key")
     return reasons
+
+
+def _on_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and arch.is_cuda() and arch.capability(device) == (9, 0)
 
 
 def _bhmk(t: torch.Tensor) -> torch.Tensor:
