@@ -22,7 +22,11 @@ B=1 M=16384 causal 524 against 467, B=8 K=64 causal 378 against 384 (no gain at 
 session, against the Triton kernel that served it): 1.41-1.47x, 32 x 512 to 4 x 4096 causal. Earlier (twenty-first
 session): LSE and delta through the ring rather than loaded by the multiplying warps gave 8-14%; measured slower:
 the atomics straight from the products' layout (two words a thread), an adding warp taking dQ's shares from shared
-memory with atomics, a third ring slot (no change; no room for one now).
+memory with atomics, a third ring slot (no change; no room for one now). Fiftieth session: delta read from its slot
+once dV's product has started (spills 80 -> 20 bytes at head dim 128, ptxas 12.8) made the backward 2.5-3.5% faster
+at head dim 128 (B=4 M=4096 no mask 2.73 -> 2.64 ms); measured slower: the next block's Sᵀ started under this one's
+dQ product (left in flight across the loop's back edge, ptxas serialized every warpgroup MMA: 13-18%), dK started
+after dQ to run under the dQ share's store (no gain but with the bias; that order crashes ptxas on the varlen kernel).
 """
 
 from __future__ import annotations
@@ -220,10 +224,11 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         rows = start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         lse2 = _lse2(_stat_block(lse_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout)))
-        delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
         q = q_bufs.index(slot)
         do = do_bufs.index(slot)
         if VARLEN:  # rows past the sequence: zeros, so that no product sees what lies there (NaN included)
+            # (delta here: its rows' gather takes long; 2-4% slower loaded after dV's product starts)
+            delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
             if start + BM > q_len:
                 _zero_rows_from(q, q_len - start)
                 _zero_rows_from(do, q_len - start)
@@ -241,6 +246,9 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
             p = gl.where(_visible(cols, rows, k_len, q_len, -shift, window_right, window_left), p, 0.0)
         p_a = gl.convert_layout(p.to(q.dtype), a_layout)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)  # runs while dS is taken
+        if not VARLEN:  # delta loaded only now: not held across the products (spills 80 -> 20 bytes at head dim
+            # 128, 2-4% faster)
+            delta = _stat_block(delta_rows.index(slot), q_start % 4, BM, gl.SliceLayout(0, s_layout))
         dp = warpgroup_mma_wait(1, deps=(dp,))
         ds = (p * (dp - delta[None, :])).to(q.dtype)
         ds_a = gl.convert_layout(ds, a_layout)
