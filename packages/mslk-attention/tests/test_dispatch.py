@@ -505,7 +505,7 @@ def test_few_pairs_forward_before_cudnn_on_faked_gpu(monkeypatch):
 
 
 def test_causal_backward_before_cudnn_on_faked_gpu(monkeypatch):
-    """Causal attention of 2^30 to 2^31 scores of 4096 rows or more on Hopper: MSLK's Gluon backward before cuDNN's
+    """Causal attention of 2^30 to 2^33 scores of 4096 rows or more on Hopper: MSLK's Gluon backward before cuDNN's
     (measured faster there); smaller and larger problems, shorter rows, other masks, head dim 64, dropout and the
     deterministic mode keep cuDNN's or their own."""
     causal, bottom_right = ab.LowerTriangularMask(), ab.LowerTriangularFromBottomRightMask()
@@ -514,14 +514,15 @@ def test_causal_backward_before_cudnn_on_faked_gpu(monkeypatch):
         return cuda_qkv(b=1, mq=m, mk=m, heads=heads, k=k, dtype=torch.bfloat16)
 
     with fake_gpu(monkeypatch):
-        for m, heads in ((4096, (64,)), (4096, (128,)), (8192, (16,)), (8192, (4, 8)), (16384, (4,))):
+        # 2^30, 2^31, 2^30, 2^31, 2^30, 2^33 scores
+        for m, heads in ((4096, (64,)), (4096, (128,)), (8192, (16,)), (8192, (4, 8)), (16384, (4,)), (16384, (32,))):
             for mask in (causal, bottom_right):
                 inputs = fmha.Inputs(*qkv(m, heads), mask)
                 assert dispatch._dispatch_bw(inputs, None) is triton_flash.BwOp, (m, heads)
                 assert dispatch._dispatch_fw(inputs, True) is triton_flash.FwOp, (m, heads)
         for inputs, why in (
             (fmha.Inputs(*qkv(heads=(63,)), causal), "below 2^30 scores: the host's time decides"),
-            (fmha.Inputs(*qkv(heads=(129,)), causal), "past 2^31 scores: parity"),
+            (fmha.Inputs(*qkv(heads=(513,)), causal), "past 2^33 scores: parity"),
             (fmha.Inputs(*qkv(m=2048, heads=(256,)), causal), "2048 rows"),
             (fmha.Inputs(*qkv()), "no mask"),
             (fmha.Inputs(*qkv(k=64), causal), "head dim 64"),

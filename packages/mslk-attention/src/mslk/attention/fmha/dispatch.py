@@ -4,7 +4,7 @@ Forward, NVIDIA: [flash3 (while FA3 is on), cudnn, flash, cutlass, triton_splitk
 triton_splitk]. `cudnn` (MSLK's addition to the spec's lists) takes only dense attention, where it is measured
 fastest on Hopper, except attention over up to 256 (batch x head) pairs of 4096 rows or more with a causal mask, up
 to 128 without one, where MSLK's Gluon forward comes before it (triton_flash.gluon_forward_before_cudnn),
-and causal attention of 2^30 to 2^31 scores, where MSLK's Gluon backward comes before cuDNN's
+and causal attention of 2^30 to 2^33 scores, where MSLK's Gluon backward comes before cuDNN's
 (triton_flash.gluon_backward_before_cudnn).
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first,
 and on NVIDIA puts flash before it unless the batch is varlen. Backward, NVIDIA: [flash3, cudnn, flash, cutlass];
