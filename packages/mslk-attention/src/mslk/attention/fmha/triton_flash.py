@@ -1057,7 +1057,7 @@ _CAUSAL = bias_types("B01 B03")
 # (0.86-0.98x at two of four shapes in a run whose host was slow) and 0.99-1.03x at 2^31, where cuDNN's backward gives
 # 1.00-1.04x and 0.99-1.03x; below, the host's time decides (0.84-1.01x at 2^29). Since its delta is read later
 # (fiftieth session: 2.5-3.5% faster), also from 2^31 to 2^33: 1.009-1.059x where cuDNN's backward gives 0.999-1.033x
-# (six shapes, two runs); 2^34 (1 x 16 x 32768) 1.039x against 1.037x.
+# (five shapes, one of them in two runs); 2^34 (1 x 16 x 32768) 1.039x against 1.037x.
 _BACKWARD_MIN_SCORES = 2**30
 _BACKWARD_MAX_SCORES = 2**33
 
