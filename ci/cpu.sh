@@ -12,5 +12,6 @@ $UV run --locked python tools/compat.py check
 $UV run --locked mslk env
 $UV run --locked mslk check
 # mslk-gemm's tests run in ci/slim.sh, against its installed wheel; here only the one that needs another domain.
-$UV run --locked pytest packages tools -m "not gpu" -q --ignore=packages/mslk-gemm/tests \
+# Two workers (pytest-xdist), one a core of the CI machine: 11 min against 19-20 on a slow day (fiftieth session).
+$UV run --locked pytest packages tools -m "not gpu" -q -n 2 --ignore=packages/mslk-gemm/tests \
     packages/mslk-gemm/tests/test_int4_gemm.py::test_layouts_match_mslk_quantize
