@@ -25,6 +25,7 @@ from mslk.attention.fmha.common import (
     check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     check_not_expanded,
+    on_hopper,
 )
 from mslk.attention.fmha.flash import _mergeable_heads
 from mslk.core import arch
@@ -43,7 +44,7 @@ else:
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
     8-element aligned rows, square causal masks, real K/V rows."""
-    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not _on_hopper(d.device):  # (the device asked only then)
+    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
@@ -56,10 +57,6 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     if d.query.numel() == 0 or d.key.numel() == 0:
         reasons.append("empty query or key")
     return reasons
-
-
-def _on_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and arch.is_cuda() and arch.capability(device) == (9, 0)
 
 
 def _bhmk(t: torch.Tensor) -> torch.Tensor:
