@@ -73,6 +73,26 @@ def test_compiled_callers_read_the_kept_answers(mock_gpu, monkeypatch):
     assert queries == [0]
 
 
+H100_SXM = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132)
+B200 = SimpleNamespace(name="NVIDIA B200", major=10, minor=0, multi_processor_count=148)
+
+
+@pytest.mark.parametrize(
+    ("props", "hip", "hopper"),
+    [(H200, None, True), (H100_SXM, None, True), (B200, None, False), (MI250, "7.1.0", False)],
+)
+def test_on_hopper(mock_gpu, props, hip, hopper):
+    """Hopper is an NVIDIA sm_90 GPU (MI250 reports capability 9.0 too); a CPU tensor asks no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    queries = mock_gpu(props, hip=hip)
+    assert not arch.on_hopper(torch.ones(2))
+    assert queries == []
+    with FakeTensorMode():
+        on_gpu = torch.ones(2, device="cuda")
+    assert arch.on_hopper(on_gpu) is hopper
+
+
 def test_gfx942_uses_fnuz(mock_gpu):
     mock_gpu(MI300X, hip="7.1.0")
     assert arch.vendor() == "amd" and arch.gfx_arch() == "gfx942"

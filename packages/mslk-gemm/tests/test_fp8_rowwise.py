@@ -166,7 +166,7 @@ def test_compile_and_export():
 
 def test_scaled_mm_backend_serves_its_measured_shape_class(monkeypatch):
     """torch._scaled_mm (cuBLAS) serves M > 1024 on SM90 (where it measured faster); the Triton kernel the rest."""
-    monkeypatch.setattr(arch, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(arch, "on_hopper", lambda t: True)
     backend = g.f8f8bf16_rowwise_op.get_backend("torch._scaled_mm")
     backends = [b.name for b in g.f8f8bf16_rowwise_op.backends]
     assert backends.index("torch._scaled_mm") < backends.index("triton")
@@ -180,7 +180,7 @@ def test_scaled_mm_backend_serves_its_measured_shape_class(monkeypatch):
     assert "the Triton kernel is faster there" in reasons(1024)[0]
     assert "bias torch.float32" in reasons(2048, bias=torch.empty(256))[0]
     assert "multiples of 16" in reasons(2048, n=250)[0]
-    monkeypatch.setattr(arch, "capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(arch, "on_hopper", lambda t: False)
     assert "SM90 only" in reasons(2048)[0]
 
 

@@ -115,6 +115,13 @@ def capability(device: torch.device | int | None = None) -> tuple[int, int]:
     return device_info(device).capability
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether tensor t is on an NVIDIA Hopper GPU (SM90), where MSLK's Gluon and TMA kernels run and their dispatch
+    rules were measured; a CPU tensor asks no GPU. Asked of the tensor (`t.is_cuda`), not of a device, so that
+    offline compiles of the Hopper kernels can stand in for a GPU by patching `is_cuda` (tools/tests)."""
+    return t.is_cuda and is_cuda() and capability(t.device) == (9, 0)
+
+
 def sm_count(device: torch.device | int | None = None) -> int:
     return device_info(device).sm_count
 

@@ -55,12 +55,6 @@ def rocm_build() -> bool:
     return arch.hip_version() is not None
 
 
-def on_hopper(t: torch.Tensor) -> bool:
-    """Whether tensor t is on an NVIDIA Hopper GPU (SM90), where MSLK's Gluon kernels run and the dispatch rules were
-    measured. (A CPU tensor asks no GPU.)"""
-    return t.is_cuda and arch.is_cuda() and arch.capability(t.device) == (9, 0)
-
-
 def bias_types(ids: str) -> frozenset[type]:
     """The bias classes named by spec IDs: "None T B01 B03-B10" (ranges inclusive)."""
     types = set()

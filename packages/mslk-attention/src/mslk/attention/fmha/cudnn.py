@@ -25,7 +25,6 @@ from mslk.attention.fmha.common import (
     check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     check_not_expanded,
-    on_hopper,
 )
 from mslk.attention.fmha.flash import _mergeable_heads
 from mslk.core import arch
@@ -44,7 +43,7 @@ else:
 def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
     8-element aligned rows, square causal masks, real K/V rows."""
-    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not on_hopper(d.query):  # (the device asked only then)
+    if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not arch.on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)

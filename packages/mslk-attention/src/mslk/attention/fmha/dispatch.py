@@ -41,7 +41,6 @@ from mslk.attention.fmha.common import (
     AttentionOpBase,
     Inputs,
     bias_type,
-    on_hopper,
     rocm_build,
 )
 from mslk.core import arch, env
@@ -170,7 +169,7 @@ def _triton_flash_first(inp: Inputs, needs_gradient: bool) -> bool:
     and 64 PyTorch's backward is faster). fp32 stays with PyTorch's kernels (4-7x faster than our IEEE products).
     torch.compile'd code too: the Triton launches are torch ops it does not trace into."""
     return (
-        on_hopper(inp.query)
+        arch.on_hopper(inp.query)
         and inp.query.dtype in (torch.float16, torch.bfloat16)
         and (not needs_gradient or inp.query.shape[-1] >= 128)
     )

@@ -49,7 +49,6 @@ from mslk.attention.fmha.common import (
     VarlenArgs,
     bias_types,
     causal_window,
-    on_hopper,
     tensor_bias,
     varlen_args,
 )
@@ -589,7 +588,7 @@ def _tiles(
         return (16, 32, 4, 2) if kind == "dkdv" else (32, 16, 4, 2)
     if q.dtype == torch.float32:
         return 16, 16, 4, 2
-    if not on_hopper(q):
+    if not arch.on_hopper(q):
         block = (64 if head_block <= 128 else 32) // (1 if kind == "fwd" else 2)
         return block, block, 4, 2
     if kind == "fwd" and tma:
@@ -618,7 +617,7 @@ def _tma_readable(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     for t in tensors:
         if not t.is_cuda or t.element_size() != 2 or t.shape[-1] not in _TMA_HEAD_DIMS:
             return False
-    if not on_hopper(tensors[0]):
+    if not arch.on_hopper(tensors[0]):
         return False
     for t in tensors:
         strides = t.stride()

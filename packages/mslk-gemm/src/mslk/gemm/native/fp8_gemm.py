@@ -82,16 +82,12 @@ def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.view(x.shape), scale.reshape(())
 
 
-def _rowwise_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and arch.is_cuda() and arch.capability(device) == (9, 0)
-
-
 def _samples(device):
     xq, x_scale = quantize_tensor(testing.randn(37, 64, device=device))
     wq, w_scale = quantize_tensor(testing.randn(24, 64, device=device, std=0.5))
     yield registry.Sample((xq, wq, x_scale, w_scale))  # N = 24: padded to 32 for cuBLASLt
     yield registry.Sample((xq, wq))
-    if device.type == "cpu" or _rowwise_supported(device):
+    if device.type == "cpu" or arch.on_hopper(xq):
         x3, x3_scale = fp8_gemm.quantize_rows(testing.randn(2, 5, 48, device=device))
         w3, w3_scale = fp8_gemm.quantize_rows(testing.randn(40, 48, device=device))
         yield registry.Sample((x3, w3, x3_scale, w3_scale, False))

@@ -209,9 +209,7 @@ def supports(a: torch.Tensor, b: torch.Tensor, a_scale_rows: int, b_scale_rows: 
     16-byte aligned rows), more than 64 rows (smaller M runs the Triton kernel's 64-row tiles), scale blocks
     covering whole K steps and whole tiles (or single rows of a)."""
     return (
-        a.is_cuda
-        and torch.version.hip is None
-        and arch.capability(a.device) == (9, 0)
+        arch.on_hopper(a)
         and a.dtype == b.dtype == torch.float8_e4m3fn
         and a.shape[0] > 64
         and (a_scale_rows == 1 or a_scale_rows % BLOCK_M == 0)

@@ -426,7 +426,7 @@ def _scaled_mm_reasons(XQ, WQ, bias, out_dtype) -> list[str]:
     m, k, n = XQ.numel() // max(XQ.shape[-1], 1), XQ.shape[-1], WQ.shape[0]
     if m < _SCALED_MM_MIN_M:
         reasons.append(f"M={m} < {_SCALED_MM_MIN_M}: the Triton kernel is faster there")
-    if torch.version.hip is not None or arch.capability(XQ.device) != (9, 0):
+    if not arch.on_hopper(XQ):
         reasons.append("measured on SM90 only (the Triton kernel serves other GPUs)")
     if XQ.dtype != torch.float8_e4m3fn or k % 16 or n % 16:
         reasons.append(f"cuBLAS FP8 needs float8_e4m3fn with K and N multiples of 16, got {XQ.dtype}, K={k}, N={n}")

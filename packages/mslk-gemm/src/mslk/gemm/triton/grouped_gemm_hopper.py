@@ -185,9 +185,7 @@ def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     TMA can read as [R, K] and [G·N, K] (K-contiguous, 16-byte aligned rows, b's groups back to back), out with
     unit column stride."""
     return (
-        a.is_cuda
-        and torch.version.hip is None
-        and arch.capability(a.device) == (9, 0)
+        arch.on_hopper(a)
         and a.dtype == b.dtype == torch.float8_e4m3fn
         and b.dim() == 3
         and b.stride(0) == b.shape[1] * b.stride(1)

@@ -276,14 +276,12 @@ def supports(
     m, k = X.shape
     unit = 2 * RUN if shuffled else RUN  # a run's k lie in one block of 128 k of the preshuffled layout
     return (
-        X.is_cuda
-        and torch.version.hip is None
+        arch.on_hopper(X)
         and X.dtype == torch.bfloat16
         and 0 < m <= MAX_M
         and k % unit == 0
         and group_size % unit == 0
         and (STAGE_K % group_size == 0 or group_size % STAGE_K == 0)
-        and arch.capability(X.device) == (9, 0)
         and all(tma_ready(t) for t in (W, scale, zero))
     )
 

@@ -238,12 +238,10 @@ def supports(X: torch.Tensor, W: torch.Tensor, group_size: int) -> bool:
     """Whether the kernel serves X [M, K] and plain packed W [N, K / 2]: an sm_90 GPU, bf16 activations, whole K
     steps and groups of whole K steps, operands TMA can read (K-contiguous, 16-byte aligned rows)."""
     return (
-        X.is_cuda
-        and torch.version.hip is None
+        arch.on_hopper(X)
         and X.dtype == torch.bfloat16
         and group_size % BLOCK_K == 0
         and X.shape[1] % BLOCK_K == 0
-        and arch.capability(X.device) == (9, 0)
         and tma_ready(X)
         and tma_ready(W)
     )
