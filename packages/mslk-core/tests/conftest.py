@@ -13,12 +13,12 @@ _names = itertools.count()
 
 
 @triton.jit
-def _scale_rows_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+def _scale_rows_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_scale, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(tl.float32)
-    s = tl.load(scale_ptr + row)
+    s = tl.load(scale_ptr + row * stride_scale)
     tl.store(out_ptr + row * stride_out + cols, (x * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -30,7 +30,7 @@ def scale_rows_triton(x, scale):
     out = testing.empty_poisoned(*x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         grid = (x.shape[0], triton.cdiv(x.shape[1], 64))
-        _scale_rows_kernel[grid](x, scale, out, x.shape[1], x.stride(0), out.stride(0), BLOCK=64)
+        _scale_rows_kernel[grid](x, scale, out, x.shape[1], x.stride(0), scale.stride(0), out.stride(0), BLOCK=64)
     return out
 
 

@@ -191,6 +191,27 @@ def test_layout_problems_catch_a_kernel_that_ignores_strides(fresh_ops):
     assert testing.layout_problems(fresh_ops(), sample) == []
 
 
+def test_layout_problems_catch_a_fake_kernel_with_other_strides(fresh_ops):
+    """torch.compile lays out the code around an op by its fake kernel: the real outputs must have its strides too,
+    whatever the inputs' layouts (here the reference keeps a column-major x's layout, the fake says contiguous)."""
+    wrong = fresh_ops(fake=lambda x, scale: x.new_empty(x.shape))
+    sample = next(iter(wrong.samples(torch.device("cpu"))))
+    assert [p for p in testing.check_against_reference(wrong, sample)] == []  # (contiguous inputs: alike)
+    problems = testing.layout_problems(wrong, sample)
+    assert len(problems) == 1 and "x in column-major: AssertionError: output 0: the fake kernel says" in problems[0]
+    assert "strides (5, 1), the kernel gives (3, 5) torch.bfloat16 strides (1, 3)" in problems[0], problems
+
+
+@pytest.mark.skipif(not testing.interpreting(), reason="runs the Triton kernel on CPU (TRITON_INTERPRET=1)")
+def test_triton_layout_problems_compare_the_kernel_with_the_fake(fresh_ops):
+    triton = registry.triton_missing  # (how triton_layout_problems knows a Triton backend)
+    column_major = fresh_ops(fake=lambda x, scale: x.mT.contiguous().mT, available=triton)  # the kernel writes rows
+    sample = next(iter(column_major.samples(torch.device("cpu"))))
+    problems = testing.triton_layout_problems(column_major, sample)
+    assert len(problems) == 1 and "triton: output 0: the fake kernel says" in problems[0], problems
+    assert testing.triton_layout_problems(fresh_ops(available=triton), sample) == []
+
+
 def test_device_mixing_problems(fresh_ops):
     op = fresh_ops()
     sample = next(iter(op.samples(torch.device("cpu"))))

@@ -232,14 +232,23 @@ def check_against_reference(op: Op, sample: Sample) -> list[str]:
 
 
 def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
+    """Where the fake kernel's outputs differ from the real ones in shape, dtype or strides (torch.compile lays out
+    the code around an op by its fake kernel)."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in sample.args)
         fake = _flat(op.torch_op(*args, **sample.kwargs))
     return [
-        f"output {i}: the fake kernel says {tuple(f.shape)} {f.dtype}, the kernel gives {tuple(r.shape)} {r.dtype}"
+        f"output {i}: the fake kernel says {tuple(f.shape)} {f.dtype} strides {f.stride()}, the kernel gives "
+        f"{tuple(r.shape)} {r.dtype} strides {r.stride()}"
         for i, (f, r) in enumerate(zip(fake, real, strict=True))
-        if isinstance(r, torch.Tensor) and (f.shape != r.shape or f.dtype != r.dtype)
+        if isinstance(r, torch.Tensor) and (f.shape != r.shape or f.dtype != r.dtype or not _same_layout(f, r))
     ]
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape hold their elements alike in memory (a dimension of size 1 may have any
+    stride; an empty tensor has no layout)."""
+    return a.numel() == 0 or all(n == 1 or s == t for n, s, t in zip(a.shape, a.stride(), b.stride(), strict=True))
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -297,11 +306,18 @@ def layout_problems(op: Op, sample: Sample) -> list[str]:
     """The op (through torch.ops) on the sample's tensors in other layouts against the reference (see
     `_layout_problems`). Returns what went wrong."""
 
-    def call(args, kwargs):
-        results, written = _outputs(op, op.torch_op, args, kwargs)
-        return results + written
+    expected = _reference_outputs(op, sample)
+    return _layout_problems(op, sample, lambda args, kwargs: _outputs_as_faked(op, op.torch_op, args, kwargs), expected)
 
-    return _layout_problems(op, sample, call, _reference_outputs(op, sample))
+
+def _outputs_as_faked(op: Op, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """fn's results and the tensors it wrote into (`_outputs`), its results first checked against the fake kernel's:
+    an AssertionError where they differ (which `_layout_problems` reports with the layout)."""
+    results, written = _outputs(op, fn, args, kwargs)
+    fake = _fake_problems(op, Sample(tuple(args), kwargs), results)
+    if fake:
+        raise AssertionError("; ".join(fake))
+    return results + written
 
 
 def triton_layout_problems(op: Op, sample: Sample) -> list[str]:
@@ -321,11 +337,13 @@ def triton_layout_problems(op: Op, sample: Sample) -> list[str]:
             reasons = list(backend.supports(*args, **kwargs)) if backend.supports is not None else []
             if reasons:
                 raise NotImplementedError(f"{backend.name}: {'; '.join(reasons)}")
-            results, written = _outputs(op, backend.impl, args, kwargs)
-            return results + written
+            return _outputs_as_faked(op, backend.impl, args, kwargs)
 
         try:
             expected = call(*_replaced(sample))
+        except AssertionError as exc:  # (not refused: the fake kernel says other outputs)
+            problems.append(f"{op.qualname}: {backend.name}: {exc}")
+            continue
         except Exception:  # refused, or beyond the interpreter (see the docstring)
             continue
         problems += _layout_problems(op, sample, call, expected)

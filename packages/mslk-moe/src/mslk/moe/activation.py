@@ -42,7 +42,7 @@ def _silu_mul(x0, x1, valid_token_count=None):
     valid = valid_rows(x0.shape[0], valid_token_count, x0.device)
     if valid is not None:  # rows at or past the count are zero, +0 even where x0 or x1 hold NaN or inf
         out = torch.where(valid[:, None], out, 0.0)
-    return out.to(x0.dtype)
+    return out.to(x0.dtype).contiguous()  # (the kernel's layout, whatever x0's: `to` keeps an fp32 view as it is)
 
 
 def _samples(device):
@@ -55,7 +55,7 @@ silu_mul_op = registry.Op(
     "mslk::silu_mul(Tensor x0, Tensor x1, Tensor? valid_token_count=None) -> Tensor",
     domain="moe",
     reference=_silu_mul,
-    fake=lambda x0, x1, valid_token_count=None: torch.empty_like(x0),
+    fake=lambda x0, x1, valid_token_count=None: x0.new_empty(x0.shape),
     samples=_samples,
     validate=_validate,
     reference_devices=("cpu", "cuda"),
@@ -88,7 +88,7 @@ silu_mul_quant_op = registry.Op(
     domain="moe",
     reference=_silu_mul_quant,
     fake=lambda x0, *args: (
-        torch.empty_like(x0, dtype=arch.fp8_dtype(x0.device)),
+        x0.new_empty(x0.shape, dtype=arch.fp8_dtype(x0.device)),
         x0.new_empty(x0.shape[:-1], dtype=torch.float32),
     ),
     samples=_quant_samples,

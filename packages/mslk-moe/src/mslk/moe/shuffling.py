@@ -342,7 +342,7 @@ def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
 
 def _combine(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False):
     sizes, rank_rows, kept = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
-    out = torch.zeros_like(tokens)
+    out = tokens.new_zeros(tokens.shape)  # (contiguous, as the fake kernel says)
     if sizes.numel():
         chunk, offset, used = _expert_side(tokens, sizes)  # each output row reads its rank-ordered row
         out = torch.where(used[:, None], tokens[torch.where(used, rank_rows[chunk] + offset, 0)], out)
@@ -373,7 +373,7 @@ combine_shuffling_op = registry.Op(
     domain="moe",
     reference=_combine,
     fake=lambda tokens, token_counts, expert_start=None, expert_end=None, is_padded=False: (
-        torch.empty_like(tokens),
+        tokens.new_empty(tokens.shape),
         token_counts.new_empty(
             ((token_counts.shape[1] if expert_end is None else expert_end) - (expert_start or 0)) + 1,
             dtype=torch.int32,
@@ -390,7 +390,7 @@ split_shuffling_op = registry.Op(
     "bool? is_padded=False, bool? init_with_zeros=False) -> Tensor",
     domain="moe",
     reference=_split,
-    fake=lambda tokens, *args, **kwargs: torch.empty_like(tokens),
+    fake=lambda tokens, *args, **kwargs: tokens.new_empty(tokens.shape),
     samples=_shuffle_samples,
     validate=lambda tokens, token_counts, expert_start=None, expert_end=None, *args: _validate_shuffle(
         "split_shuffling", tokens, token_counts, expert_start, expert_end

@@ -66,7 +66,8 @@ def _quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype)
     q = (x.float() * (qmax / amax)).clamp(-qmax, qmax)
     if integer:
         q = q.round().nan_to_num(nan=0.0)
-    return q.to(dtype), amax / qmax
+    # Contiguous, as the kernels write it (elementwise ops would keep x's layout, a transposed one included).
+    return q.to(dtype).contiguous(), amax / qmax
 
 
 def quantize_int8_row(a: torch.Tensor, scale_ub: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

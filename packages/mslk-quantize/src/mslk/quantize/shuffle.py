@@ -124,17 +124,18 @@ def _validate_preshuffle(wq, w_scale):
 def _preshuffle_reference(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = PRESHUFFLE_RUN // 2
     q = unpack_int4(wq).unflatten(-1, (-1, 2, half))  # [..., N, K/128, (low k, high k), 64]
-    shuffled = ((q[..., 0, :] & 0xF) | (q[..., 1, :] << 4)).flatten(-2)
-    if w_scale.dtype == torch.bfloat16:
-        return shuffled, w_scale.clone()  # a new tensor: an op's outputs must not alias its inputs
+    # Contiguous outputs whatever the inputs' layouts (the fake kernel's).
+    shuffled = ((q[..., 0, :] & 0xF) | (q[..., 1, :] << 4)).flatten(-2).contiguous()
+    if w_scale.dtype == torch.bfloat16:  # a new tensor: an op's outputs must not alias its inputs
+        return shuffled, w_scale.clone(memory_format=torch.contiguous_format)
     magnitudes = torch.arange(1, 9, dtype=torch.float32, device=w_scale.device)
     lut = (w_scale.float().unsqueeze(-2) * magnitudes[:, None]).to(torch.float8_e4m3fn)  # [..., K/gs, 8, N]
-    return shuffled, lut
+    return shuffled, lut.contiguous()
 
 
 def _preshuffle_fake(wq, w_scale):
     lut = w_scale.new_empty((*w_scale.shape[:-1], 8, w_scale.shape[-1]))
-    return torch.empty_like(wq), w_scale.new_empty(w_scale.shape) if w_scale.dtype == torch.bfloat16 else lut
+    return wq.new_empty(wq.shape), w_scale.new_empty(w_scale.shape) if w_scale.dtype == torch.bfloat16 else lut
 
 
 def _preshuffle_samples(device):

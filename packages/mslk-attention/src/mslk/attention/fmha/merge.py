@@ -73,11 +73,11 @@ def _merge_backward_reference(attn_split, lse_split, attn_out, lse_out, grad_att
     dtype = _math_dtype(*attn_split, *lse_split, attn_out, lse_out, grad_attn, grad_lse)
     grad = grad_attn.to(dtype).movedim(-4, -2)  # [B, G, H, M, K], attn_split's layout
     grad_dot_out = (grad * attn_out.to(dtype).movedim(-4, -2)).sum(-1)  # ⟨g, Out⟩ [B, G, H, M]
-    d_attn, d_lse = [], []
-    for attn, lse in zip(attn_split, lse_split, strict=True):
+    d_attn, d_lse = _backward_outputs(attn_split, lse_split)  # (the kernels' layouts)
+    for attn, lse, d_a, d_l in zip(attn_split, lse_split, d_attn, d_lse, strict=True):
         w = _weights(lse.to(dtype), lse_out.to(dtype))  # [B, G, H, M]
-        d_attn.append((w[..., None] * grad).to(attn.dtype))
-        d_lse.append((w * ((grad * attn.to(dtype)).sum(-1) - grad_dot_out + grad_lse.to(dtype))).to(lse.dtype))
+        d_a.copy_(w[..., None] * grad)
+        d_l.copy_(w * ((grad * attn.to(dtype)).sum(-1) - grad_dot_out + grad_lse.to(dtype)))
     return d_attn, d_lse
 
 
@@ -165,7 +165,8 @@ def _stacked_outputs(attn_split, lse_split, write_lse, output_dtype):
     return _new_outputs(attn_split, lse_split, write_lse, output_dtype, *attn_split.shape[1:])
 
 
-def _backward_outputs(attn_split, lse_split, attn_out, lse_out, grad_attn, grad_lse):
+def _backward_outputs(attn_split, lse_split, *args):
+    """The gradients of attn_split and lse_split, in their layouts."""
     return [torch.empty_like(a) for a in attn_split], [torch.empty_like(lse) for lse in lse_split]
 
 

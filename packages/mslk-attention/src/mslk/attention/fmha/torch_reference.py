@@ -33,7 +33,7 @@ _ALL_BIASES = bias_types("None T B01-B22")
 
 def _heads_last(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[B, (G, H,) M, K] float64 -> like's layout [B, M, (G, H,) K] and dtype, contiguous as a kernel writes it."""
-    return t.movedim(-2, 1).to(like.dtype, memory_format=torch.contiguous_format)
+    return t.movedim(-2, 1).to(like.dtype).contiguous()  # (`to` keeps a float64 view as it is, memory_format or not)
 
 
 class FwOp(AttentionFwOpBase):
@@ -56,7 +56,7 @@ class FwOp(AttentionFwOpBase):
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
         # A float64 query keeps the output exact until the cast to the requested dtype.
         out, lse = attention_reference(inp.query.double(), inp.key, inp.value, inp.attn_bias, inp.scale)
-        out = out.to(inp.get_output_dtype(), memory_format=torch.contiguous_format)
+        out = out.to(inp.get_output_dtype()).contiguous()
         return out, Context(lse=lse, out=out) if needs_gradient else None
 
 

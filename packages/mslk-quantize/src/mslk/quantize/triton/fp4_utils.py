@@ -61,8 +61,8 @@ def fp4_to_float(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] codes -> [..., K/2] uint8, the even element in the low nibble."""
-    return codes[..., ::2] | (codes[..., 1::2] << 4)
+    """[..., K] codes -> [..., K/2] uint8, the even element in the low nibble (contiguous, whatever codes' layout)."""
+    return (codes[..., ::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

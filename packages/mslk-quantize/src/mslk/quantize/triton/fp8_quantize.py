@@ -491,12 +491,20 @@ def _validate_tensor(a, use_triton=True):
     check_float_input("quantize_fp8_tensor", "a", a)
 
 
+def _tensor_output(a: torch.Tensor) -> torch.Tensor:
+    """quantize_fp8_tensor's xq, uninitialized: a's memory format where a's elements fill it (`_dense_in_memory`:
+    contiguous or channels_last(_3d)), else contiguous."""
+    fp8 = arch.fp8_dtype(a.device)
+    return torch.empty_like(a, dtype=fp8) if _dense_in_memory(a) else a.new_empty(a.shape, dtype=fp8)
+
+
 def _tensor_reference(a, use_triton=True):
-    return reference.quantize_fp8_tensor(a, arch.FP8_EPS, arch.fp8_dtype(a.device))
+    xq, scale = reference.quantize_fp8_tensor(a, arch.FP8_EPS, arch.fp8_dtype(a.device))
+    return _tensor_output(a).copy_(xq), scale
 
 
 def _tensor_fake(a, use_triton=True):
-    return torch.empty_like(a, dtype=arch.fp8_dtype(a.device)), a.new_empty((), dtype=torch.float32)
+    return _tensor_output(a), a.new_empty((), dtype=torch.float32)
 
 
 def _tensor_samples(device):
@@ -575,7 +583,7 @@ def triton_quantize_fp8_tensor(a, use_triton=True):
     if not _dense_in_memory(a):
         a = a.contiguous()
     fp8 = arch.fp8_dtype(a.device)
-    xq = torch.empty_like(a, dtype=fp8)  # same memory format as a, so flat storage order matches
+    xq = _tensor_output(a)  # a's memory format, so that flat storage order matches
     scale = torch.empty((), dtype=torch.float32, device=a.device)
     n = a.numel()
     sms = arch.sm_count(a.device) if a.is_cuda else 2  # a CPU tensor: the interpreter (T1)

@@ -28,7 +28,7 @@ def _reference(a, scale_ub=None):
 
 
 def _fake(a, scale_ub=None):
-    return torch.empty_like(a, dtype=torch.int8), a.new_empty(a.shape[:-1], dtype=torch.float32)
+    return a.new_empty(a.shape, dtype=torch.int8), a.new_empty(a.shape[:-1], dtype=torch.float32)
 
 
 def _samples(device):
