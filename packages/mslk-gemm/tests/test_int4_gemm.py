@@ -197,6 +197,18 @@ def test_bf16i4bf16_shuffled_grouped(rows, sizes, n, k, gs, index_dtype):
     assert (out[sum(sizes) :] == 0).all()
 
 
+def test_shuffled_grouped_negative_sizes_count_as_zero():
+    """M_sizes live on the device, unchecked: a negative size takes no rows, in the kernel and the reference alike
+    (the reference once sliced X[start:start + m] with m < 0, Python's negative indexing)."""
+    x = testing.randn(5, 128, dtype=torch.bfloat16, device=DEVICE)
+    _, w, scale, zero = bf16_inputs(2, m=1, n=40, k=128, gs=64)
+    m_sizes = torch.tensor([-2, 5], device=DEVICE)
+    expected = oracle(x, g.dequantize_int4(w, scale, zero, shuffled=True)[1])
+    op = g.bf16i4bf16_shuffled_grouped_op
+    for grouped in (op.get_backend("triton").impl, op.reference):
+        testing.assert_rel_close(grouped(x, w, scale, zero, m_sizes), expected, TOL)
+
+
 @pytest.mark.parametrize(("rows", "sizes", "n", "k", "gs"), GROUPED[:3], ids=str)
 def test_f8i4bf16_shuffled_grouped(rows, sizes, n, k, gs):
     xq, x_scale = quantize_rows(testing.randn(rows, k, device=DEVICE))

@@ -329,6 +329,26 @@ def test_gather_indices_outside_x_or_scores_give_zero_rows(tokens, experts):
         testing.assert_rel_close(out[readable], expected)
 
 
+@pytest.mark.parametrize("tokens", [5, 0])
+def test_scatter_rows_past_the_count_or_outside_out_add_nothing(tokens):
+    """Rows past valid_token_count (index_shuffling leaves anything there) and indices outside out_tokens add
+    nothing, kernel and reference alike (neither reads an index on the host)."""
+    from mslk.moe import gather_scatter as gs
+
+    rows = testing.randn(6, 40, device=DEVICE)
+    token_indices = torch.tensor([0, tokens, -1, 1, 999, 2], dtype=torch.int32, device=DEVICE)
+    count = torch.tensor([5], device=DEVICE)  # the last row, into token 2, is past it
+    adds = (token_indices >= 0) & (token_indices < tokens) & (torch.arange(6, device=DEVICE) < 5)
+    expected = testing.randn(tokens, 40, device=DEVICE)
+    before = expected.clone()
+    expected.index_add_(0, token_indices[adds].long(), rows[adds])
+    op = gs.scatter_add_dense_tokens_op
+    for scatter in (op.get_backend("triton").impl, op.reference):
+        out = before.clone()
+        scatter(out, rows, token_indices, count)
+        testing.assert_rel_close(out, expected, 1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "d", "top_k"), [(4096, 5120, 1), (1000, 7168, 8), (333, 1000, 2), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("with_count", [False, True])

@@ -204,13 +204,21 @@ def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=No
     )  # fmt: skip
 
 
+def _add_rows(out_tokens, rows, token_indices, adds):
+    """out_tokens[token_indices[i]] += rows[i] (summed in fp32, rounded once) where adds[i] (None: every row) and the
+    token lies in out_tokens, as the kernel's _scatter_row decides; the other rows add zero to token 0, whatever they
+    hold, without reading anything on the host."""
+    if not out_tokens.shape[0]:  # no token to add into
+        return
+    tokens = token_indices.long()
+    in_range = (tokens >= 0) & (tokens < out_tokens.shape[0])
+    adds = in_range if adds is None else adds & in_range
+    values = torch.where(adds[:, None], rows.float(), 0.0)
+    out_tokens.copy_(out_tokens.float().index_add_(0, tokens.where(adds, 0), values))
+
+
 def _scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
-    values = in_tokens.float()
-    valid = valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device)
-    if valid is not None:  # rows past the count add zero, whatever they hold
-        values = torch.where(valid[:, None], values, 0.0)
-    total = out_tokens.float().index_add_(0, token_indices.long(), values)
-    out_tokens.copy_(total)
+    _add_rows(out_tokens, in_tokens, token_indices, valid_rows(in_tokens.shape[0], valid_token_count, in_tokens.device))
 
 
 def _scatter_samples(device):
@@ -342,8 +350,9 @@ def scatter_add_dense_tokens(
     token_indices: torch.Tensor,
     valid_token_count: torch.Tensor | None = None,
 ) -> None:
-    """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place.
-    Tokens that one row adds into are rounded once on every device; on a GPU, tokens that several rows add into
+    """`out_tokens[token_indices[i]] += in_tokens[i]` for the first valid_token_count rows (spec M-05), in place;
+    a row whose token index lies outside out_tokens adds nothing (indices are not read on the host). Tokens that
+    one row adds into are rounded once on every device; on a GPU, tokens that several rows add into
     get the rows added one by one in no fixed order, each rounded to out_tokens' dtype (as the reference
     library's atomic adds), while the PyTorch path (CPU, or torch deterministic mode) sums them in fp32 and
     rounds once."""
@@ -390,12 +399,8 @@ def _padded_source_rows(in_tokens: torch.Tensor, token_counts: torch.Tensor) -> 
 
 
 def _scatter_padded(in_tokens, token_counts, token_indices, out_tokens):
-    source = _padded_source_rows(in_tokens, token_counts)
-    valid = source >= 0
-    values = in_tokens.flatten(0, 1)[source.clamp(min=0)].float()
-    values = torch.where(valid[:, None], values, 0.0)  # padding rows add zero, whatever they hold
-    total = out_tokens.float().index_add_(0, torch.where(valid, token_indices.long(), 0), values)
-    out_tokens.copy_(total)
+    source = _padded_source_rows(in_tokens, token_counts)  # -1: a padding row, which adds nothing
+    _add_rows(out_tokens, in_tokens.flatten(0, 1)[source.clamp(min=0)], token_indices, source >= 0)
 
 
 def _scatter_padded_samples(device):

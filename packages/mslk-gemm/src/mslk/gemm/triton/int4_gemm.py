@@ -159,10 +159,11 @@ def _matmul_reference(X, w, x_scale=None, w_scale=None) -> torch.Tensor:
 
 
 def _grouped_reference(X, w, M_sizes, x_scale=None, w_scale=None) -> torch.Tensor:
-    """Per-group _matmul_reference (reads M_sizes on the host); rows past ΣM_sizes are zero."""
+    """Per-group _matmul_reference (reads M_sizes on the host); a negative size counts as 0, as the kernel reads it;
+    rows past ΣM_sizes are zero."""
     out = torch.zeros(X.shape[0], w.shape[-2], dtype=torch.bfloat16, device=X.device)
     start = 0
-    for g, m in enumerate(M_sizes.tolist()):
+    for g, m in enumerate(M_sizes.clamp(min=0).tolist()):
         rows = slice(start, start + m)
         out[rows] = _matmul_reference(
             X[rows], w[g], None if x_scale is None else x_scale[rows], None if w_scale is None else w_scale[g]
