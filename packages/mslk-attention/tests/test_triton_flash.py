@@ -3,6 +3,7 @@ BMHK / BMGHK / stride-0 GQA, Kv != K, fp32 / fp16 / bf16, custom scale, output d
 the LSE layouts. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
 
 import contextlib
+import sys
 from unittest import mock
 
 import pytest
@@ -167,6 +168,29 @@ def test_pinned_through_memory_efficient_attention():
     assert triton_flash.FwOp in fmha.ALL_FW_OPS
 
 
+def test_an_output_of_another_dtype_and_its_gradient():
+    """The backward kernels multiply in the inputs' dtype: an fp32 output (a partial's) and its gradient are cast to
+    it (they once reached the kernel as they were and failed inside). output_dtype with a gradient stays refused,
+    pinned (in the forward, where it once failed inside the kernel too) as dispatched: no backward declares it."""
+    pinned = fmha.MemoryEfficientAttentionMslkTritonOp
+    q, k, v = (testing.randn(1, 5, 2, 16, dtype=torch.float16, device=DEVICE).requires_grad_() for _ in "qkv")
+    for error, op in ((ValueError, pinned), (NotImplementedError, None)):
+        with pytest.raises(error, match="Custom output dtype not supported"):
+            fmha.memory_efficient_attention(q, k, v, op=op, output_dtype=torch.float32)
+    out, lse = fmha.memory_efficient_attention_partial(q, k, v, op=pinned, _allow_backward=True)
+    assert out.dtype == torch.float32
+    do = testing.randn(*out.shape, device=DEVICE)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    attention_reference(q64, k64, v64)[0].backward(do.double())
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        testing.assert_rel_close(got, want, TOLERANCE[torch.float16])
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q.detach(), k.detach(), v.detach(), op=pinned[0])
+    grads = fmha.memory_efficient_attention_backward(do, out.float(), lse, q, k, v, op=pinned[1])
+    for got, want in zip(grads, (q64.grad, k64.grad, v64.grad), strict=True):
+        testing.assert_rel_close(got, want, TOLERANCE[torch.float16])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", ["None", "T", "B01", "B03", "B07", "B12", "B19"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -231,6 +255,25 @@ def _check_backward(q, k, v, bias, tolerance, bias_grad=True, reference_bias=Non
     for name, got, want in pairs:
         assert got.dtype == (dtype if name != "db" else dense.dtype) and got.shape == want.shape, name
         testing.assert_rel_close(got, want, tolerance, what=name)
+
+
+@pytest.mark.parametrize("mq", [6, 9])  # more queries than keys too (a negative bottom-right shift)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        fmha.attn_bias.LocalAttentionFromBottomRightMask(100, sys.maxsize),
+        fmha.attn_bias.LocalAttentionFromBottomRightMask(sys.maxsize, 2**31 - 1),
+        fmha.attn_bias.LowerTriangularFromBottomRightLocalAttentionMask(sys.maxsize),
+    ],
+    ids=["right_unbounded", "both_unbounded", "causal_left_unbounded"],
+)
+def test_unbounded_windows(mask, mq):
+    """A window wider than every row (sys.maxsize as "unbounded") reaches every key: it once overflowed the
+    kernels' 32-bit key ranges (zeros and an LSE of -inf, or a failed launch)."""
+    q = testing.randn(1, mq, 2, 16, device=DEVICE)
+    k, v = (testing.randn(1, 7, 2, 16, device=DEVICE) for _ in "kv")
+    _check(q, k, v, mask, torch.float32)
+    _check_backward(q, k, v, mask, TOLERANCE[torch.float32])
 
 
 @pytest.fixture(params=[False, True], ids=["atomic_dq", "deterministic"])

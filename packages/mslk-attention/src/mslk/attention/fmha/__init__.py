@@ -221,6 +221,9 @@ def _backward_op(
     packed = varlen_lse_packed(ctx.lse, inp)
     if op_bw is None:
         return _dispatch_bw(inp, packed)
+    # Checked as the dispatcher checks its choice, on these inputs (output_dtype included, which the backward's
+    # Inputs lack): a pinned backward that cannot serve them once failed inside its kernel.
+    _ensure_op_supports_or_raise(ValueError, "memory_efficient_attention_backward", op_bw, inp)
     if packed is not None and op_bw.VARLEN_LSE_PACKED is not None and op_bw.VARLEN_LSE_PACKED != packed:
         raise ValueError(
             f"Specified op_bw={op_bw.NAME} is not compatible with the op_fw={op_fw.NAME}, because they use "
@@ -461,6 +464,7 @@ def _torch_op_samples(device, with_bias: bool):
     else:
         yield registry.Sample((q, k, v))
         yield registry.Sample((q, k, v, bias), {"scale": 0.2}, name="bias")
+        yield registry.Sample((q.double(), k.double(), v.double()), name="float64 (the reference backend's)")
 
 
 def _register_torch_op(schema: str, with_bias: bool) -> registry.Op:

@@ -717,13 +717,15 @@ def _bias_args(bias: torch.Tensor | None) -> list:
     return [bias, *bias.stride()]
 
 
-def _alignment(attn_bias) -> tuple[str | None, int, int]:
-    """causal_window's (alignment, window_left, window_right), a local window without causality aligned
-    bottom-right like FlashAttention's."""
-    alignment, window_left, window_right = causal_window(attn_bias)
+def _alignment(inp: Inputs) -> tuple[str | None, int, int]:
+    """causal_window's (alignment, window_left, window_right) of the inputs' mask, a local window without causality
+    aligned bottom-right like FlashAttention's. A window wider than all the rows (sys.maxsize as "unbounded") is cut
+    to Mq + Mk, which reaches every key as well: the kernels' key ranges add it to row numbers in 32 bits."""
+    alignment, window_left, window_right = causal_window(inp.attn_bias)
     if alignment is None and (window_left >= 0 or window_right >= 0):
         alignment = "bottom-right"
-    return alignment, window_left, window_right
+    widest = inp.query.shape[1] + inp.key.shape[1]
+    return alignment, min(window_left, widest), min(window_right, widest)
 
 
 def _varlen_fields(attn_bias) -> tuple:
@@ -956,7 +958,7 @@ class FwOp(AttentionFwOpBase):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
-        alignment, window_left, window_right = _alignment(inp.attn_bias)
+        alignment, window_left, window_right = _alignment(inp)
         # The dropout seed: drawn on the device by torch's generator (torch.manual_seed reproduces it), which CUDA
         # graphs and torch.compile redraw each call; below 2**31 - heads, so that the kernels' seed + head fits.
         seed = None
@@ -1003,11 +1005,13 @@ class BwOp(AttentionBwOpBase):
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
         if inp.p > 0.0 and ctx.rng_state is None:
             raise ValueError("dropout backward: the context holds no seed (rng_state) of triton_flash.FwOp's forward")
-        alignment, window_left, window_right = _alignment(inp.attn_bias)
+        alignment, window_left, window_right = _alignment(inp)
         bias = tensor_bias(inp.attn_bias)
         bias_grad = bias is not None and bias.requires_grad
+        # An output of another dtype (a partial's fp32 one) and its gradient: the kernels multiply in the inputs'.
+        out, grad = ctx.out.to(inp.query.dtype), grad.to(inp.query.dtype)
         dq, dk, dv, db = _launches(_flash_backward_op, _flash_backward)(
-            inp.query, inp.key, inp.value, ctx.out, grad, ctx.lse, bias, bias_grad,
+            inp.query, inp.key, inp.value, out, grad, ctx.lse, bias, bias_grad,
             *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state, window_left, window_right,
             alignment == "bottom-right", torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
