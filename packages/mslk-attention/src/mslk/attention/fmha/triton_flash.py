@@ -671,9 +671,8 @@ def _flat_rows(t: torch.Tensor) -> bool:
     """Whether a [B, M, G, H, K] tensor's rows are those of a [B·M, G·H·K] matrix (strides (M·s, s, H·K, K, 1)),
     which 2D tensor descriptors read."""
     b, m, g, h, k = t.shape
-    return (
-        (b == 1 or t.stride(0) == m * t.stride(1)) and (g == 1 or t.stride(2) == h * k) and (h == 1 or t.stride(3) == k)
-    )
+    stride_b, stride_m, stride_g, stride_h, _ = t.stride()  # (one call: t.stride(i) costs as much as t.stride())
+    return (b == 1 or stride_b == m * stride_m) and (g == 1 or stride_g == h * k) and (h == 1 or stride_h == k)
 
 
 def _row_descriptors(rows: int, *tensors_and_widths: tuple[torch.Tensor, int]) -> tuple:
@@ -697,7 +696,7 @@ def _bmghk(t: torch.Tensor) -> torch.Tensor:
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
     """The (batch, row, group, head) strides of [B, M, G, H, K] tensors, one after the other."""
-    return [t.stride(i) for t in tensors for i in range(4)]
+    return [stride for t in tensors for stride in t.stride()[:4]]
 
 
 def _past_int32(*tensors: torch.Tensor | None) -> bool:
