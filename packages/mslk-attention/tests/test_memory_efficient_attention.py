@@ -369,6 +369,23 @@ def test_torch_ops_value_and_fake_shape():
     assert fake.shape == (2, 5, 3, 16), "the output has value's head dim"
 
 
+@pytest.mark.parametrize("bmk", [False, True], ids=["BMHK", "BMK"])
+def test_torch_ops_gradients(bmk):
+    """The torch ops are differentiable in q, k, v and the bias (with no autograd kernel, torch only warned of
+    "silently incorrect behavior"); their backward runs the forward again for the LSE they do not return."""
+    shape_q, shape_kv = ((2, 5, 24), (2, 7, 24)) if bmk else ((2, 5, 3, 24), (2, 7, 3, 24))
+    q, k, v = qkv(shape_q, shape_kv, kv_dim=16, requires_grad=True)
+    bias = testing.randn(*shape_q[:-1], 7).movedim(1, -2).requires_grad_()  # [B, (H,) Mq, Mk]
+    out = torch.ops.mslk.memory_efficient_attention_forward_with_bias(q, k, v, bias, 0.0, 0.3)
+    grad = testing.randn(*out.shape)
+    got = torch.autograd.grad(out, (q, k, v, bias), grad)
+    for name, g, want in zip("q k v bias".split(), got, reference_grads(q, k, v, bias, grad, 0.3), strict=True):
+        testing.assert_rel_close(g, want, GRAD_TOL, what=name)
+    out = torch.ops.mslk.memory_efficient_attention_forward(q, k, v)
+    assert out.grad_fn is not None
+    testing.assert_rel_close(torch.autograd.grad(out, q, grad)[0], reference_grads(q, k, v, None, grad)[0], GRAD_TOL)
+
+
 class _Attention(torch.nn.Module):
     def forward(self, q, k, v, bias):
         causal = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularFromBottomRightMask(), scale=0.3)

@@ -998,7 +998,7 @@ def test_opcheck_of_the_launches(bias_id):
     """torch.library.opcheck of the launch ops (schema, fake kernels against the real ones, tracing); dropout with
     the tensor bias."""
     q, k, v, bias = _inputs(bias_id, "BMHK", (2, 20, 28, 1, 2, 16), torch.float32, DEVICE)
-    alignment, window_left, window_right = triton_flash._alignment(bias)
+    alignment, window_left, window_right = triton_flash._alignment(common.Inputs(q, k, v, bias))
     dense = common.tensor_bias(bias)
     p, seed = (0.2, torch.tensor([77], dtype=torch.int32, device=DEVICE)) if bias_id == "T" else (0.0, None)
     mask_args = (*triton_flash._varlen_fields(bias), 0.25, p, seed, window_left, window_right, alignment is not None)

@@ -481,7 +481,32 @@ def _register_torch_op(schema: str, with_bias: bool) -> registry.Op:
     # MSLK's Triton kernel alone, to pin (`backend="triton"`), and what the conformance tests run under the
     # Triton interpreter on CPU (the fmha dispatcher runs the reference there).
     op.backend("triton", available=registry.triton_missing, supports=_torch_op_triton_supports)(_torch_op_triton)
+    torch.library.register_autograd(op.qualname, _torch_op_backward, setup_context=_torch_op_setup)
     return op
+
+
+def _torch_op_setup(ctx, inputs, output) -> None:
+    q, k, v, b, ctx.p, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, b)
+
+
+def _torch_op_backward(ctx, grad):
+    """Gradients of q, k, v and the tensor bias. The op returns no LSE, so this runs the forward again for it (and
+    cannot replay dropout, whose random state the op keeps neither): memory_efficient_attention keeps both."""
+    if ctx.p:
+        raise NotImplementedError(
+            "mslk::memory_efficient_attention_forward: no gradient with dropout (the op keeps no random state); "
+            "use fmha.memory_efficient_attention"
+        )
+    q, k, v, b = ctx.saved_tensors
+    # (with grad mode on, the BMK layout's [B, 1, Mq, Mk] view of the bias keeps its requires_grad, which asks the
+    # backward operators for its gradient)
+    with torch.enable_grad():
+        out, fw_ctx = _memory_efficient_attention_forward_requires_grad(_torch_op_inputs(q, k, v, b, 0.0, ctx.scale))
+        fw_ctx.out = out  # in the inputs' layout, as the backward takes it
+        grads = _memory_efficient_attention_backward(fw_ctx, _torch_op_inputs(q, k, v, b, 0.0, ctx.scale), grad)
+    db = None if grads.db is None else grads.db.reshape(b.shape)  # (a BMK call's [B, Mq, Mk] bias came back 4-D)
+    return grads.dq, grads.dk, grads.dv, db, None, None
 
 
 # torch.compile-friendly forms of memory_efficient_attention_forward with a dense tensor bias.
