@@ -221,14 +221,14 @@ def _backward_op(
     packed = varlen_lse_packed(ctx.lse, inp)
     if op_bw is None:
         return _dispatch_bw(inp, packed)
-    # Checked as the dispatcher checks its choice, on these inputs (output_dtype included, which the backward's
-    # Inputs lack): a pinned backward that cannot serve them once failed inside its kernel.
-    _ensure_op_supports_or_raise(ValueError, "memory_efficient_attention_backward", op_bw, inp)
     if packed is not None and op_bw.VARLEN_LSE_PACKED is not None and op_bw.VARLEN_LSE_PACKED != packed:
         raise ValueError(
             f"Specified op_bw={op_bw.NAME} is not compatible with the op_fw={op_fw.NAME}, because they use "
             "different format of logsumexp."
         )
+    # Checked as the dispatcher checks its choice, on these inputs (output_dtype included, which the backward's
+    # Inputs lack): a pinned backward that cannot serve them once failed inside its kernel.
+    _ensure_op_supports_or_raise(ValueError, "memory_efficient_attention_backward", op_bw, inp)
     return op_bw
 
 
@@ -247,8 +247,9 @@ class _fMHA(torch.autograd.Function):
         op_fw = _fw_op(inp, op_fw, needs_gradient=True)
         out, op_ctx = _apply_fw(op_fw, inp, needs_gradient=True)
         ctx.op_bw = _backward_op(inp, op_fw, op_bw, op_ctx)
-        # A backward the dispatcher chose fits these inputs: the backward need not check it again (host time).
-        ctx.op_bw_dispatched = op_bw is None and op_ctx.op_bw is None
+        # A backward the dispatcher chose, or a pinned one _backward_op checked, fits these inputs: the backward need
+        # not check it again (host time). The one a forward's dropout forces is checked there.
+        ctx.op_bw_checked = op_ctx.op_bw is None
         bias_t = attn_bias if isinstance(attn_bias, torch.Tensor) else None
         ctx.save_for_backward(query, key, value, op_ctx.out, op_ctx.lse, bias_t)
         ctx.attn_bias = None if bias_t is not None else attn_bias
@@ -269,7 +270,7 @@ class _fMHA(torch.autograd.Function):
         inp = Inputs(query, key, value, bias_t if bias_t is not None else ctx.attn_bias, ctx.p, ctx.scale)
         op_ctx = Context(lse=lse, out=out, rng_state=ctx.rng_state)
         # (the forward validated and normalized the inputs: grad has the shape of its output)
-        if ctx.op_bw_dispatched:
+        if ctx.op_bw_checked:
             grads = ctx.op_bw.apply(op_ctx, inp, grad)
         else:
             grads = _backward_normalized(op_ctx, inp, grad, ctx.op_bw)
