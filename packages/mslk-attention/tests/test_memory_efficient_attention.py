@@ -104,6 +104,27 @@ def test_masks_forward_and_backward(mask, mq, mk):
         testing.assert_rel_close(got, want, GRAD_TOL, what=f"d{name}")
 
 
+def test_a_page_used_twice_counts_twice():
+    """Paged keys are logical keys read through the page table: a page that a lane's table holds twice gives two
+    keys (and sums their gradients), as a kernel walking the table reads it. The reference once attended over the
+    pool's rows and counted it once."""
+    page, tables = 2, torch.tensor([[3, 3, 2], [0, 1, 3]], dtype=torch.int32)
+    mask = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([2, 3], [5, 6], tables, page, device="cpu")
+    q, k, v = qkv((1, 5, 2, 8), (1, 4 * page, 2, 8), requires_grad=True)  # a pool of 4 pages
+    out = fmha.memory_efficient_attention(q, k, v, mask, scale=0.4)
+    grad = testing.randn(*out.shape)
+    out.backward(grad)
+    # The logical keys gathered by hand (autograd of the gather sums a pool row's gradients), the unpaged mask.
+    rows = [int(tables[b, j // page]) * page + j % page for b in range(2) for j in range(3 * page)]
+    unpaged = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([2, 3], 3 * page, [5, 6], device="cpu")
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64[:, rows], v64[:, rows], unpaged, scale=0.4)
+    ref.backward(grad.double())
+    testing.assert_rel_close(out, ref)
+    for got, want, name in ((q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"), (v.grad, v64.grad, "dv")):
+        testing.assert_rel_close(got, want, GRAD_TOL, what=name)
+
+
 def test_tensor_bias_gradient_and_broadcast_bias():
     q, k, v = qkv((2, 5, 3, 8), (2, 7, 3, 8), kv_dim=4, requires_grad=True)
     bias = testing.randn(2, 3, 5, 7).requires_grad_()

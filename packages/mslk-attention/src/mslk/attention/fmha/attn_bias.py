@@ -563,15 +563,20 @@ class _Paged(AttentionBias):
     def _unpaged(self) -> AttentionBias:
         raise NotImplementedError
 
+    def pool_rows(self, device) -> torch.Tensor:
+        """int64 [lanes · max_pages · page_size]: the pool row of each logical key, lane after lane."""
+        j = torch.arange(self.block_tables.shape[1] * self.page_size, device=device)
+        pages = self.block_tables.to(device).long()[:, j // self.page_size]
+        return (pages * self.page_size + j % self.page_size).flatten()
+
     def materialize(self, shape, dtype=torch.float32, device="cpu"):
         """[..., Mq, pool rows]: the unpaged mask's logical key columns moved to their physical rows (a row that
-        several lanes share is allowed where any of them allows it)."""
+        several lanes share is allowed where any of them allows it). A page that one lane uses twice counts once
+        here: attention over the logical keys (the reference backend's) counts it twice."""
         lanes, pages = self.block_tables.shape
         logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
-        j = torch.arange(pages * self.page_size, device=device)
-        physical = self.block_tables.to(device).long()[:, j // self.page_size] * self.page_size + j % self.page_size
         out = torch.full((shape[-2], shape[-1]), -math.inf, dtype=dtype, device=device)
-        out.scatter_reduce_(1, physical.reshape(1, -1).expand(shape[-2], -1), logical, "amax")
+        out.scatter_reduce_(1, self.pool_rows(device).reshape(1, -1).expand(shape[-2], -1), logical, "amax")
         return out.expand(*shape)
 
     def to(self, device):

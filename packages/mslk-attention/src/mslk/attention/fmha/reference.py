@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mslk.attention.fmha.attn_bias import AttentionBias
+from mslk.attention.fmha.attn_bias import AttentionBias, _Paged
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -19,6 +19,21 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 3:
         return t.double()
     return t.movedim(1, -2).double()
+
+
+def logical_keys(key: torch.Tensor, value: torch.Tensor, attn_bias) -> tuple:
+    """(key, value, mask, pool rows): with a paged mask, the pool's rows gathered into its logical keys, lane after
+    lane, with the unpaged mask over them and the pool row of each (the mask materialized over the pool's rows
+    would count a page that a lane uses twice once); otherwise the arguments as they are and None."""
+    if not isinstance(attn_bias, _Paged):
+        return key, value, attn_bias, None
+    rows = attn_bias.pool_rows(key.device)
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < key.shape[1]:
+        raise ValueError(
+            f"{type(attn_bias).__name__}: block_tables must hold pages of the pool of {key.shape[1]} rows "
+            f"({key.shape[1] // attn_bias.page_size} pages of {attn_bias.page_size})"
+        )
+    return key[:, rows], value[:, rows], attn_bias._unpaged(), rows
 
 
 def attention_scores(
@@ -51,6 +66,7 @@ def attention_reference(
             f"attention_reference: query, key and value must all be BMK, BMHK or BMGHK, got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
+    key, value, attn_bias, _ = logical_keys(key, value, attn_bias)
     scores = attention_scores(query, key, attn_bias, scale)
     # A fully masked row (every score −inf) has LSE −inf, zero weights and no gradient: its scores are taken as
     # zeros, whose weights are then dropped (exp(−inf − (−inf)) would be NaN, in autograd's backward too).

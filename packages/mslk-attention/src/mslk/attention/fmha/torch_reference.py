@@ -24,7 +24,7 @@ from mslk.attention.fmha.common import (
     tensor_bias,
     varlen_num_sequences,
 )
-from mslk.attention.fmha.reference import _heads_first, attention_reference, attention_scores
+from mslk.attention.fmha.reference import _heads_first, attention_reference, attention_scores, logical_keys
 
 _DEVICES = frozenset({"cpu", "cuda", "mtia", "xpu"})
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -79,14 +79,18 @@ class BwOp(AttentionBwOpBase):
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
         scale = inp.scale_float
-        scores = attention_scores(inp.query, inp.key, inp.attn_bias, scale)
+        key, value, mask, pool_rows = logical_keys(inp.key, inp.value, inp.attn_bias)
+        scores = attention_scores(inp.query, key, mask, scale)
         lse = _lse_per_query(ctx.lse, inp).double()[..., None]
         p = torch.where(lse == -torch.inf, 0.0, torch.exp(scores - lse))  # a query with no key: zero weights
-        q, k, v, out, do = (_heads_first(t) for t in (inp.query, inp.key, inp.value, ctx.out, grad))
+        q, k, v, out, do = (_heads_first(t) for t in (inp.query, key, value, ctx.out, grad))
         dv = p.transpose(-1, -2) @ do
         ds = p * (do @ v.transpose(-1, -2) - (do * out).sum(dim=-1, keepdim=True))
         dq = ds @ k * scale
         dk = ds.transpose(-1, -2) @ q * scale
+        if pool_rows is not None:  # paged: each logical key's share added to its pool row
+            dk, dv = (t.new_zeros(*t.shape[:-2], inp.key.shape[1], t.shape[-1]).index_add_(-2, pool_rows, t)
+                      for t in (dk, dv))  # fmt: skip
         bias = tensor_bias(inp.attn_bias)
         db = ds.to(bias.dtype) if bias is not None and bias.requires_grad else None
         return Gradients(_heads_last(dq, inp.query), _heads_last(dk, inp.key), _heads_last(dv, inp.value), db)
