@@ -318,6 +318,12 @@ def test_validate_inputs_errors():
     )
     with pytest.raises(ValueError, match=r"^Invalid dropout probability: p=1\.5$"):
         fmha.memory_efficient_attention(q, k, v, p=1.5)
+    # A boolean (or integer) tensor would be added as 0 / 1: SDPA's boolean masks mean "keep".
+    for mask in (torch.ones(2, 3, 5, 6, dtype=torch.bool), torch.ones(2, 3, 5, 6, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"^attn_bias: a tensor bias is added to the scores and must be float"):
+            fmha.memory_efficient_attention(q, k, v, mask)
+    with pytest.raises(ValueError, match=r"^output_dtype must be a floating-point dtype, got torch.int32$"):
+        fmha.memory_efficient_attention(q, k, v, output_dtype=torch.int32)
 
 
 def test_no_operator_error_text():

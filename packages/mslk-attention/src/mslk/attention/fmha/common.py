@@ -289,6 +289,13 @@ class Inputs:
             raise ValueError(
                 f"Please provide inputs in BMHK format rather than BMK when using bias type `{type(bias).__name__}`"
             )
+        if bias_t is not None and not bias_t.dtype.is_floating_point:  # (SDPA's bool masks mean "keep")
+            raise ValueError(
+                f"attn_bias: a tensor bias is added to the scores and must be floating point, got {bias_t.dtype} "
+                "(for a boolean mask, pass torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, -inf))"
+            )
+        if self.output_dtype is not None and not self.output_dtype.is_floating_point:
+            raise ValueError(f"output_dtype must be a floating-point dtype, got {self.output_dtype}")
         if bias_t is not None:
             expected = (q.shape[0], *q.shape[2:-1], q.shape[1], k.shape[1])  # [B, (G, H,) Mq, Mk]
             if tuple(bias_t.shape) != expected:
