@@ -162,7 +162,7 @@ def quantize_mx4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 reference: x [..., K] (K % group_size == 0) -> (packed E2M1 uint8 [..., K/2], E8M0 scales uint8:
     flat blocked over [M, K/gs] when layout="swizzled", [..., K/gs] when "plain"). A group holding NaN gets
-    the E8M0 NaN scale (255) and zero elements."""
+    the E8M0 NaN scale (255), which dequantizes the whole group to NaN (its elements are packed as computed)."""
     k = x.shape[-1]
     groups = x.float().reshape(-1, k // group_size, group_size)
     amax = groups.abs().amax(dim=-1) if groups.numel() else groups.new_zeros(groups.shape[:2])
