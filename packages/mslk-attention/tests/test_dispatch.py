@@ -692,6 +692,36 @@ def test_kernel_calls_on_faked_gpu(monkeypatch):
             )
 
 
+@pytest.mark.parametrize("keys", [24, 32], ids=["keys_24", "keys_32"])
+def test_cutlass_backward_fake_pads_the_bias_gradient_rows(monkeypatch, keys):
+    """PyTorch's memory-efficient backward allocates the bias gradient in rows of 16-element multiples, cut to Mk
+    (its meta kernel says so): the fake kernel of our wrapper gives that layout (test_cutlass_backward_opcheck_gpu
+    compares it with the kernel itself)."""
+    with fake_gpu(monkeypatch):
+        q, k, v = cuda_qkv(mq=16, mk=keys, dtype=torch.float32)
+        bias = torch.randn(2, 4, 16, keys, device="cuda")
+        lse, seed = torch.empty(2, 4, 32, device="cuda"), torch.empty((), dtype=torch.int64, device="cuda")
+        grads = cutlass._backward_kernel(
+            q, q, k, v, bias, q, None, None, 16, keys, lse, 0.0, seed, seed, 0, True, 0.1, None
+        )
+        assert grads[3].shape == bias.shape and grads[3].stride() == (4 * 16 * 32, 16 * 32, 32, 1)
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+def test_cutlass_backward_opcheck_gpu():
+    """opcheck of the wrapped ATen backward with a bias gradient of Mk % 16 != 0 and non-dense q/k/v: the fake
+    kernel's strides are the kernel's."""
+    q, k, v = (t[..., :32] for t in (testing.randn(2, m, 4, 48, device="cuda") for m in (16, 33, 33)))
+    bias = testing.randn(2, 4, 16, 40, device="cuda")[..., :33].requires_grad_()  # rows 16-byte aligned
+    inp = fmha.Inputs(q, k, v, bias)
+    out, ctx = cutlass.FwOp.apply(inp, needs_gradient=True)
+    seed = offset = torch.empty((), dtype=torch.int64, device="cuda")
+    lse = ctx.get_padded_lse(cutlass._LSE_ALIGNMENT)
+    args = (out, q, k, v, bias, out, None, None, 16, 33, lse, 0.0, seed, offset, 0, True, 0.2, None)
+    torch.library.opcheck(torch.ops.mslk_cutlass.fmha_bwd.default, args, test_utils=("test_faketensor",))
+
+
 def test_pinned_backward_conflicts():
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     out, lse = torch.zeros(1, 8, 2, 16), torch.zeros(3, 2, 32)

@@ -159,7 +159,10 @@ def _backward_kernel(
 @_backward_kernel.register_fake
 def _backward_kernel_fake(grad, query, key, value, bias, *args):
     bias_requires_grad = args[10]
-    db = torch.empty_like(bias) if bias_requires_grad else grad.new_empty(0)
+    db = grad.new_empty(0)
+    if bias_requires_grad:  # the kernel's rows of 16-element multiples, cut to Mk (PyTorch's meta kernel's layout)
+        keys = bias.shape[-1]
+        db = bias.new_empty((*bias.shape[:-1], -(-keys // 16) * 16))[..., :keys]
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), db
 
 
