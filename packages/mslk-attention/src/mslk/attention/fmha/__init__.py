@@ -500,8 +500,8 @@ def _torch_op_backward(ctx, grad):
             "use fmha.memory_efficient_attention"
         )
     q, k, v, b = ctx.saved_tensors
-    # (with grad mode on, the BMK layout's [B, 1, Mq, Mk] view of the bias keeps its requires_grad, which asks the
-    # backward operators for its gradient)
+    # (Inputs apiece: the forward normalizes its own in place. With grad mode on, the BMK layout's [B, 1, Mq, Mk]
+    # view of the bias keeps its requires_grad, which asks the backward operators for its gradient.)
     with torch.enable_grad():
         out, fw_ctx = _memory_efficient_attention_forward_requires_grad(_torch_op_inputs(q, k, v, b, 0.0, ctx.scale))
         fw_ctx.out = out  # in the inputs' layout, as the backward takes it

@@ -31,7 +31,7 @@ from mslk.attention.fmha.common import (
     tensor_bias,
     varlen_args,
 )
-from mslk.core import arch
+from mslk.core import arch, launch
 
 _CUSTOM_MASK_TYPE = {None: 0, "top-left": 1, "bottom-right": 2}
 _LSE_ALIGNMENT = 32  # the forward pads the LSE to this many queries; the backward reads whole blocks
@@ -162,7 +162,7 @@ def _backward_kernel_fake(grad, query, key, value, bias, *args):
     db = grad.new_empty(0)
     if bias_requires_grad:  # the kernel's rows of 16-element multiples, cut to Mk (PyTorch's meta kernel's layout)
         keys = bias.shape[-1]
-        db = bias.new_empty((*bias.shape[:-1], -(-keys // 16) * 16))[..., :keys]
+        db = bias.new_empty((*bias.shape[:-1], launch.cdiv(keys, 16) * 16))[..., :keys]
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), db
 
 
