@@ -154,6 +154,12 @@ def test_pack_and_split_round_trip():
         (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4, [5]), ValueError, r"in \[0, padding=4\]"),
         (lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [0], [1]), ValueError, "B \\+ 1 entries"),
         (lambda: ab.BlockDiagonalMask.from_seqlens([2]).split(torch.zeros(2, 2, 1)), ValueError, "batch size 1"),
+        (
+            lambda: ab.BlockDiagonalMask.from_tensor_list([torch.zeros(1, 2, 3), torch.zeros(0, 4, 3)]),
+            ValueError,
+            r"batch size >= 1 .*\[1, 0\]",
+        ),
+        (lambda: ab.BlockDiagonalMask.from_tensor_list([]), ValueError, r"batch size >= 1 .*\[\]"),
     ],
 )
 def test_errors(call, error, message):

@@ -327,6 +327,9 @@ class BlockDiagonalMask(AttentionBias):
     def from_tensor_list(cls, tensors: Sequence[torch.Tensor]) -> tuple[BlockDiagonalMask, torch.Tensor]:
         """Tensors [B_i, M_i, ...] -> (the mask of their B_i · M_i-row sequences, their rows packed [1, Σ, ...])."""
         batch_sizes = [t.shape[0] for t in tensors]
+        if not batch_sizes or 0 in batch_sizes:
+            # split() could not give a batch-0 tensor back: no packed sequence records its length
+            raise ValueError(f"from_tensor_list: tensors of batch size >= 1 (leave empty ones out), got {batch_sizes}")
         seqlens = [t.shape[1] for t in tensors for _ in range(t.shape[0])]
         mask = cls.from_seqlens(seqlens, device=tensors[0].device)
         mask._batch_sizes = batch_sizes
