@@ -155,6 +155,11 @@ def test_pack_and_split_round_trip():
         (lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [0], [1]), ValueError, "B \\+ 1 entries"),
         (lambda: ab.BlockDiagonalMask.from_seqlens([2]).split(torch.zeros(2, 2, 1)), ValueError, "batch size 1"),
         (
+            lambda: ab.BlockDiagonalMask.from_seqlens([2, 3]).split(torch.zeros(1, 4, 1)),
+            ValueError,
+            r"5 rows .*\(1, 4, 1\)",
+        ),
+        (
             lambda: ab.BlockDiagonalMask.from_tensor_list([torch.zeros(1, 2, 3), torch.zeros(0, 4, 3)]),
             ValueError,
             r"batch size >= 1 .*\[1, 0\]",
@@ -245,12 +250,61 @@ def test_paged_mask_errors():
     tables = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_tables must be int32"):
         ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1, 1], [2, 2], tables.long(), 4)
-    with pytest.raises(ValueError, match="pages BlockDiagonalCausalWithOffsetPaddedKeysMask"):
-        ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 12, [2, 2]).make_paged(
-            tables, 4, ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
-        )
+    padded = ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 16, [2, 5], device="cpu")
+    with pytest.raises(ValueError, match=r"needs \['_window_size'\], which BlockDiagonalPaddedKeysMask lacks"):
+        padded.make_paged(tables, 4, ab.PagedBlockDiagonalCausalLocalPaddedKeysMask)
+    with pytest.raises(ValueError, match="paged_type must be a paged padded-keys mask"):
+        padded.make_paged(tables, 4, ab.BlockDiagonalPaddedKeysMask)
+    with pytest.raises(ValueError, match=r"key lengths must be in \[0, padding=4\]"):
+        padded.make_paged(tables[:, :1], 4, ab.PagedBlockDiagonalPaddedKeysMask)
     with pytest.raises(ValueError, match="inside its lane of 12 keys"):
         ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 11], [2, 2], tables, 4)
+
+
+def test_make_paged_lays_the_keys_out_in_pages():
+    """make_paged (B11-B14 -> B15-B17, B18/B19 -> B21/B22) equals the paged mask built directly, whatever the
+    unpaged mask's padding; the paged type's rule applies."""
+    page, tables = 4, torch.tensor([[2, 0, 5], [1, 4, 3]], dtype=torch.int32)
+    q, k, pool = [2, 3], [6, 9], 6 * 4
+    for padding in (12, 16):
+        padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q, padding, k, device="cpu")
+        for paged_type in (ab.PagedBlockDiagonalPaddedKeysMask, ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask):
+            paged = padded.make_paged(tables, page, paged_type)
+            direct = paged_type.from_seqlens(q, k, tables, page, device="cpu")
+            assert type(paged) is paged_type and paged.k_seqinfo.padding == 12
+            assert torch.equal(paged.materialize((5, pool)), direct.materialize((5, pool)))
+    local = ab.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local(q, 16, k, 3, device="cpu")
+    paged = local.make_paged(tables, page, ab.PagedBlockDiagonalCausalLocalPaddedKeysMask)
+    direct = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens_local(q, k, tables, page, 3, device="cpu")
+    assert paged._window_size == 3 and torch.equal(paged.materialize((5, pool)), direct.materialize((5, pool)))
+    lane_starts, notional = [1, 2], 20  # gappy keys laid out in lanes of 20 keys
+    gappy = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
+        q, [lane_starts[0], notional + lane_starts[1], 2 * notional], k, device="cpu"
+    )
+    paged = gappy.make_paged(tables, page, notional, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask)
+    direct = ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q, lane_starts, k, tables, page)
+    assert torch.equal(paged.materialize((5, pool)), direct.materialize((5, pool)))
+    with pytest.raises(ValueError, match="inside its lane of 12 keys"):
+        gappy.make_paged(tables, page, notional - 2, ab.PagedBlockDiagonalGappyKeysMask)
+
+
+def test_padded_and_gappy_masks_construct_as_upstream():
+    """Upstream's dataclass fields, positionally: padded and gappy masks are not BlockDiagonalMasks (no
+    _batch_sizes field), B12 keeps an unused causal_diagonal."""
+    q = ab._SeqLenInfo.from_seqlens([2, 1], device="cpu")
+    padded = ab._PaddedSeqLenInfo.from_seqlens_padded([3, 4], 8, device="cpu")
+    gappy = ab._GappySeqInfo.from_seqlens_gappy([0, 5, 9], [3, 4], device="cpu")
+    b13 = ab.BlockDiagonalLocalAttentionPaddedKeysMask(q, padded, 2, 3)
+    b14 = ab.BlockDiagonalCausalLocalAttentionPaddedKeysMask(q, padded, 4)
+    b20 = ab.BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(q, gappy, 1, 2)
+    assert (b13.window_left, b13.window_right, b14._window_size, b20.window_left, b20.window_right) == (2, 3, 4, 1, 2)
+    b12 = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask(q_seqinfo=q, k_seqinfo=padded, causal_diagonal=None)
+    assert torch.equal(
+        b12.materialize((3, 16)),
+        ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([2, 1], 8, [3, 4], None).materialize((3, 16)),
+    )
+    for mask in (b12, b13, b14, b20, ab.BlockDiagonalCausalWithOffsetGappyKeysMask(q, gappy)):
+        assert not isinstance(mask, ab.BlockDiagonalMask) and isinstance(mask, ab.VARLEN_BIASES)
 
 
 def test_in_place_updates_keep_the_tensors():

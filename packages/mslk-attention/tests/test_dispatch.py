@@ -373,7 +373,10 @@ def test_priority_lists(monkeypatch):
     assert fw(fmha.Inputs(*_decoding(mk=255)), False)[0] is flash3.FwOp
     q, k, v = _decoding(b=1, mq=2)
     padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 256, [100, 256], device="cpu")
-    assert fw(fmha.Inputs(q, k, v, padded), False) == [
+    # flash leads unless the mask is a BlockDiagonalMask (B06-B10); padded keys (B11-B14) are not one
+    assert fw(fmha.Inputs(q, k, v, padded), False) == [flash.FwOp, triton_splitk.FwOp, cudnn.FwOp, cutlass.FwOp, ref]
+    packed = ab.BlockDiagonalMask.from_seqlens([1, 1], [256, 256], device="cpu").make_causal_from_bottomright()
+    assert fw(fmha.Inputs(q, k, v, packed), False) == [
         triton_splitk.FwOp,
         flash3.FwOp,
         cudnn.FwOp,

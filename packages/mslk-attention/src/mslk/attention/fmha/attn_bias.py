@@ -290,12 +290,12 @@ class _GappySeqInfo(_SeqLenInfo):
 
 
 @dataclass
-class BlockDiagonalMask(AttentionBias):
-    """B06: varlen batch packed with B = 1; query block b sees key block b only (full attention inside)."""
+class _BlockDiagonal(AttentionBias):
+    """A varlen batch packed with B = 1: query block b sees key block b only (full attention inside). The base
+    of B06 and of the padded (B11) and gappy (B18) key masks, which upstream are not BlockDiagonalMasks."""
 
     q_seqinfo: _SeqLenInfo
     k_seqinfo: _SeqLenInfo
-    _batch_sizes: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.q_seqinfo.seqstart_py) != len(self.k_seqinfo.seqstart_py):
@@ -315,6 +315,32 @@ class BlockDiagonalMask(AttentionBias):
         q = self.q_seqinfo.to(device)
         k = q if self.k_seqinfo is self.q_seqinfo else self.k_seqinfo.to(device)  # shared stays shared
         return replace(self, q_seqinfo=q, k_seqinfo=k)
+
+    def _split(self, t: torch.Tensor, info: _SeqLenInfo) -> list[torch.Tensor]:
+        rows = info.seqstart_py[-1]
+        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != rows:
+            raise ValueError(
+                f"{type(self).__name__}: varlen tensors have batch size 1 and {rows} rows (shape [1, {rows}, ...]), "
+                f"got shape {tuple(t.shape)}"
+            )
+        return [t[:, start:end] for start, end in info.intervals()]
+
+    def split_queries(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._split(t, self.q_seqinfo)
+
+    def split_kv(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._split(t, self.k_seqinfo)
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The packed output [1, Σnq, ...] back as its sequences (for B06, as the list given to from_tensor_list)."""
+        return self.split_queries(t)
+
+
+@dataclass
+class BlockDiagonalMask(_BlockDiagonal):
+    """B06: varlen batch packed with B = 1; query block b sees key block b only (full attention inside)."""
+
+    _batch_sizes: Sequence[int] | None = None
 
     @classmethod
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None, *, device=None):
@@ -346,9 +372,7 @@ class BlockDiagonalMask(AttentionBias):
         return cls(mask_q.q_seqinfo, mask_k.q_seqinfo, mask_q._batch_sizes), q, k, v
 
     def _split(self, t: torch.Tensor, info: _SeqLenInfo) -> list[torch.Tensor]:
-        if t.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__}: varlen tensors have batch size 1, got shape {tuple(t.shape)}")
-        parts = [t[:, start:end] for start, end in info.intervals()]
+        parts = super()._split(t, info)
         if self._batch_sizes is None:
             return parts
         out, first = [], 0
@@ -356,16 +380,6 @@ class BlockDiagonalMask(AttentionBias):
             out.append(torch.cat([p.reshape(1, *p.shape[1:]) for p in parts[first : first + size]]))
             first += size
         return out
-
-    def split_queries(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self._split(t, self.q_seqinfo)
-
-    def split_kv(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self._split(t, self.k_seqinfo)
-
-    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """The packed output [1, Σnq, ...] back as the list given to from_tensor_list."""
-        return self.split_queries(t)
 
     def _derive(self, cls, **fields):
         return cls(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, _batch_sizes=self._batch_sizes, **fields)
@@ -441,80 +455,88 @@ class BlockDiagonalCausalLocalAttentionFromBottomRightMask(
 
 
 @dataclass
-class BlockDiagonalPaddedKeysMask(BlockDiagonalMask):
+class BlockDiagonalPaddedKeysMask(_BlockDiagonal):
     """B11: keys in slots of `padding` rows (a KV cache), block b's keys [b · padding, b · padding + n_b);
     full attention inside a block."""
 
-    k_seqinfo: _PaddedSeqLenInfo = None  # type: ignore[assignment]
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
 
     @classmethod
     def from_seqlens(cls, q_seqlen, kv_padding: int, kv_seqlen, causal_diagonal=None, *, device=None):
-        if causal_diagonal is not None:
-            raise ValueError(f"{cls.__name__}: causal_diagonal is not supported (it is deprecated upstream)")
+        """causal_diagonal is unused, as upstream's (kept so that code passing it still runs)."""
         return cls(
             q_seqinfo=_SeqLenInfo.from_seqlens(q_seqlen, device=device),
             k_seqinfo=_PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device=device),
         )
 
     def make_local_attention(self, window_left: int, window_right: int) -> BlockDiagonalLocalAttentionPaddedKeysMask:
-        return BlockDiagonalLocalAttentionPaddedKeysMask(
-            q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, window_left=window_left, window_right=window_right
-        )
+        return BlockDiagonalLocalAttentionPaddedKeysMask(self.q_seqinfo, self.k_seqinfo, window_left, window_right)
 
     def make_paged(
-        self, block_tables: torch.Tensor, page_size: int, paged_type: type
+        self, block_tables: torch.Tensor, page_size: int, paged_type: type[PagedBlockDiagonalPaddedKeysMask]
     ) -> PagedBlockDiagonalPaddedKeysMask:
-        """This mask read through the page table (B15-B17): paged_type is the paged twin of this class."""
-        if paged_type._UNPAGED is not type(self):
-            raise ValueError(
-                f"make_paged: {paged_type.__name__} pages {paged_type._UNPAGED.__name__}, not {type(self).__name__}"
-            )
-        extra = {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("q_seqinfo", "k_seqinfo", "_batch_sizes")
-        }
-        return paged_type(self.q_seqinfo, self.k_seqinfo, block_tables, page_size, **extra)
+        """These sequences with their keys read through the page table (B15-B17): each lane pads its keys to
+        max_pages · page_size. paged_type's rule applies (B16 on a B11 makes it causal, as upstream's)."""
+        if not (isinstance(paged_type, type) and issubclass(paged_type, PagedBlockDiagonalPaddedKeysMask)):
+            raise ValueError(f"make_paged: paged_type must be a paged padded-keys mask (B15-B17), got {paged_type}")
+        padding = block_tables.shape[1] * page_size
+        k = self.k_seqinfo
+        keys = _PaddedSeqLenInfo.from_seqlens_padded(k.seqlen_py, padding, device=k.seqstart.device)
+        return paged_type(self.q_seqinfo, keys, block_tables, page_size, **_rule_fields(self, paged_type))
 
 
 @dataclass
 class BlockDiagonalCausalWithOffsetPaddedKeysMask(_CausalFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B12, the decode / KV-cache mask: B11 and causal from the bottom right over the used keys, j <= i + s."""
 
+    causal_diagonal: object = None  # unused, as upstream's (kept so that code passing it still runs)
+
 
 @dataclass
 class BlockDiagonalLocalAttentionPaddedKeysMask(_LocalFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B13: B11 and −window_left <= j − i − s <= window_right in each block."""
 
-    window_left: int = 0
-    window_right: int = 0
+    window_left: int
+    window_right: int
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_left, window_right, *, device=None):
         base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
-        return base.make_local_attention(window_left, window_right)
+        return cls(base.q_seqinfo, base.k_seqinfo, window_left, window_right)
 
 
 @dataclass
 class BlockDiagonalCausalLocalAttentionPaddedKeysMask(_WindowFromBottomRight, BlockDiagonalPaddedKeysMask):
     """B14: B11 and s − w < j − i <= s in each block (bottom-right causal over a window of w keys)."""
 
-    _window_size: int = 0
+    _window_size: int
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_padding, kv_seqlen, window_size, *, device=None):
         base = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, kv_padding, kv_seqlen, device=device)
-        return cls(q_seqinfo=base.q_seqinfo, k_seqinfo=base.k_seqinfo, _window_size=window_size)
+        return cls(base.q_seqinfo, base.k_seqinfo, window_size)
+
+
+def _rule_fields(mask: AttentionBias, paged_type: type) -> dict:
+    """The fields of paged_type beyond the paging ones (a window), taken from the unpaged mask."""
+    paging = ("q_seqinfo", "k_seqinfo", "block_tables", "page_size")
+    names = [f.name for f in fields(paged_type) if f.name not in paging]
+    missing = [name for name in names if not hasattr(mask, name)]
+    if missing:
+        raise ValueError(f"make_paged: {paged_type.__name__} needs {missing}, which {type(mask).__name__} lacks")
+    return {name: getattr(mask, name) for name in names}
 
 
 # ------------------------------------------------------------------------------- gappy keys, B18-B20
 
 
 @dataclass
-class BlockDiagonalGappyKeysMask(BlockDiagonalMask):
+class BlockDiagonalGappyKeysMask(_BlockDiagonal):
     """B18: block b's keys anywhere, [kv_seqstarts[b], kv_seqstarts[b] + kv_seqlen[b]); full attention."""
 
-    k_seqinfo: _GappySeqInfo = None  # type: ignore[assignment]
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _GappySeqInfo
 
     @classmethod
     def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, *, device=None):
@@ -522,6 +544,23 @@ class BlockDiagonalGappyKeysMask(BlockDiagonalMask):
             q_seqinfo=_SeqLenInfo.from_seqlens(q_seqlen, device=device),
             k_seqinfo=_GappySeqInfo.from_seqlens_gappy(kv_seqstarts, kv_seqlen, device=device),
         )
+
+    def make_paged(
+        self,
+        block_tables: torch.Tensor,
+        page_size: int,
+        notional_padding: int,
+        paged_type: type[PagedBlockDiagonalGappyKeysMask],
+    ) -> PagedBlockDiagonalGappyKeysMask:
+        """These sequences with their keys read through the page table (B21, B22): sequence b's keys start
+        kv_seqstarts[b] − b · notional_padding into lane b (the starts were laid out in lanes of notional_padding
+        keys)."""
+        if not (isinstance(paged_type, type) and issubclass(paged_type, PagedBlockDiagonalGappyKeysMask)):
+            raise ValueError(f"make_paged: paged_type must be a paged gappy-keys mask (B21, B22), got {paged_type}")
+        k = self.k_seqinfo
+        starts = [start - b * notional_padding for b, start in enumerate(k.seqstart_py[:-1])]
+        keys = _lane_keys(paged_type, starts, k.seqlen_py, block_tables, page_size, k.seqstart.device)
+        return paged_type(self.q_seqinfo, keys, block_tables, page_size)
 
 
 @dataclass
@@ -533,13 +572,13 @@ class BlockDiagonalCausalWithOffsetGappyKeysMask(_CausalFromBottomRight, BlockDi
 class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(_LocalFromBottomRight, BlockDiagonalGappyKeysMask):
     """B20: B18 and −window_left <= j − i − s <= window_right in each block."""
 
-    window_left: int = 0
-    window_right: int = 0
+    window_left: int
+    window_right: int
 
     @classmethod
     def from_seqlens_local_gappy(cls, q_seqlen, kv_seqstarts, kv_seqlen, window_left, window_right, device=None):
         base = BlockDiagonalGappyKeysMask.from_seqlens(q_seqlen, kv_seqstarts, kv_seqlen, device=device)
-        return cls(base.q_seqinfo, base.k_seqinfo, None, window_left, window_right)
+        return cls(base.q_seqinfo, base.k_seqinfo, window_left, window_right)
 
 
 # ------------------------------------------------------------------------------------ paged keys, B15-B17
@@ -653,16 +692,8 @@ class PagedBlockDiagonalGappyKeysMask(_Paged):
 
     @classmethod
     def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, block_tables, page_size, *, device=None):
-        lane = block_tables.shape[1] * page_size
-        starts, lengths = list(kv_seqstarts), list(kv_seqlen)
-        if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
-            raise ValueError(
-                f"{cls.__name__}: kv_seqstarts (one per lane) and kv_seqlen must keep each sequence inside its lane "
-                f"of {lane} keys, got {starts} and {lengths}"
-            )
-        logical = [b * lane + start for b, start in enumerate(starts)] + [len(starts) * lane]
-        gappy = BlockDiagonalGappyKeysMask.from_seqlens(q_seqlen, logical, lengths, device=device)
-        return cls(gappy.q_seqinfo, gappy.k_seqinfo, block_tables, page_size)
+        keys = _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device)
+        return cls(_SeqLenInfo.from_seqlens(q_seqlen, device=device), keys, block_tables, page_size)
 
     def _unpaged(self) -> BlockDiagonalGappyKeysMask:
         return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo)
@@ -673,6 +704,20 @@ class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKey
     """B22: B21 and causal from the bottom right in each block."""
 
     _UNPAGED: ClassVar[type] = BlockDiagonalCausalWithOffsetGappyKeysMask
+
+
+def _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device) -> _GappySeqInfo:
+    """The keys of paged gappy masks: kv_seqstarts[b] is where sequence b's keys start inside lane b; k_seqinfo
+    holds them over the logical keys laid out lane after lane (start b · max_pages · page_size + kv_seqstarts[b])."""
+    lane = block_tables.shape[1] * page_size
+    starts, lengths = list(kv_seqstarts), list(kv_seqlen)
+    if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
+        raise ValueError(
+            f"{cls.__name__}: kv_seqstarts (one per lane) and kv_seqlen must keep each sequence inside its lane "
+            f"of {lane} keys, got {starts} and {lengths}"
+        )
+    logical = [b * lane + start for b, start in enumerate(starts)] + [len(starts) * lane]
+    return _GappySeqInfo.from_seqlens_gappy(logical, lengths, device=device)
 
 
 # Masks whose inputs are packed varlen batches (B = 1).

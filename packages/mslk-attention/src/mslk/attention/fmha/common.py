@@ -146,7 +146,7 @@ class VarlenArgs:
 
 def varlen_args(attn_bias: Any) -> VarlenArgs | None:
     """The varlen metadata of a block-diagonal mask (B06-B14, B18-B20); None for the other biases."""
-    if not isinstance(attn_bias, ab.BlockDiagonalMask):
+    if not isinstance(attn_bias, ab._BlockDiagonal):
         return None
     q, k = attn_bias.q_seqinfo, attn_bias.k_seqinfo
     seqlen, capacity = getattr(k, "seqlen", None), getattr(k, "padding", k.max_seqlen)
@@ -308,7 +308,7 @@ class Inputs:
             # Kernels trust the sequence metadata: rows it names past the tensors would be read out of bounds.
             # (Paged masks name logical keys; their pages are the kernels' to bound.)
             q_rows = bias.q_seqinfo.seqstart_py[-1]
-            k_ends = [end for _, end in bias.k_seqinfo.intervals()] if isinstance(bias, ab.BlockDiagonalMask) else []
+            k_ends = [end for _, end in bias.k_seqinfo.intervals()] if isinstance(bias, ab._BlockDiagonal) else []
             k_rows = max(k_ends) if k_ends else 0  # (not max's default=, which torch.compile rejects)
             if q_rows != q.shape[1] or k_rows > k.shape[1]:
                 raise ValueError(
