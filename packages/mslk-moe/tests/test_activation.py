@@ -10,7 +10,7 @@ quantizing the kernel's own silu_mul output (FP8 with testing.assert_fp8_equal, 
 import pytest
 import torch
 
-from mslk.core import testing
+from mslk.core import arch, testing
 from mslk.moe.activation import silu_mul, silu_mul_op, silu_mul_quant, silu_mul_quant_op
 from mslk.quantize import reference
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row_op
@@ -37,7 +37,18 @@ def test_reference_is_the_math():
     testing.assert_rel_close(out[:6], silu_mul(x0[:6], x1[:6]), 1e-6)  # CPU sigmoid's last bit depends on the shape
     assert (out[6:] == 0).all() and not out[6:].signbit().any(), "rows at or past the count are +0, NaN rows too"
     xq, scale = silu_mul_quant(x0, x1, None, torch.tensor([6]))
-    assert (xq[6:].view(torch.uint8) == 0).all() and (scale[6:] == reference.FP8_ROW_EPS / 448).all()
+    assert (xq[6:].view(torch.uint8) == 0).all() and (scale[6:] == arch.FP8_EPS / 448).all()
+
+
+def test_quant_floors_amax_at_1e_12():
+    """Rows of tiny values use FP8's whole range, as the reference's MoE kernels (eps 1e-12), where
+    quantize_fp8_row's 1/512 floor would leave them a few levels."""
+    x0, x1 = testing.randn(3, 64, std=1e-3), testing.randn(3, 64, std=1e-3)
+    xq, scale = silu_mul_quant(x0, x1)
+    amax = silu_mul(x0, x1).abs().amax(-1).float()
+    assert (amax < reference.FP8_ROW_EPS).all()
+    torch.testing.assert_close(scale, amax / 448, rtol=1e-6, atol=0)
+    assert (xq.float().abs().amax(-1) == 448).all()
 
 
 @pytest.mark.parametrize(
@@ -51,6 +62,7 @@ def test_reference_is_the_math():
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8), torch.tensor([1, 2])), "one integer"),
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 8), torch.tensor([1.0])), "one integer"),
         (lambda: silu_mul_quant(torch.rand(4, 8), torch.rand(4, 9)), "silu_mul_quant: x0 and x1"),
+        (lambda: silu_mul_quant(torch.rand(4, 8).double(), torch.rand(4, 8).double()), "silu_mul_quant: x0 must be"),
         (lambda: silu_mul_quant(torch.rand(4, 8), torch.rand(4, 8), torch.ones(2)), "scale_ub must be one float32"),
     ],
 )
@@ -96,7 +108,7 @@ def _check(x0, x1, scale_ub=None, count=None):
     xq, scale = triton_silu_mul_quant(x0, x1, scale_ub, count)
     if testing.interpreting():
         _assert_within_one_step(out, ref)
-        ref_xq, ref_scale = quantize_fp8_row_op.reference(out, scale_ub)
+        ref_xq, ref_scale = quantize_fp8_row_op.reference(out, scale_ub, eps_opt=arch.FP8_EPS)
     else:
         torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
         ref_xq, ref_scale = silu_mul_quant_op.reference(x0, x1, scale_ub, count)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mslk.core import testing
+from mslk.core import arch, testing
 from mslk.moe import (
     common,
     gather_scale_dense_tokens,
@@ -112,7 +112,7 @@ def test_quantized_variants_quantize_rowwise():
     x0, x1 = (testing.randn(20, 160, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     count, ub = torch.tensor([15], device=DEVICE), torch.tensor([2.0], device=DEVICE)
     xq, scale = silu_mul_quant(x0, x1, ub, count)
-    rq, rs = quantize_fp8_row(silu_mul(x0, x1, count), ub)
+    rq, rs = quantize_fp8_row(silu_mul(x0, x1, count), ub, eps_opt=arch.FP8_EPS)
     assert xq.dtype == rq.dtype and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(scale, rs)
     back = xq.float() * scale[:, None]
     a = x0.double()
@@ -123,7 +123,7 @@ def test_quantized_variants_quantize_rowwise():
     tokens = torch.randint(0, 30, (40,), device=DEVICE, dtype=torch.int32)
     experts = torch.randint(0, 4, (40,), device=DEVICE, dtype=torch.int32)
     gq, gs = gather_scale_quant_dense_tokens(x, tokens, experts, scores)
-    rq, rs = quantize_fp8_row(gather_scale_dense_tokens(x, tokens, experts, scores))
+    rq, rs = quantize_fp8_row(gather_scale_dense_tokens(x, tokens, experts, scores), eps_opt=arch.FP8_EPS)
     assert torch.equal(gq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(gs, rs)
 
 
@@ -146,6 +146,12 @@ def test_quantized_variants_quantize_rowwise():
             "float64",
         ),
         (lambda: silu_mul(torch.rand(4, 8), torch.rand(4, 9)), "one shape and dtype"),
+        (
+            lambda: gather_scale_quant_dense_tokens(
+                torch.rand(4, 8).double(), torch.zeros(3).int(), torch.zeros(3).int(), torch.rand(4, 2).double()
+            ),
+            "gather_scale_quant_dense_tokens: x must be float32, float16 or bfloat16",
+        ),
         # Every tensor on one device: a count or indices elsewhere would fail inside a kernel, or read wrong memory.
         (
             lambda: index_shuffling(

@@ -17,8 +17,7 @@ from triton.language.extra import libdevice
 
 from mslk.core import arch, launch, registry, testing
 from mslk.moe.common import check_valid_token_count, valid_rows
-from mslk.quantize.reference import FP8_ROW_EPS
-from mslk.quantize.triton.common import FLOAT_INPUTS, check_scale_ub, max_nan
+from mslk.quantize.triton.common import FLOAT_INPUTS, check_float_input, check_scale_ub, max_nan
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row, row_factor_and_scale, to_levels
 
 
@@ -69,11 +68,12 @@ def silu_mul(x0: torch.Tensor, x1: torch.Tensor, valid_token_count: torch.Tensor
 
 def _validate_quant(x0, x1, scale_ub=None, valid_token_count=None):
     _check_inputs("silu_mul_quant", x0, x1, valid_token_count)
+    check_float_input("silu_mul_quant", "x0", x0)  # (what the quantizer takes)
     check_scale_ub("silu_mul_quant", scale_ub, x0)
 
 
 def _silu_mul_quant(x0, x1, scale_ub=None, valid_token_count=None):
-    return quantize_fp8_row(_silu_mul(x0, x1, valid_token_count), scale_ub)
+    return quantize_fp8_row(_silu_mul(x0, x1, valid_token_count), scale_ub, eps_opt=arch.FP8_EPS)
 
 
 def _quant_samples(device):
@@ -104,7 +104,8 @@ def silu_mul_quant(
     valid_token_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul then rowwise FP8 (spec M-08): (xq [T, D] in this platform's FP8, dequantization scale fp32 [T]
-    = amax / FP8_MAX as quantize_fp8_row, amax bounded by scale_ub); rows past valid_token_count are zero."""
+    = amax / FP8_MAX, amax bounded by scale_ub and floored at 1e-12 as the reference's MoE kernels do, not at
+    quantize_fp8_row's 1/512); rows past valid_token_count are zero."""
     return torch.ops.mslk.silu_mul_quant(x0, x1, scale_ub, valid_token_count)
 
 
@@ -208,7 +209,7 @@ def _run_kernel(x0, x1, out, scale=None, scale_ub=None, valid_token_count=None):
     count = None if valid_token_count is None else valid_token_count.to(x0.device)
     compiled = not testing.interpreting()
     launch.fast(_silu_mul_kernel)[grid](
-        x0, x1, out, scale, scale_ub, count, t, d, x0.stride(0), x1.stride(0), out.stride(0), FP8_ROW_EPS,
+        x0, x1, out, scale, scale_ub, count, t, d, x0.stride(0), x1.stride(0), out.stride(0), arch.FP8_EPS,
         QUANT=quant, QMAX=float(torch.finfo(out.dtype).max), HAS_UB=scale_ub is not None,
         HAS_COUNT=count is not None, LIBDEVICE=compiled, RCP_RN=compiled and arch.is_cuda(), **config,
     )  # fmt: skip

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
 from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
-from mslk.quantize.triton.common import check_scale_ub
+from mslk.quantize.triton.common import check_float_input, check_scale_ub
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 
@@ -145,11 +145,13 @@ def gather_scale_dense_tokens(
 
 def _validate_gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
     _validate_gather(x, token_indices, expert_indices, scores, valid_token_count)
+    check_float_input("gather_scale_quant_dense_tokens", "x", x)  # (what the quantizer takes)
     check_scale_ub("gather_scale_quant_dense_tokens", scale_ub, x)
 
 
 def _gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
-    return quantize_fp8_row(_gather(x, token_indices, expert_indices, scores, valid_token_count), scale_ub)
+    gathered = _gather(x, token_indices, expert_indices, scores, valid_token_count)
+    return quantize_fp8_row(gathered, scale_ub, eps_opt=arch.FP8_EPS)
 
 
 gather_scale_quant_dense_tokens_op = registry.Op(
@@ -178,7 +180,8 @@ def gather_scale_quant_dense_tokens(
     valid_token_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_scale_dense_tokens then rowwise FP8 (spec M-04; two outputs, as the schema says): (xq [a, D] in
-    this platform's FP8, dequantization scale fp32 [a], quantize_fp8_row's)."""
+    this platform's FP8, dequantization scale fp32 [a]), quantize_fp8_row's with amax floored at 1e-12, as the
+    reference's MoE kernels do."""
     return torch.ops.mslk.gather_scale_quant_dense_tokens(
         x, token_indices, expert_indices, scores, scale_ub, valid_token_count
     )
