@@ -52,11 +52,24 @@ def pow2_table(*shape, group_size, device=DEVICE):
 
 
 def test_group_size_inference():
-    assert g.group_size(256, 2) == 128 and g.group_size(8192, 64) == 128
-    assert g.group_size(200, 4) == 64 and g.group_size(200, 7) == 32  # last group shorter
-    assert g.group_size(480, 5) == 96  # no power of two gives 5 groups: K / groups
-    assert g.group_size(100, 1) == 128 and g.group_size(0, 0) == 1
-    assert g.group_size(200, 3) is None and g.group_size(64, 0) is None
+    size = formats.int4_group_size
+    assert size(256, 2) == 128 and size(8192, 64) == 128
+    assert size(384, 2) == 192 and size(192, 2) == 96 and size(480, 5) == 96  # K / groups, the spec's rule
+    assert size(200, 7) == 32  # 7 does not divide 200: a power of two, the last group shorter
+    assert size(100, 1) == 128 and size(0, 0) == 1  # one group: any size covering K, a power of two
+    assert size(200, 3) is None and size(64, 0) is None
+
+
+def test_group_size_that_is_not_a_power_of_two():
+    """K = 384 in groups of 192 (two scale rows) through mslk.quantize's quantizer: the GEMM reads groups of 192,
+    not of 256 with a shorter last group (0.26 relative error before)."""
+    shuffle = pytest.importorskip("mslk.quantize.shuffle")
+    w, x = testing.randn(32, 384), testing.randn(8, 384, dtype=torch.bfloat16)
+    q, scale, zero = shuffle.int4_row_quantize_zp(w, 192)
+    groups = torch.arange(384) // 192
+    expected = x.double() @ (q.double() * scale.double()[groups].T + zero.double()[groups].T).T
+    for gemm in (g.bf16i4bf16_rowwise_op.reference, kernel(g.bf16i4bf16_rowwise_op)):
+        testing.assert_rel_close(gemm(x, shuffle.pack_int4(q), scale, zero), expected, TOL)
 
 
 def test_layouts_match_mslk_quantize():
@@ -64,8 +77,8 @@ def test_layouts_match_mslk_quantize():
     scales, the preshuffled layout (bf16 and FP8-table forms), K not a multiple of the group."""
     shuffle = pytest.importorskip("mslk.quantize.shuffle")
     w = testing.randn(24, 200)
-    q, scale, zero = shuffle.int4_row_quantize_zp(w, 64)
-    expected = q.float() * scale.T.repeat_interleave(64, 1)[:, :200] + zero.T.repeat_interleave(64, 1)[:, :200]
+    q, scale, zero = shuffle.int4_row_quantize_zp(w, 32)
+    expected = q.float() * scale.T.repeat_interleave(32, 1)[:, :200] + zero.T.repeat_interleave(32, 1)[:, :200]
     torch.testing.assert_close(g.dequantize_int4(shuffle.pack_int4(q), scale, zero, shuffled=False), expected)
     assert testing.rel_error(expected, w) < 0.1
 
@@ -106,8 +119,8 @@ def test_compile_and_export(op):
 SHAPES = [
     (1, 40, 256, 128),
     (16, 72, 512, 32),
-    (37, 130, 200, 64),
-    (65, 24, 384, 256),
+    (37, 130, 200, 32),  # 7 groups, the last shorter
+    (65, 24, 384, 192),  # 2 groups of 192
     (300, 96, 128, 16),
     (5, 40, 480, 96),  # a group size that is not a power of two
 ]
@@ -139,7 +152,7 @@ def test_batched(shuffled):
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled)), TOL)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "gs"), [(1, 40, 200, 64), (37, 130, 256, 128)], ids=str)
+@pytest.mark.parametrize(("m", "n", "k", "gs"), [(1, 40, 200, 32), (37, 130, 256, 128)], ids=str)
 def test_f8i4bf16_rowwise(m, n, k, gs):
     xq, x_scale = quantize_rows(testing.randn(2, m, k, device=DEVICE))
     w = g.random_int4(n, k, device=DEVICE)
@@ -238,7 +251,7 @@ def test_split_k(shuffled, k, splits, per_split, warps, monkeypatch):
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": warps, "num_stages": 4, "splits": splits,
            "steps_per_split": per_split}  # fmt: skip
     monkeypatch.setattr(g, "_config", lambda *shape: cfg)
-    x, w, scale, zero = bf16_inputs(2, m=5, n=70, k=k, gs=128)
+    x, w, scale, zero = bf16_inputs(2, m=5, n=70, k=k, gs=128 if k % 128 == 0 else 64)  # K = 1000: 16 groups
     op = g.bf16i4bf16_shuffled_batched_op if shuffled else g.bf16i4bf16_rowwise_batched_op
     expected = oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled))
     testing.assert_rel_close(kernel(op)(x, w, scale, zero), expected, TOL)
@@ -316,6 +329,17 @@ def test_strided_3d_and_empty_activations():
     assert empty.shape == (2, 0, 40)
 
 
+def test_zero_k_gives_zeros_on_the_triton_path():
+    """K = 0: the empty sum (zeros), from the Triton backend too, which a GPU selects (it refused the scales'
+    group size before)."""
+    x, w = testing.randn(3, 0, dtype=torch.bfloat16), torch.empty(8, 0, dtype=torch.int8)
+    scale = zero = torch.ones(0, 8, dtype=torch.bfloat16)
+    backend = g.bf16i4bf16_rowwise_op.get_backend("triton")
+    assert backend.supports(x, w, scale, zero) == []
+    out = backend.impl(x, w, scale, zero)
+    assert out.shape == (3, 8) and (out == 0).all()
+
+
 # ------------------------------------------------------------------------------------------------ T0: errors
 
 
@@ -356,6 +380,12 @@ def _f8_args(**changes):
             _f8_args(w_scale_group=torch.ones(2, 8, 8, dtype=torch.bfloat16)),
             formats.ScaleFormatError,
             "FP8 table",
+        ),
+        (  # the group scales where preshuffle_i4's table goes: its shape named (once "-1 groups")
+            g.f8i4bf16_shuffled,
+            _f8_args(w_scale_group=torch.ones(2, 8).to(torch.float8_e4m3fn)),
+            formats.ScaleFormatError,
+            r"expected preshuffle_i4's FP8 table scales \[\.\.\., ⌈K/group_size⌉, 8, N\] for W \(8, 128\)",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
@@ -446,11 +476,13 @@ def test_hopper_kernel(m, n, k, gs, scale_dtype):
 @pytest.mark.parametrize(
     ("m", "k", "gs", "gluon"),
     [(g.int4_hopper.MIN_M - 1, 1024, 128, False), (g.int4_hopper.MIN_M, 1024, 128, True),
-     (g.int4_hopper.MIN_M, 1056, 64, False), (g.int4_hopper.MIN_M, 1024, 32, False)],
+     (g.int4_hopper.MIN_M, 1056, 64, False), (g.int4_hopper.MIN_M, 1024, 32, False),
+     (g.int4_hopper.MIN_M, 1536, 192, True), (g.int4_hopper.MIN_M - 1, 1536, 192, False)],
 )  # fmt: skip
 def test_hopper_kernel_dispatch(m, k, gs, gluon, monkeypatch):
     """bf16i4bf16_rowwise takes the Gluon kernel on sm_90 GPUs from MIN_M rows up, for whole K steps and groups of
-    whole steps; the Triton kernel serves the rest (fewer rows, K % 64 == 32, groups of 32)."""
+    whole steps (192 too, not a power of two); the Triton kernel serves the rest (fewer rows, K % 64 == 32, groups
+    of 32)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90 GPUs")
     x, w, scale, zero = bf16_inputs(m=m, n=256, k=k, gs=gs, device="cuda")

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from mslk.core import arch
+from mslk.core import arch, launch
 
 
 class ScaleFormatError(ValueError):
@@ -182,6 +182,21 @@ class Groupwise(ScaleFormat):
         if k % self.group_size:
             raise ScaleFormatError(f"{self.name} needs K divisible by {self.group_size}, got K={k}")
         return (m, k // self.group_size) if self.k_major else (k // self.group_size, m)
+
+
+def int4_group_size(k: int, groups: int) -> int | None:
+    """The group size of INT4 weights with K = k and `groups` scale rows: K / groups, the spec's rule (for one
+    group, the power of two covering K: the same grouping, in a size the kernels tile); where groups does not
+    divide K, the power of two g with ⌈K / g⌉ = groups (MSLK's extension: the last group is shorter); None when
+    neither fits (any size for k = groups = 0). The INT4 quantizers refuse group sizes this would read otherwise."""
+    if k == 0 or groups < 1:
+        return 1 if k == groups == 0 else None
+    if groups == 1:
+        return launch.next_power_of_2(k)
+    if k % groups == 0:
+        return k // groups
+    size = launch.next_power_of_2(_ceil_div(k, groups))
+    return size if _ceil_div(k, size) == groups else None
 
 
 INT4_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

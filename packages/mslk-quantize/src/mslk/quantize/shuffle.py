@@ -1,7 +1,8 @@
 """INT4 weight quantization, packing and the preshuffled layout (spec Q-18..Q-21, G-32; formats §7.4).
 
 Weights w [N, K] are quantized per group of `group_size` elements along K (the last group may be shorter
-when K is not a multiple) into signed 4-bit values in [-8, 7]; the scales (and zero points) come
+when K is not a multiple: for a power-of-two size whose group count does not divide K, since the GEMMs read
+a count that divides K as groups of K / count) into signed 4-bit values in [-8, 7]; the scales (and zero points) come
 transposed, [⌈K/gs⌉, N] contiguous, as the INT4 GEMMs read them.
 
 The preshuffled layout (MSLK's, made for its Triton INT4 GEMMs; `preshuffle_i4` produces it):
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mslk.core import registry, testing
+from mslk.core import formats, registry, testing
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 # Smallest scale: a group of equal values (or zeros) must not divide by zero.
@@ -33,6 +34,15 @@ def _check(where: str, x: torch.Tensor, group_size: int) -> None:
         raise ValueError(f"{where}: x must be 2-D [N, K], got shape {tuple(x.shape)}")
     if group_size < 1:
         raise ValueError(f"{where}: group_size must be positive, got {group_size}")
+    k = x.shape[1]
+    groups = -(-k // group_size)
+    read = formats.int4_group_size(k, groups)
+    if groups > 1 and read != group_size:
+        raise ValueError(
+            f"{where}: group_size {group_size} does not divide K = {k}, and the INT4 GEMMs would read its {groups} "
+            f"scale rows as {f'groups of {read}' if read else 'no group size'} (K / groups where that divides, the "
+            f"spec's rule, else a power of two with a shorter last group): use a group size that divides K"
+        )
 
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -200,7 +210,7 @@ def quantize_int4_preshuffle(
     rows = w.reshape(-1, k)
 
     def per_matrix(scale: torch.Tensor) -> torch.Tensor:  # [K/gs, B·N] -> [..., K/gs, N]
-        return scale.unflatten(1, (-1, n)).movedim(1, 0).reshape(*lead, -1, n)
+        return scale.unflatten(1, (-1, n)).movedim(1, 0).reshape(*lead, -1, n).contiguous()  # as the GEMMs read
 
     if dtype == "fp8":
         w_fp8, row_scale = quantize_fp8_row(rows)

@@ -12,10 +12,9 @@ Layouts (mslk.quantize.shuffle makes them; this module only reads them): int8 [.
 nibbles per byte, either plain (pack_int4: byte j holds k = 2j low, 2j + 1 high; the *_rowwise ops) or
 preshuffled (preshuffle_i4: per run of 128 k, byte j holds k = j low, j + 64 high; the *_shuffled ops, K % 128 ==
 0). Scales and zeros are [..., ⌈K/gs⌉, N] (N-major) fp32/bf16/fp16, the FP8 tables [..., ⌈K/gs⌉, 8, N]
-float8_e4m3fn. The group size is not an argument: it is the power of two gs with ⌈K/gs⌉ = groups (the last group
-shorter when K is not a multiple, as MSLK's quantizers make it), else K / groups. So a group size that is not a
-power of two (96, 192) is read right only where no power of two gives as many groups (K = 480 with gs = 96 is,
-K = 192 with gs = 96 reads as gs = 128).
+float8_e4m3fn. The group size is not an argument (`formats.int4_group_size`): K / groups where that divides, the
+spec's rule (96 and 192 too), else the power of two gs with ⌈K/gs⌉ = groups, the last group shorter (MSLK's
+quantizers make that layout only where the groups do not divide K, so that it reads back).
 
 Kernels: one K loop, 128 k per step, serves every op. Each step dequantizes the [BLOCK_N, 128] weight tile in
 registers (never to global memory) and multiplies it by the activations' [BLOCK_M, 128] tile on the tensor cores,
@@ -37,6 +36,7 @@ steps) int4_hopper.py's, which dequantizes a step's weights while the step befor
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -55,18 +55,6 @@ _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
 # ------------------------------------------------------------------------------------------ group scales
 
 
-def group_size(k: int, groups: int) -> int | None:
-    """The group size of `groups` scale rows for K = k: the power of two g with ⌈k / g⌉ = groups (unique for two
-    groups or more; the last group may be shorter), else k / groups when that divides; None when neither fits
-    (any size for k = groups = 0)."""
-    if k == 0 or groups < 1:
-        return 1 if k == groups == 0 else None
-    size = launch.next_power_of_2(launch.cdiv(k, groups))
-    if launch.cdiv(k, size) == groups:
-        return size
-    return k // groups if k % groups == 0 else None
-
-
 def _check_weights(where: str, W, k: int, lead: tuple, shuffled: bool) -> None:
     """W int8 [*lead, N, K/2] holding K = k values per row (and K % 128 == 0 when preshuffled)."""
     if W.dtype != torch.int8 or W.dim() != len(lead) + 2 or tuple(W.shape[:-2]) != lead:
@@ -83,12 +71,18 @@ def _check_weights(where: str, W, k: int, lead: tuple, shuffled: bool) -> None:
 def _check_group_scales(where: str, W, k: int, scale, zero=None, table: bool = False) -> None:
     """The group size the scales imply (ScaleFormatError when none fits), then their format, zeros alike."""
     rows_dim = -3 if table else -2
-    groups = scale.shape[rows_dim] if scale.dim() >= -rows_dim else -1
-    size = group_size(k, groups)
+    expected = f"[..., ⌈K/group_size⌉, {'8, ' if table else ''}N]"
+    if scale.dim() < W.dim() + (1 if table else 0):
+        producer = "preshuffle_i4's FP8 table " if table else ""
+        raise formats.ScaleFormatError(
+            f"{where}: expected {producer}scales {expected} for W {tuple(W.shape)}, got shape {tuple(scale.shape)}"
+        )
+    groups = scale.shape[rows_dim]
+    size = formats.int4_group_size(k, groups)
     if size is None:
         raise formats.ScaleFormatError(
             f"{where}: scales of shape {tuple(scale.shape)} give {groups} groups for K = {k}, which no group size "
-            f"does (expected [..., ⌈K/group_size⌉, {'8, ' if table else ''}N])"
+            f"does (expected {expected})"
         )
     fmt = formats.Int4Groupwise(size, table)
     fmt.check(W, scale, role=f"{where}: {'w_scale_group' if table else 'scale'}")
@@ -132,7 +126,7 @@ def dequantize_int4(W, scale, zero=None, *, shuffled: bool) -> torch.Tensor:
     """fp32 [..., N, K]: q · scale + zero per group (zero=None: q · scale)."""
     q = unpack_int4(W, shuffled).float()
     k = q.shape[-1]
-    size = group_size(k, scale.shape[-2])
+    size = formats.int4_group_size(k, scale.shape[-2])
     w = q * _per_k(scale, k, size)
     return w if zero is None else w + _per_k(zero, k, size)
 
@@ -141,7 +135,7 @@ def dequantize_int4_table(W, table) -> torch.Tensor:
     """fp32 [..., N, K] of preshuffled weights with FP8 tables [..., G, 8, N]: the entry for |q|, with q's sign."""
     q = unpack_int4(W, shuffled=True)
     k = q.shape[-1]
-    size = group_size(k, table.shape[-3])
+    size = formats.int4_group_size(k, table.shape[-3])
     w = torch.zeros(q.shape, dtype=torch.float32, device=W.device)
     for m in range(1, formats.INT4_TABLE_ENTRIES + 1):
         w = torch.where(q.abs() == m, q.sign() * _per_k(table[..., m - 1, :], k, size), w)
@@ -624,7 +618,7 @@ def _run_int4_rows(X, W, scale, zero, **kwargs) -> torch.Tensor:
     """bf16 [..., M, N] of X [..., M, K] (every leading dim flattened into rows) and one weight matrix W [N, K/2]
     with its scales and zeros (or None): `_run_int4` on a batch of one."""
     out = torch.empty((*X.shape[:-1], W.shape[-2]), dtype=torch.bfloat16, device=X.device)
-    x = k_contiguous(X.reshape(1, -1, X.shape[-1]))
+    x = k_contiguous(X.reshape(1, math.prod(X.shape[:-1]), X.shape[-1]))  # (not -1, ambiguous when K = 0)
     zero = None if zero is None else zero.contiguous()[None]
     _run_int4(x, W[None], scale.contiguous()[None], zero, out.view(1, x.shape[1], W.shape[-2]), **kwargs)
     return out
@@ -638,7 +632,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     if launch.no_products(out, k):
         return out
     groups = scale.shape[-3] if table else scale.shape[-2]
-    size = group_size(k, groups)
+    size = formats.int4_group_size(k, groups)
     if batches == 1 and not table and zero is not None:  # the Gluon kernels of the bf16 formats
         if m <= int4_decode_hopper.MAX_M and int4_decode_hopper.supports(X[0], W[0], scale[0], zero[0], size, shuffled):
             int4_decode_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size, shuffled)
@@ -683,7 +677,7 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     if W.shape[0] == 0:  # no group: every row is past their (empty) sum
         return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
-    size = group_size(k, groups)
+    size = formats.int4_group_size(k, groups)
     # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
     block_m = block_n = 64 if total <= 64 * W.shape[0] else 128
     tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)
@@ -701,8 +695,8 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
 
 
 def _supports(k: int, groups: int) -> list[str]:
-    size = group_size(k, groups)
-    if size is not None and _sub_block(size, True) is None:
+    size = formats.int4_group_size(k, groups)
+    if k and size is not None and _sub_block(size, True) is None:  # (K = 0: no products, zeros without a kernel)
         return [f"group size {size}: the Triton kernel needs group sizes that are multiples of 16"]
     return []
 
@@ -789,7 +783,7 @@ def _bf16_op(name: str, *, shuffled: bool, batched: bool, samples) -> registry.O
 
 def _bf16_samples(shuffled: bool, batched: bool):
     def samples(device):
-        cases = ((37, 40, 256, 64), (5, 24, 384, 128)) if shuffled else ((37, 40, 200, 64), (5, 24, 96, 32))
+        cases = ((37, 40, 256, 64), (5, 24, 384, 128)) if shuffled else ((37, 40, 200, 32), (5, 24, 96, 32))
         for m, n, k, gs in cases:
             lead = (2,) if batched else ()
             x = testing.randn(*lead, m, k, dtype=torch.bfloat16, device=device)
@@ -921,7 +915,7 @@ def _validate_f8_rowwise(XQ, WQ, x_scale, w_scale, w_zp):
 
 
 def _f8_rowwise_samples(device):
-    for m, n, k, gs in ((37, 40, 200, 64), (5, 24, 256, 128)):
+    for m, n, k, gs in ((37, 40, 200, 32), (5, 24, 256, 128)):
         xq, x_scale = quantize_rows(testing.randn(m, k, device=device))
         scale, zero = random_group_scales(n, k, group_size=gs, dtype=torch.float32, device=device)
         yield registry.Sample((xq, random_int4(n, k, device=device), x_scale, scale, zero))
