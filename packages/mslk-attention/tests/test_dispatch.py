@@ -111,6 +111,8 @@ def test_spec_table_rows():
     assert common.bias_types("None T B01 B02 B03 B04 B06 B07 B08 B09 B10 B12") == cutlass.FwOp.SUPPORTED_ATTN_BIAS_TYPES
     assert cutlass.BwOp.SUPPORTS_ATTN_BIAS_GRAD and not cutlass.BwOp.SUPPORTS_BMGHK
     assert flash.FwOp.NAME.startswith("fa2F@") and flash.FwOp.NAME.endswith("-pt") and flash.FwOp.SUPPORTS_PARTIAL
+    version = flash.FLASH_VERSION
+    assert (flash_mtia.FwOp.NAME, flash_mtia.BwOp.NAME) == (f"fa2F@{version}-mtia", f"fa2B@{version}-mtia")
     assert not flash.BwOp.IS_DETERMINISTIC and not flash.FwOp.SUPPORTS_DIFFERENT_VALUE_EMBED
     assert flash3.FwOp.SUPPORTED_ATTN_BIAS_TYPES == common.bias_types("None B01 B03-B22")
     assert torch.float8_e4m3fn in flash3.FwOp.SUPPORTED_DTYPES and flash3.FwOp.SUPPORTED_MIN_K == 64

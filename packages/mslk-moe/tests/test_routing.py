@@ -100,6 +100,18 @@ def test_scatter_add_along_first_dim():
     testing.assert_rel_close(dst, expected, 1e-6)
 
 
+def test_scatter_add_along_first_dim_skips_indices_outside_dst():
+    """An index outside Dst adds nothing, on every device: the reference once raised where the kernel skips."""
+    from mslk.moe import gather_scatter as gs
+
+    src, index = testing.randn(3, 8), torch.tensor([0, 4, 1])
+    for scatter in (scatter_add_along_first_dim, _triton(gs, "scatter_add_along_first_dim_op")):
+        dst = testing.randn(4, 8)
+        expected = dst.double().index_add(0, torch.tensor([0, 1]), src[[0, 2]].double())
+        scatter(dst, src, index)
+        testing.assert_rel_close(dst, expected, 1e-6)
+
+
 def test_silu_mul():
     x0, x1 = (testing.randn(33, 200, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     a = x0.double()

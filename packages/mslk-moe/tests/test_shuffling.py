@@ -49,6 +49,39 @@ def test_combine_and_split_match_chunk_loops(ep, experts, kept, padded):
     assert int((back.abs().sum(1) != 0).sum()) == written, "nothing else is written; the rest is zero"
 
 
+@pytest.mark.parametrize(
+    ("counts", "padded", "rows"),
+    [
+        ([[2, 2], [2, 2]], False, 3),  # 8 rows counted, 3 given
+        ([[2, -1], [2, 2]], False, 6),  # a negative count counts as 0
+        ([[3, 0], [0, 1]], True, 4),  # rank 0 counts 3 rows in its slab of 2
+    ],
+)
+def test_counts_that_do_not_fit_the_tokens_are_cut(counts, padded, rows):
+    """Counts past the tokens (or past a rank's slab) never index past T, which would stop a GPU: the rows they
+    name outside are skipped, read as zero by combine and written nowhere by split."""
+    tokens = testing.randn(rows, 8, device=DEVICE)
+    token_counts = torch.tensor(counts, device=DEVICE)
+    ranks, experts = token_counts.shape
+    slab = rows // ranks if padded else None
+    cut = [[max(n, 0) for n in per_rank] for per_rank in counts]
+    first = _layout(cut, slab)
+    expected, expected_back, row = torch.zeros_like(tokens), torch.zeros_like(tokens), 0
+    for e in range(experts):
+        for r in range(ranks):
+            for i in range(cut[r][e]):
+                source = first[r, e] + i
+                inside = source < (rows if slab is None else min(rows, (r + 1) * slab))
+                if row < rows and inside:
+                    expected[row] = tokens[source]
+                    expected_back[source] = tokens[source]
+                row += 1
+    out, out_counts = shuffling.combine_shuffling(tokens, token_counts, is_padded=padded)
+    assert torch.equal(out, expected)
+    assert out_counts.tolist() == [*torch.tensor(cut).sum(0).tolist(), sum(map(sum, cut))]
+    assert torch.equal(shuffling.split_shuffling(out, token_counts, is_padded=padded), expected_back)
+
+
 def test_no_experts_kept_and_no_ranks():
     out, counts = shuffling.combine_shuffling(torch.rand(4, 3), torch.ones(2, 3, dtype=torch.int32), 1, 1)
     assert (out == 0).all() and counts.tolist() == [0]

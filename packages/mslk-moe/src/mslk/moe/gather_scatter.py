@@ -468,7 +468,7 @@ def _validate_scatter_first_dim(Dst, Src, Index):
 
 
 def _scatter_first_dim(Dst, Src, Index):
-    Dst.index_add_(0, Index.long(), Src)
+    _add_rows(Dst, Src, Index, None)  # the kernel's rule: an index outside Dst adds nothing
 
 
 scatter_add_along_first_dim_op = registry.Op(
@@ -497,5 +497,5 @@ scatter_add_along_first_dim_op.backend("triton", available=registry.triton_missi
 
 def scatter_add_along_first_dim(Dst: torch.Tensor, Src: torch.Tensor, Index: torch.Tensor) -> None:
     """`Dst[Index[i], :] += Src[i, :]` in place (spec M-02; the mutation is declared in the schema), in Dst's
-    dtype, on any device."""
+    dtype, on any device; an index outside Dst adds nothing."""
     torch.ops.mslk.scatter_add_along_first_dim(Dst, Src, Index)

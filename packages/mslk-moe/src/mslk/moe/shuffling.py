@@ -301,29 +301,37 @@ def index_shuffling(
 
 def _chunks(tokens, token_counts, expert_start, expert_end, is_padded):
     """For the chunks (expert e in [start, end), rank r), in that order: (their sizes, their first row in the
-    rank-ordered layout, the number of kept experts). The expert-ordered layout is the chunks back to back."""
+    rank-ordered layout, the end of the rows their rank may use there, the number of kept experts). The
+    expert-ordered layout is the chunks back to back. Counts that do not fit the tokens (negative ones count as
+    0; rows past T, or past a rank's slab of T/EP rows when padded) are cut there, as no GPU may index past T."""
     ranks, experts = token_counts.shape
     start = 0 if expert_start is None else expert_start
     end = experts if expert_end is None else expert_end
-    counts = token_counts.to(torch.int64)
+    rows = tokens.shape[0]
+    counts = token_counts.to(torch.int64).clamp(min=0)
     within_rank = torch.cumsum(counts, 1) - counts  # offset of expert e inside rank r's tokens
     if is_padded:
-        rank_start = torch.arange(ranks, device=counts.device) * (tokens.shape[0] // max(ranks, 1))  # EP = 0 too
+        slab = rows // max(ranks, 1)  # (EP = 0 too)
+        rank_start = torch.arange(ranks, device=counts.device) * slab
+        rank_end = rank_start + slab
     else:
         totals = counts.sum(1)
         rank_start = torch.cumsum(totals, 0) - totals
+        rank_end = torch.full_like(rank_start, rows)
     sizes = counts[:, start:end].t().reshape(-1)  # (e, r) order
     rank_rows = (rank_start[:, None] + within_rank)[:, start:end].t().reshape(-1)
-    return sizes, rank_rows, end - start
+    limits = rank_end.clamp(max=rows)[None, :].expand(end - start, ranks).reshape(-1)
+    return sizes, rank_rows, limits, end - start
 
 
-def _expert_side(tokens, sizes):
-    """For each row of the expert-ordered side (chunks back to back, at least one chunk): (its chunk, its
-    offset in the chunk, whether it is in one at all)."""
+def _expert_side(tokens, sizes, rank_rows, limits):
+    """For each row of the expert-ordered side (chunks back to back, at least one chunk): its row on the
+    rank-ordered side, and whether it is in a chunk at all with that row inside its rank's rows."""
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     ends = torch.cumsum(sizes, 0)
     chunk = torch.searchsorted(ends, rows, right=True).clamp(max=sizes.numel() - 1)
-    return chunk, rows - (ends - sizes)[chunk], rows < ends[-1]
+    rank_row = rank_rows[chunk] + rows - (ends - sizes)[chunk]
+    return rank_row, (rows < ends[-1]) & (rank_row < limits[chunk])
 
 
 def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
@@ -341,22 +349,22 @@ def _validate_shuffle(where, tokens, token_counts, expert_start, expert_end):
 
 
 def _combine(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False):
-    sizes, rank_rows, kept = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
+    sizes, rank_rows, limits, kept = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
     out = tokens.new_zeros(tokens.shape)  # (contiguous, as the fake kernel says)
     if sizes.numel():
-        chunk, offset, used = _expert_side(tokens, sizes)  # each output row reads its rank-ordered row
-        out = torch.where(used[:, None], tokens[torch.where(used, rank_rows[chunk] + offset, 0)], out)
+        rank_row, used = _expert_side(tokens, sizes, rank_rows, limits)  # each output row reads its rank-ordered row
+        out = torch.where(used[:, None], tokens[torch.where(used, rank_row, 0)], out)
     counts = sizes.reshape(kept, token_counts.shape[0]).sum(1)
     return out, torch.cat([counts, counts.sum().reshape(1)]).to(torch.int32)
 
 
 def _split(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False, init_with_zeros=False):
-    sizes, rank_rows, _ = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
+    sizes, rank_rows, limits, _ = _chunks(tokens, token_counts, expert_start, expert_end, is_padded)
     rows = tokens.shape[0]
     out = tokens.new_zeros(rows + 1, tokens.shape[1])  # row `rows` takes the rows in no chunk
     if sizes.numel():
-        chunk, offset, used = _expert_side(tokens, sizes)  # each input row goes back to its rank-ordered row
-        out.index_copy_(0, torch.where(used, rank_rows[chunk] + offset, rows), tokens)
+        rank_row, used = _expert_side(tokens, sizes, rank_rows, limits)  # each input row back to its rank-ordered row
+        out.index_copy_(0, torch.where(used, rank_row, rows), tokens)
     return out[:rows]
 
 
