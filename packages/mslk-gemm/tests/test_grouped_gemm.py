@@ -52,6 +52,20 @@ def test_bf16_grouped(rows, sizes, n, k, index_dtype):
     _check_bf16(rows, sizes, n, k, index_dtype, DEVICE)
 
 
+def test_fp16_inputs_give_bf16():
+    """The bf16bf16bf16 forms return bf16 for fp16 inputs, as the reference library allocates them (spec §5.1)."""
+    x, w = testing.randn(9, 32, dtype=torch.float16), testing.randn(2, 24, 32, dtype=torch.float16)
+    sizes = torch.tensor([4, 5])
+    n_major = w.mT.contiguous().mT  # as the dgrad reads the forward's [G, K, N] weights
+    for op, weights in ((g.bf16bf16bf16_grouped_stacked_op, w), (g.bf16bf16bf16_grouped_grad_op, n_major)):
+        for impl in (op.reference, kernel(op)):
+            out = impl(x, weights, sizes)
+            assert out.dtype == torch.bfloat16
+            testing.assert_rel_close(out, oracle(x, w, [4, 5]), 1e-2)
+    dw = g.bf16bf16bf16_grouped_wgrad(testing.randn(9, 24, dtype=torch.float16), x, sizes)
+    assert dw.dtype == torch.bfloat16 and dw.shape == (2, 24, 32)
+
+
 @pytest.mark.parametrize(("rows", "sizes", "n", "k"), CASES, ids=str)
 def test_fp8_grouped(rows, sizes, n, k):
     _check_fp8(rows, sizes, n, k, DEVICE)
@@ -62,11 +76,11 @@ def _check_bf16(rows, sizes, n, k, index_dtype, device, dtype=torch.bfloat16):
     w = testing.randn(len(sizes), n, k, dtype=dtype, device=device)
     m_sizes = torch.tensor(sizes, dtype=index_dtype, device=device)
     out = kernel(g.bf16bf16bf16_grouped_stacked_op)(x, w, m_sizes)
-    assert out.dtype == dtype and out.shape == (rows, n)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n), "bf16, as the name says (fp16 inputs too)"
     expected = oracle(x, w, sizes)
     testing.assert_rel_close(out, expected, 1e-2)
     assert (out[sum(sizes) :] == 0).all()
-    poisoned = testing.empty_poisoned(rows, n, dtype=dtype, device=device)
+    poisoned = testing.empty_poisoned(rows, n, dtype=dtype, device=device)  # an `out` of the inputs' dtype
     assert kernel(g.bf16bf16bf16_grouped_stacked_op)(x, w, m_sizes, poisoned, 2) is poisoned
     testing.assert_rel_close(poisoned, expected, 1e-2)
 

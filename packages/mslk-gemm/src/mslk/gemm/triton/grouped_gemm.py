@@ -396,11 +396,11 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
     def validate(X, W, M_sizes, out=None, num_sms=None):
         _check_stacked(where, X, W, M_sizes)
         _check_16bit(where, X, W)
-        _check_out(where, "out", out, (X.shape[0], W.shape[1]), (X.dtype,), X.device)
+        _check_out(where, "out", out, (X.shape[0], W.shape[1]), (torch.bfloat16, X.dtype), X.device)
         _check_num_sms(where, num_sms)
 
     def reference(X, W, M_sizes, out=None, num_sms=None):
-        result = _stacked_reference(X, W, _group_bounds(M_sizes, X.shape[0])).to(X.dtype)
+        result = _stacked_reference(X, W, _group_bounds(M_sizes, X.shape[0])).to(torch.bfloat16)
         return result if out is None else out.copy_(result)
 
     op = registry.Op(
@@ -408,7 +408,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
         domain="gemm",
         reference=reference,
         fake=lambda X, W, M_sizes, out=None, num_sms=None: (
-            X.new_empty((X.shape[0], W.shape[1])) if out is None else out
+            X.new_empty((X.shape[0], W.shape[1]), dtype=torch.bfloat16) if out is None else out
         ),
         samples=samples,
         validate=validate,
@@ -417,7 +417,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
 
     @op.backend("triton", available=registry.triton_missing)
     def _triton(X, W, M_sizes, out=None, num_sms=None):
-        result = torch.empty((X.shape[0], W.shape[1]), dtype=X.dtype, device=X.device) if out is None else out
+        result = torch.empty((X.shape[0], W.shape[1]), dtype=torch.bfloat16, device=X.device) if out is None else out
         return _run_grouped(k_contiguous(X), _weights(W), result, M_sizes, num_sms=num_sms)
 
     return op
@@ -437,8 +437,8 @@ bf16bf16bf16_grouped_grad_op = _stacked_16bit_op(
 
 def bf16bf16bf16_grouped_stacked(X, W, M_sizes, out=None, num_sms=None) -> torch.Tensor:
     """Grouped GEMM of stacked groups (spec G-12): X [ΣM, K] bf16/fp16, W [G, N, K], M_sizes [G] int64 (or
-    int32) rows per group -> [ΣM, N] with out[rows of g] = X[rows of g] · W[g]ᵀ (fp32 sums), into `out` when
-    given; `num_sms` caps the persistent programs."""
+    int32) rows per group -> bf16 [ΣM, N] (as the name says, fp16 inputs too) with out[rows of g] = X[rows of g] ·
+    W[g]ᵀ (fp32 sums), into `out` when given (bf16, or X's dtype); `num_sms` caps the persistent programs."""
     return torch.ops.mslk.bf16bf16bf16_grouped_stacked(X, W, M_sizes, out, num_sms)
 
 
@@ -470,14 +470,15 @@ def _validate_wgrad(X, W, M_sizes, output=None, output_accum=False, num_sms=None
     shape = (M_sizes.shape[0], X.shape[1], W.shape[1])
     if output_accum and output is None:
         raise ValueError(f"{where}: output_accum=True adds into `output`, which must be given (float32 {shape})")
-    _check_out(where, "output", output, shape, (torch.float32,) if output_accum else (X.dtype, torch.float32), X.device)
+    dtypes = (torch.float32,) if output_accum else (torch.bfloat16, X.dtype, torch.float32)
+    _check_out(where, "output", output, shape, dtypes, X.device)
     _check_num_sms(where, num_sms)
 
 
 def _wgrad_reference(X, W, M_sizes, output=None, output_accum=False, num_sms=None):
     dw = _k_grouped_reference(X.T, W.T, _group_bounds(M_sizes, X.shape[0]))
     if output is None:
-        return dw.to(X.dtype)
+        return dw.to(torch.bfloat16)
     return output.add_(dw) if output_accum else output.copy_(dw)
 
 
@@ -493,7 +494,7 @@ bf16bf16bf16_grouped_wgrad_op = registry.Op(
     domain="gemm",
     reference=_wgrad_reference,
     fake=lambda X, W, M_sizes, output=None, *args, **kwargs: (
-        X.new_empty((M_sizes.shape[0], X.shape[1], W.shape[1])) if output is None else output
+        X.new_empty((M_sizes.shape[0], X.shape[1], W.shape[1]), dtype=torch.bfloat16) if output is None else output
     ),
     samples=_wgrad_samples,
     validate=_validate_wgrad,
@@ -504,7 +505,7 @@ bf16bf16bf16_grouped_wgrad_op = registry.Op(
 @bf16bf16bf16_grouped_wgrad_op.backend("triton", available=registry.triton_missing)
 def _wgrad_triton(X, W, M_sizes, output=None, output_accum=False, num_sms=None):
     # K-grouped: out[g] = Σ over g's rows r of dY[r, :]ᵀ X[r, :], with A = dYᵀ [N, ΣM] and B = Xᵀ [K, ΣM].
-    out = torch.empty((M_sizes.shape[0], X.shape[1], W.shape[1]), dtype=X.dtype, device=X.device)
+    out = torch.empty((M_sizes.shape[0], X.shape[1], W.shape[1]), dtype=torch.bfloat16, device=X.device)
     out = out if output is None else output
     _run_grouped(
         k_contiguous(X).T, k_contiguous(W).T, out, M_sizes, grouping=K_GROUPED, zero_fill=False,

@@ -62,7 +62,7 @@ def _list_triton(X, W, x_scale=None, w_scale=None):
     deprecated list forms pay on every call), the sizes known on the host."""
     x, w = torch.cat(X), torch.stack(W)
     sizes = torch.tensor(_list_sizes(X), dtype=torch.int64).to(x.device)
-    out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype if x_scale is None else torch.bfloat16, device=x.device)
+    out = torch.empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16, device=x.device)
     if x_scale is None:
         return _run_grouped(x, w, out, sizes)
     x_scale, w_scale = torch.cat([s.reshape(-1) for s in x_scale]), torch.stack([s.reshape(-1) for s in w_scale])
@@ -77,7 +77,6 @@ def _split(out, X) -> list[torch.Tensor]:
 def _list_ops(prefix: str, args: str, fp8: bool, samples) -> tuple[registry.Op, registry.Op]:
     """`{prefix}_grouped` (-> Tensor[]) and `{prefix}_grouped_cat` (-> Tensor) over one validation, reference and
     kernel."""
-    out_dtype = torch.bfloat16 if fp8 else None
 
     def validate(where, X, W, x_scale=None, w_scale=None):
         _check_lists(where, X, W)
@@ -93,10 +92,10 @@ def _list_ops(prefix: str, args: str, fp8: bool, samples) -> tuple[registry.Op, 
             formats.Rowwise().check(wq, ws, role=f"{where}: w_scale[{i}]")
 
     def cat_fake(X, *args):
-        return X[0].new_empty((sum(_list_sizes(X)), args[0][0].shape[0]), dtype=out_dtype or X[0].dtype)
+        return X[0].new_empty((sum(_list_sizes(X)), args[0][0].shape[0]), dtype=torch.bfloat16)
 
     def reference(X, W, *scales):
-        return _list_reference(X, W, *scales).to(out_dtype or X[0].dtype)
+        return _list_reference(X, W, *scales).to(torch.bfloat16)
 
     ops = []
     for name, listed in ((f"{prefix}_grouped", True), (f"{prefix}_grouped_cat", False)):
@@ -215,8 +214,8 @@ def _dynamic_samples(device, fp8: bool):
 bf16bf16bf16_grouped_dynamic_op = registry.Op(
     "mslk::bf16bf16bf16_grouped_dynamic(Tensor X, Tensor W, Tensor zero_start_index_M) -> Tensor",
     domain="gemm",
-    reference=lambda X, W, zero_start_index_M: _padded_reference(X, W, zero_start_index_M.tolist()).to(X.dtype),
-    fake=lambda X, W, zero_start_index_M: X.new_empty((*X.shape[:2], W.shape[1])),
+    reference=lambda X, W, zero_start_index_M: _padded_reference(X, W, zero_start_index_M.tolist()).to(torch.bfloat16),
+    fake=lambda X, W, zero_start_index_M: X.new_empty((*X.shape[:2], W.shape[1]), dtype=torch.bfloat16),
     samples=functools.partial(_dynamic_samples, fp8=False),
     validate=_validate_bf16_dynamic,
     tolerance=1e-2,
@@ -225,7 +224,7 @@ bf16bf16bf16_grouped_dynamic_op = registry.Op(
 
 @bf16bf16bf16_grouped_dynamic_op.backend("triton", available=registry.triton_missing)
 def _bf16_dynamic_triton(X, W, zero_start_index_M):
-    out = torch.empty((*X.shape[:2], W.shape[1]), dtype=X.dtype, device=X.device)
+    out = torch.empty((*X.shape[:2], W.shape[1]), dtype=torch.bfloat16, device=X.device)
     return _run_padded(X, W, out, zero_start_index_M.contiguous())
 
 
