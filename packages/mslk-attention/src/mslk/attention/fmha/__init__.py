@@ -36,6 +36,7 @@ from mslk.attention.fmha import (  # noqa: F401  (modules users reach as fmha.<m
     merge,
     merge_training,
     torch_reference,
+    tree_attention,
     triton_flash,
     triton_splitk,
     unbind,
