@@ -130,6 +130,23 @@ def test_padded_and_gappy_keys(seed):
         ).__name__
 
 
+def test_materialize_causal_mask_helper():
+    """Upstream's helper equals the masks' own materialize (top-left, bottom-right, local windows)."""
+    shape = (2, 5, 9)
+    for kwargs, mask in (
+        ({}, ab.LowerTriangularMask()),
+        ({"from_bottomright": True}, ab.LowerTriangularFromBottomRightMask()),
+        ({"from_bottomright": True, "window_size": 3}, ab.LowerTriangularFromBottomRightLocalAttentionMask(3)),
+    ):
+        dense = ab._materialize_causal_mask(shape, torch.bfloat16, **kwargs)
+        assert dense.dtype == torch.bfloat16 and dense.is_contiguous()
+        assert torch.equal(dense, mask.materialize(shape, torch.bfloat16)), kwargs
+    top_left_window = ab._materialize_causal_mask((4, 6), window_size=2)
+    assert torch.equal(
+        top_left_window.isfinite(), torch.tensor([[j in (i - 1, i) for j in range(6)] for i in range(4)])
+    )
+
+
 def test_pack_and_split_round_trip():
     tensors = [torch.randn(2, 3, 4, 8), torch.randn(1, 5, 4, 8), torch.randn(3, 1, 4, 8)]
     mask, packed_x = ab.BlockDiagonalMask.from_tensor_list(tensors)

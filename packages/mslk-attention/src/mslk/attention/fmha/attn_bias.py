@@ -66,6 +66,23 @@ def _local(i, j, shift: int, left: int, right: int) -> torch.Tensor:
     return (d >= -left) & (d <= right)
 
 
+def _materialize_causal_mask(
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    *,
+    window_size: int | None = None,
+    from_bottomright: bool = False,
+) -> torch.Tensor:
+    """Upstream's causal mask helper (users' tests import it): [..., Mq, Mkv], 0 where j <= i + s (s = Mkv − Mq
+    from the bottom right, else 0) and, with a window_size w, j > i + s − w; −inf elsewhere."""
+    mq, mk = shape[-2], shape[-1]
+    i, j = torch.arange(mq, device=device)[:, None], torch.arange(mk, device=device)[None, :]
+    left = mq + mk if window_size is None else window_size - 1
+    allowed = _local(i, j, mk - mq if from_bottomright else 0, left, 0)
+    return torch.where(allowed, 0.0, -math.inf).to(dtype).expand(*shape).contiguous()
+
+
 class _Checked:
     """Runs the parents' __post_init__ (dataclass masks chain their checks)."""
 
