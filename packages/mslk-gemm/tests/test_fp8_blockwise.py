@@ -9,6 +9,7 @@ import torch
 
 from mslk.core import formats, testing
 from mslk.gemm.triton import fp8_blockwise_gemm as g
+from mslk.gemm.triton.fp8_groupwise_gemm import matmul_f8f8bf16_groupwise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,7 +64,7 @@ def test_groupwise(m, n, k):
     out = kernel(g.f8f8bf16_groupwise_op)(xq, wq, x_scale, w_scale)
     testing.assert_rel_close(out, expected, 1e-2)
     poisoned = testing.empty_poisoned(m, n, dtype=torch.bfloat16, device=DEVICE)
-    assert g.matmul_f8f8bf16_groupwise(xq, wq, x_scale, w_scale, poisoned) is poisoned
+    assert matmul_f8f8bf16_groupwise(xq, wq, x_scale, w_scale, poisoned) is poisoned  # (spec G-58's path)
     testing.assert_rel_close(poisoned, expected, 1e-2)
 
 

@@ -13,6 +13,7 @@ import torch
 from mslk.core import testing
 from mslk.gemm.triton import grouped_gemm as g
 from mslk.gemm.triton.fp8_gemm import quantize_rows
+from mslk.gemm.triton.fp8_groupwise_grouped_gemm import matmul_f8f8bf16_groupwise_grouped
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -273,6 +274,9 @@ def test_groupwise_grouped(sizes, n):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     testing.assert_rel_close(out, groupwise_oracle(xq, wq, x_scale, w_scale, sizes), 1e-2)
     assert (out[sum(sizes) :] == 0).all()
+    poisoned = testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device=DEVICE)  # the spec's import path (G-58)
+    assert matmul_f8f8bf16_groupwise_grouped(xq, wq, x_scale, w_scale, m_sizes, poisoned) is poisoned
+    testing.assert_rel_close(poisoned, out, 1e-2)
 
 
 # ------------------------------------------------------------- grouped_gemm entry points (G-53, G-54)

@@ -263,9 +263,3 @@ def f8f8bf16_groupwise(XQ, WQ, x_scale, w_scale) -> torch.Tensor:
     x_scale [K/128, M] (one per row and 128 of K, M-major: quantize_fp8_group(x, 128)), w_scale [K/128, N/128]
     (one per 128 x 128 tile, quantize_fp8_block(w, 128, 128, k_major=False)) -> bf16 [M, N]."""
     return torch.ops.mslk.f8f8bf16_groupwise(XQ, WQ, x_scale, w_scale)
-
-
-def matmul_f8f8bf16_groupwise(XQ, WQ, x_scale, w_scale, output=None) -> torch.Tensor:
-    """The reference library's Triton entry (spec G-58): f8f8bf16_groupwise, into `output` when given."""
-    out = f8f8bf16_groupwise(XQ, WQ, x_scale, w_scale)
-    return out if output is None else output.copy_(out)

@@ -663,12 +663,6 @@ def f8f8bf16_groupwise_grouped(XQ, WQ, x_scale, w_scale, M_sizes) -> torch.Tenso
     return torch.ops.mslk.f8f8bf16_groupwise_grouped(XQ, WQ, x_scale, w_scale, M_sizes)
 
 
-def matmul_f8f8bf16_groupwise_grouped(XQ, WQ, x_scale, w_scale, M_sizes, output=None) -> torch.Tensor:
-    """The reference library's Triton entry (spec G-58): f8f8bf16_groupwise_grouped, into `output` when given."""
-    out = f8f8bf16_groupwise_grouped(XQ, WQ, x_scale, w_scale, M_sizes)
-    return out if output is None else output.copy_(out)
-
-
 # ------------------------------------------------- Triton entry points with scatter-add (G-53, G-54)
 
 
