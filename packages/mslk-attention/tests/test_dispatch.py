@@ -430,6 +430,13 @@ def test_forward_choice_on_faked_gpu(monkeypatch):
         training = fmha.Inputs(*cuda_qkv(mk=24, k=128), causal)
         assert dispatch._dispatch_fw(training, True) is triton_flash.FwOp, "training at head dim 128"
         assert dispatch._dispatch_bw(training, None) is triton_flash.BwOp
+        with monkeypatch.context() as switched:  # upstream's switch keeps the GPU off MSLK's Triton kernels
+            switched.setenv("XFORMERS_FORCE_DISABLE_TRITON", "1")
+            assert dispatch._dispatch_fw(training, True) is cutlass.FwOp
+            assert dispatch._dispatch_bw(training, None) is cutlass.BwOp
+            assert "XFORMERS_FORCE_DISABLE_TRITON is set" in triton_flash.FwOp.not_supported_reasons(training)
+            switched.setenv("XFORMERS_ENABLE_TRITON", "1")
+            assert dispatch._dispatch_fw(training, True) is triton_flash.FwOp
         assert dispatch._dispatch_fw(fmha.Inputs(*cuda_qkv(k=512)), False) is cutlass.FwOp, "head dim > 256"
         with monkeypatch.context() as compiling:
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -35,11 +35,13 @@ from mslk.attention.fmha import (  # noqa: F401  (modules users reach as fmha.<m
     flydsl,
     merge,
     merge_training,
+    split_blocks_fairinternal,
     torch_reference,
     tree_attention,
     triton_flash,
     triton_splitk,
     unbind,
+    utils,
 )
 from mslk.attention.fmha.attn_bias import (
     AttentionBias,

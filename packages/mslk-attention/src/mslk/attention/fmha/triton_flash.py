@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mslk.attention.fmha._triton import available
 from mslk.attention.fmha.common import (
     AttentionBwOpBase,
     AttentionFwOpBase,
@@ -934,6 +935,12 @@ def _launches(op, launch_function):
     return op if torch.compiler.is_compiling() else launch_function
 
 
+def _switch_reasons(reasons: list[str], d: Inputs) -> list[str]:
+    """reasons, and on a GPU the environment's switch (XFORMERS_FORCE_DISABLE_TRITON) when it is off."""
+    off = available.switched_off() if d.query.device.type == "cuda" else None
+    return reasons if off is None else [*reasons, off]
+
+
 class FwOp(AttentionFwOpBase):
     """MSLK's Triton flash-attention forward (see the module docstring)."""
 
@@ -954,6 +961,10 @@ class FwOp(AttentionFwOpBase):
     SUPPORTS_PARTIAL = True
     SUPPORTS_BMGHK = True
     VARLEN_LSE_PACKED = True
+
+    @classmethod
+    def not_supported_reasons(cls, d: Inputs) -> list[str]:
+        return _switch_reasons(super().not_supported_reasons(d), d)
 
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
@@ -999,6 +1010,10 @@ class BwOp(AttentionBwOpBase):
     SUPPORTS_DIFFERENT_VALUE_EMBED = True
     SUPPORTS_BMGHK = True
     VARLEN_LSE_PACKED = True
+
+    @classmethod
+    def not_supported_reasons(cls, d: Inputs) -> list[str]:
+        return _switch_reasons(super().not_supported_reasons(d), d)
 
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
