@@ -324,6 +324,22 @@ def test_padded_and_gappy_masks_construct_as_upstream():
         assert not isinstance(mask, ab.BlockDiagonalMask) and isinstance(mask, ab.VARLEN_BIASES)
 
 
+@pytest.mark.gpu
+def test_masks_reach_the_gpu_without_a_sync():
+    """Constructors and in-place updates copy their lists from pinned memory, queued on the stream (a copy from
+    pageable memory would wait for the GPU: torch's sync debug mode raises on it)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 8, [5, 3], device="cuda")
+        mask.k_seqinfo.from_seqlens_padded_inplace([6, 4])
+        packed = ab.BlockDiagonalMask.from_seqlens([3, 5], [4, 6], device="cuda")
+        packed.q_seqinfo.from_seqlens_inplace([2, 5])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert mask.k_seqinfo.seqlen.tolist() == [6, 4] and mask.k_seqinfo.seqstart.tolist() == [0, 8, 16]
+    assert packed.q_seqinfo.seqstart.tolist() == [0, 2, 7] and packed.k_seqinfo.seqstart.tolist() == [0, 4, 10]
+
+
 def test_in_place_updates_keep_the_tensors():
     mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 8, [5, 3], device="cpu")
     q_start, k_len = mask.q_seqinfo.seqstart, mask.k_seqinfo.seqlen

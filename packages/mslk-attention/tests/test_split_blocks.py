@@ -238,6 +238,7 @@ def test_no_call_waits_for_the_gpu():
             split_blocks_for_decoding(bias, 4, tables, 2),
             split_blocks_for_decoding(bias, 4, gpu_data=split_blocks_for_decoding_gpu_part(bias, 4)),
             split_blocks_for_prefill(bias, 4),
+            maybe_make_paged(bias, tables, 2, None),  # (its lists reach the GPU from pinned memory)
         ]
     finally:
         torch.cuda.set_sync_debug_mode("default")

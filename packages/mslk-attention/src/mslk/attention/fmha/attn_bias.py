@@ -26,7 +26,20 @@ def _default_device() -> torch.device:
 
 
 def _int_tensor(values: Sequence[int], device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device or _default_device())
+    values = list(values)
+    tensor = torch.empty(len(values), dtype=torch.int32, device=device or _default_device())
+    _write(tensor, values)
+    return tensor
+
+
+def _write(tensor: torch.Tensor, values: Sequence[int]) -> None:
+    """values into the int32 tensor; on a CUDA GPU from pinned memory, without waiting (a copy from pageable memory
+    synchronizes the stream), as upstream does."""
+    host = torch.tensor(list(values), dtype=torch.int32)
+    if tensor.is_cuda:
+        tensor.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        tensor.copy_(host)
 
 
 class AttentionBias:
@@ -210,7 +223,7 @@ class _SeqLenInfo:
             )
         if any(not 0 <= n <= longest for n in lengths):
             raise ValueError(f"in-place update: lengths must be in [0, {what}={longest}], got {lengths}")
-        self.seqstart.copy_(torch.tensor(starts, dtype=torch.int32))
+        _write(self.seqstart, starts)
         self.seqstart_py[:] = starts
         self.min_seqlen = min(lengths, default=0)  # max_seqlen stays the bound the graph was captured with
 
@@ -258,7 +271,7 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
         lengths = list(seqlens)
         self._update(lengths, list(self.seqstart_py), self.padding, "padding")
         self.max_seqlen = max([self.max_seqlen, *lengths])
-        self.seqlen.copy_(torch.tensor(lengths, dtype=torch.int32))
+        _write(self.seqlen, lengths)
         self.seqlen_py[:] = lengths
 
     def to(self, device) -> _PaddedSeqLenInfo:
