@@ -172,6 +172,18 @@ def test_block_kernel_matches_reference(shape, bm, bk, k_major, dtype):
     )
 
 
+def test_raw_block_entry_takes_the_spec_order_and_checks_its_inputs():
+    """triton_quantize_fp8_block(x, block_m, block_k, scale_ub, k_major) (spec Q-04): a positional k_major lands
+    there (it was read as use_triton); blocks the kernel cannot tile are refused before it runs."""
+    x = testing.randn(300, 520, device=DEVICE)
+    _, scale = triton_quantize_fp8_block(x, 128, 128, None, False)
+    assert scale.shape == (5, 3)
+    with pytest.raises(ValueError, match="block_m and block_k must be positive"):
+        triton_quantize_fp8_block(x, 0, 16)
+    with pytest.raises(ValueError, match=r"triton_quantize_fp8_block: block_m=24, block_k=40: .* powers of two"):
+        triton_quantize_fp8_block(x, 24, 40)
+
+
 def test_block_kernel_special_values_and_strides(monkeypatch):
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: testing.poison_(empty(*args, **kwargs)))

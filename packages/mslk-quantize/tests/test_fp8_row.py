@@ -118,6 +118,24 @@ def _kernel_vs_reference(a, *args, **kwargs):
     testing.assert_fp8_equal(xq.cpu(), ref_xq)
 
 
+def test_raw_entry_takes_the_spec_order_and_checks_its_inputs():
+    """triton_quantize_fp8_row(a, scale_ub, zero_start_index_M, align_rows_to, eps_opt) (spec Q-02): positional
+    align_rows_to and eps_opt land where the spec puts them (they were read as use_triton and output_device), and
+    bad input gets quantize_fp8_row's errors (a 0-dim tensor raised an IndexError)."""
+    a = testing.randn(3, 13, device=DEVICE, std=1e-4)
+    xq, scale = triton_quantize_fp8_row(a, None, None, 16, 1e-12)
+    assert xq.shape == (3, 16) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, a.abs().amax(-1) / torch.finfo(xq.dtype).max, rtol=1e-6, atol=0)
+    for call, message in (
+        (lambda: triton_quantize_fp8_row(torch.tensor(1.0)), "a must have 1 to 4 dimensions"),
+        (lambda: triton_quantize_fp8_row(a, torch.tensor([1.0], dtype=torch.float64)), "scale_ub must be one float32"),
+        (lambda: triton_quantize_fp8_row(a[None], None, torch.tensor([1.5])), "one integer row count"),
+        (lambda: triton_quantize_fp8_row(a, None, None, -4), "align_rows_to must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 SHAPES = [(1, 8192), (3, 5), (17, 130), (2, 3, 200), (2, 2, 3, 7), (7,), (0, 5), (3, 0)]
 
 

@@ -191,20 +191,21 @@ def _triton_row_supports(*args, **kwargs):
 
 
 @quantize_fp8_row_op.backend("triton", available=registry.triton_missing, supports=_triton_row_supports)
-def triton_quantize_fp8_row(
-    a,
-    scale_ub=None,
-    zero_start_index_M=None,
-    use_triton=True,
-    output_device=None,
-    align_rows_to=None,
-    eps_opt=reference.FP8_ROW_EPS,
-):
-    """The Triton kernel behind quantize_fp8_row (spec Q-02); same arguments and results."""
+def _triton_row(a, scale_ub, zero_start_index_M, use_triton, output_device, align_rows_to, eps_opt):
     xq, scale = run_row_kernel(
         a, arch.fp8_dtype(a.device), scale_ub, zero_start_index_M, _padded_k(a.shape[-1], align_rows_to), _eps(eps_opt)
     )
     return to_output_device(output_device, xq, scale)
+
+
+def triton_quantize_fp8_row(
+    a, scale_ub=None, zero_start_index_M=None, align_rows_to=None, eps_opt=reference.FP8_ROW_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind quantize_fp8_row, called directly (spec Q-02: its own argument order, without
+    use_triton and output_device); the same checks first."""
+    args = RowArgs(a, scale_ub, zero_start_index_M, True, None, align_rows_to, eps_opt)
+    _validate_row(*args)
+    return _triton_row(*args)
 
 
 def run_row_kernel(a, dtype, scale_ub, zero_start_index_M, k_out, eps):
@@ -400,9 +401,7 @@ def _triton_block_supports(*args, **kwargs):
 
 
 @quantize_fp8_block_op.backend("triton", available=registry.triton_missing, supports=_triton_block_supports)
-def triton_quantize_fp8_block(x, block_m=256, block_k=256, scale_ub=None, use_triton=True, output_device=None,
-                              k_major=True):  # fmt: skip
-    """The Triton kernel behind quantize_fp8_block (spec Q-04); same arguments and results."""
+def _triton_block(x, block_m, block_k, scale_ub, use_triton, output_device, k_major):
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
@@ -419,6 +418,19 @@ def triton_quantize_fp8_block(x, block_m=256, block_k=256, scale_ub=None, use_tr
             FP8_MAX=torch.finfo(fp8).max, HAS_UB=scale_ub is not None, BM=block_m, BK=block_k, **config,
         )  # fmt: skip
     return to_output_device(output_device, xq, scale)
+
+
+def triton_quantize_fp8_block(
+    x, block_m=256, block_k=256, scale_ub=None, k_major=True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind quantize_fp8_block, called directly (spec Q-04: its own argument order, without
+    use_triton and output_device); the same checks first."""
+    args = (x, block_m, block_k, scale_ub, True, None, k_major)
+    _validate_block(*args)
+    reasons = _triton_block_supports(*args)
+    if reasons:
+        raise ValueError(f"triton_quantize_fp8_block: {'; '.join(reasons)}")
+    return _triton_block(*args)
 
 
 def quantize_fp8_block(
