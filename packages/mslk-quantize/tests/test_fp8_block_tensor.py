@@ -74,6 +74,25 @@ def test_group_is_block_with_one_row_and_m_sizes_layout():
     assert torch.equal(flat[9:], ref_scale[3:].t().reshape(-1))
     with pytest.raises(ValueError, match="m_sizes must be a 1-D integer tensor"):
         quantize_fp8_group(x, 128, m_sizes=torch.tensor([3.0, 7.0]))
+    with pytest.raises(ValueError, match="quantize_fp8_group: group_size must be positive"):
+        quantize_fp8_group(x, 0)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "blocks"),
+    [([3, 4], [3, 4, 3]), ([6, 9], [6, 4]), ([], [10]), ([2, -1, 5], [2, 0, 5, 3])],
+    ids=["short", "past-M", "none", "negative"],
+)
+def test_group_m_sizes_that_do_not_fit_the_rows(sizes, blocks):
+    """m_sizes summing below M (a padded MoE buffer), past it, empty or negative: every row's scales in a block of
+    their own (the rows past the sum after the experts), none written over another's (they were, or IndexError)."""
+    x = testing.randn(10, 256, std=3.0) * torch.arange(1, 11)[:, None]  # rows of distinct scales
+    _, k_major = quantize_fp8_group(x, 128)
+    _, per_expert = quantize_fp8_group(x, 128, m_sizes=torch.tensor(sizes, dtype=torch.int64))
+    flat, first = per_expert.reshape(-1), 0
+    for rows in blocks:  # each block [G, rows] M-major at offset first · G
+        assert torch.equal(flat[first * 2 : (first + rows) * 2], k_major[first : first + rows].t().reshape(-1))
+        first += rows
 
 
 def test_tensor_reference():

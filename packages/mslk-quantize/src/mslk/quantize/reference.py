@@ -118,16 +118,19 @@ def quantize_fp8_tensor(a: torch.Tensor, eps: float, fp8_dtype: torch.dtype) -> 
 
 def m_major_group_scales(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tensor:
     """Rearrange k-major group scales [M, G] into the per-expert M-major layout of quantize_fp8_group with
-    m_sizes: expert e's block [G, M_e] lies flat at offset (Σ_{e'<e} M_e')·G of an [M, G] buffer. Index
-    arithmetic on the device, without reading m_sizes on the host (CUDA-graph safe)."""
+    m_sizes: expert e's block [G, M_e] lies flat at offset (Σ_{e'<e} M_e')·G of an [M, G] buffer. Sizes that do
+    not fit the rows are cut (negative ones count as 0, experts past row M end there); the rows past ΣM_e form one
+    more block after them, so that no scale lands on another's place. Index arithmetic on the device, without
+    reading m_sizes on the host (CUDA-graph safe)."""
     m, g = scale.shape
-    ends = torch.cumsum(m_sizes.to(device=scale.device, dtype=torch.int64), 0)
+    sizes = m_sizes.to(device=scale.device, dtype=torch.int64).clamp(min=0)
+    ends = torch.cat([torch.cumsum(sizes, 0).clamp(max=m), sizes.new_full((1,), m)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     rows = torch.arange(m, device=scale.device)
-    expert = torch.searchsorted(ends, rows, right=True).clamp(max=len(m_sizes) - 1)
-    start = ends[expert] - m_sizes.to(device=scale.device, dtype=torch.int64)[expert]
-    rows_in_expert = m_sizes.to(device=scale.device, dtype=torch.int64)[expert]
+    block = torch.searchsorted(ends, rows, right=True)  # (< len(ends): the last end is m)
+    start, rows_in_block = starts[block], (ends - starts)[block]
     cols = torch.arange(g, device=scale.device)
-    flat = start[:, None] * g + cols[None, :] * rows_in_expert[:, None] + (rows - start)[:, None]
+    flat = start[:, None] * g + cols[None, :] * rows_in_block[:, None] + (rows - start)[:, None]
     out = torch.empty(m * g, dtype=scale.dtype, device=scale.device)
     out[flat.reshape(-1)] = scale.reshape(-1)
     return out.view(m, g)
