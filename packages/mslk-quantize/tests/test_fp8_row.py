@@ -90,6 +90,9 @@ def test_dequantize_checks_the_scale_layout():
     xq, scale = quantize_fp8_row(testing.randn(4, 8))
     with pytest.raises(formats.ScaleFormatError, match="expected a rowwise scale"):
         dequantize_fp8_row(xq, scale[:2])
+    xq3, scale3 = quantize_fp8_row(testing.randn(2, 3, 8))
+    expected = dequantize_fp8_row(xq3, scale3)
+    assert torch.equal(dequantize_fp8_row(xq3, scale3.reshape(-1)), expected)  # a flat scale, as the check accepts
 
 
 def test_compile_and_export():

@@ -52,8 +52,8 @@ def quantize_fp8_row(
 
 
 def dequantize_fp8_row(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 `xq · scale[..., None]` (the inverse of quantize_fp8_row)."""
-    return (xq.float() * scale.float()[..., None]).to(torch.bfloat16)
+    """bf16 `xq · scale[..., None]` (the inverse of quantize_fp8_row); scale [..., M] or flat (one per row)."""
+    return (xq.float() * scale.float().reshape(*xq.shape[:-1], 1)).to(torch.bfloat16)
 
 
 def _quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
