@@ -43,7 +43,7 @@ def test_nvidia(mock_gpu):
     assert arch.capability() == (9, 0)
     assert arch.sm_count() == 132
     assert arch.fp8_dtype() == torch.float8_e4m3fn and arch.fp8_max() == 448.0
-    assert arch.gfx_arch() is None
+    assert arch.gfx_arch() is None and ref_device.get_gfx_arch_name() == "", "a str, as upstream's"
     assert queries == [0], "device properties are queried once and cached"
     assert ref_device.compute_capability_at_least(9) and not ref_device.compute_capability_at_least(9, 1)
     assert ref_device.compute_capability_in(8, 9) and not ref_device.compute_capability_in(10)
@@ -95,7 +95,7 @@ def test_on_hopper(mock_gpu, props, hip, hopper):
 
 def test_gfx942_uses_fnuz(mock_gpu):
     mock_gpu(MI300X, hip="7.1.0")
-    assert arch.vendor() == "amd" and arch.gfx_arch() == "gfx942"
+    assert arch.vendor() == "amd" and arch.gfx_arch() == "gfx942" and ref_device.get_gfx_arch_name() == "gfx942"
     assert arch.fp8_dtype() == torch.float8_e4m3fnuz and arch.fp8_max() == 240.0
     assert ref_device.supports_float8_fnuz() and ref_device.is_gfx942() and not ref_device.is_gfx950()
     assert ref_device.rocm_version_at_least(7, 1) and not ref_device.rocm_version_at_least(7, 2)

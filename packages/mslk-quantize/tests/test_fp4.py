@@ -21,6 +21,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ------------------------------------------------------------------------------------------- T0
 
 
+def test_reference_module_names():
+    """The reference's fp4_quantize names (spec Q-15, Q-17) and its exponent-bias helper."""
+    assert fp4.get_mx4_exp_bias(2) == 1 and fp4.get_mx4_exp_bias(3) == 3 and fp4.get_mx4_exp_bias(5) == 15
+    assert callable(fp4.triton_fake_quantize_nvfp4_per_tensor) and callable(fp4.cal_global_scale_mx4_as_nvfp4)
+    assert fp4.unsigned_fp32_to_e8m0 is u.unsigned_fp32_to_e8m0
+
+
 def test_e2m1_round_to_nearest_even_and_saturation():
     values = torch.tensor(
         [0.0, 0.25, 0.26, 0.74, 0.75, 1.25, 1.26, 1.75, 2.5, 2.51, 3.5, 5.0, 5.01, 7.0, 1e9, -0.75, -6.0]

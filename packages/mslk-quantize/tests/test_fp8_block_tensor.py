@@ -20,6 +20,7 @@ from mslk.quantize.triton.fp8_quantize import (
     quantize_fp8_tensor_op,
     scale_fp8_row,
     triton_quantize_fp8_block,
+    triton_quantize_fp8_group,
     triton_quantize_fp8_tensor,
 )
 
@@ -76,6 +77,8 @@ def test_group_is_block_with_one_row_and_m_sizes_layout():
         quantize_fp8_group(x, 128, m_sizes=torch.tensor([3.0, 7.0]))
     with pytest.raises(ValueError, match="quantize_fp8_group: group_size must be positive"):
         quantize_fp8_group(x, 0)
+    _, raw = triton_quantize_fp8_group(x, 128, None, torch.tensor([3, 0, 7]))  # spec Q-06's entry and order
+    assert torch.equal(raw, per_expert)
 
 
 @pytest.mark.parametrize(

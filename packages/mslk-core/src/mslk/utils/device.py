@@ -41,8 +41,9 @@ def rocm_version_at_least(major_min: int, minor_min: int = 0) -> bool:
     return version is not None and version >= (major_min, minor_min)
 
 
-def get_gfx_arch_name() -> str | None:
-    return arch.gfx_arch()
+def get_gfx_arch_name() -> str:
+    """The ROCm GPU's gfx architecture ("gfx942"), "" without one (as upstream: `"gfx9" in ...` stays valid)."""
+    return arch.gfx_arch() or ""
 
 
 def gfx_arch_in(arch_list: list[str] | tuple[str, ...]) -> bool:

@@ -30,6 +30,11 @@ from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference modul
     FP8_E4M3_MAX,
     RoundingMode,
     get_mx4_exp_bias,
+    unsigned_fp32_to_e8m0,
+)
+from mslk.quantize.triton.nvfp4_fake_quantize import (  # noqa: F401  (the reference module's public names, Q-15)
+    cal_global_scale_mx4_as_nvfp4,
+    triton_fake_quantize_nvfp4_per_tensor,
 )
 
 

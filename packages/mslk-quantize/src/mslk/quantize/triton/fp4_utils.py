@@ -40,9 +40,10 @@ class RoundingMode(IntEnum):
 
 
 def get_mx4_exp_bias(ebits: int) -> int:
-    if ebits != FP4_EBITS:
-        raise ValueError(f"only E2M1 (ebits=2) MX4 is supported, got ebits={ebits}")
-    return 1
+    """The exponent bias of an `ebits`-bit exponent, 2^(ebits - 1) - 1 (1 for E2M1)."""
+    if ebits < 1:
+        raise ValueError(f"get_mx4_exp_bias: ebits must be >= 1, got {ebits}")
+    return 2 ** (ebits - 1) - 1
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:

@@ -480,6 +480,12 @@ def quantize_fp8_group(
     return xq, scale
 
 
+def triton_quantize_fp8_group(x, group_size=128, scale_ub=None, m_sizes=None, k_major=True):
+    """quantize_fp8_group on its Triton kernel wherever it runs (spec Q-06's entry, without use_triton and
+    output_device)."""
+    return quantize_fp8_group(x, group_size, scale_ub, m_sizes, k_major)
+
+
 def dequantize_fp8_block(
     xq: torch.Tensor, x_scale: torch.Tensor, block_m: int = 256, block_k: int = 256
 ) -> torch.Tensor:
