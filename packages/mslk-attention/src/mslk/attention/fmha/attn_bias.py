@@ -36,7 +36,7 @@ def _write(tensor: torch.Tensor, values: Sequence[int]) -> None:
     """values into the int32 tensor; on a CUDA GPU from pinned memory, without waiting (a copy from pageable memory
     synchronizes the stream), as upstream does."""
     host = torch.tensor(list(values), dtype=torch.int32)
-    if tensor.is_cuda:
+    if tensor.device.type == "cuda":  # (the device itself: the offline SASS checks fake `is_cuda` on CPU tensors)
         tensor.copy_(host.pin_memory(), non_blocking=True)
     else:
         tensor.copy_(host)
