@@ -80,6 +80,9 @@ def assert_device_tensors_match_lists(mask) -> None:
     assert mask.k_seqinfo.seqlen.tolist() == mask.k_seqinfo.seqlen_py
 
 
+# The reference, and MSLK's Triton kernel (a GPU's choice for these masks; the interpreter on a CPU).
+ATTENTION_OPS = [fmha.torch_reference.FwOp, fmha.triton_flash.FwOp]
+
 CASES = [(seed, bias_type, nq) for seed in range(3) for bias_type in (B11, B12) for nq in (1, 3)]
 
 
@@ -107,8 +110,9 @@ def test_decoding_is_the_chunked_rule(seed, bias_type, nq):
 
     q = torch.randn(1, sum(q_lens), 2, 8)
     k, v = torch.randn(2, 1, len(k_lens) * padding, 2, 8).unbind(0)
-    out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=fmha.torch_reference.FwOp)
-    torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
+    for op in ATTENTION_OPS:
+        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=op)
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("seed", "bias_type", "nq"), CASES, ids=lambda v: getattr(v, "__name__", str(v)))
@@ -185,8 +189,9 @@ def test_prefill_is_the_chunked_rule(seed, bias_type):
 
     q = torch.randn(1, sum(q_lens), 2, 8)
     k, v = torch.randn(2, 1, len(k_lens) * padding, 2, 8).unbind(0)
-    out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=fmha.torch_reference.FwOp)
-    torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
+    for op in ATTENTION_OPS:
+        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=op)
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
 
     # Paged: each table row (one input lane) is cut into the lanes of its chunks.
     page_size = 2

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import triton_splitk
+from mslk.attention.fmha import triton_flash, triton_splitk
 from mslk.attention.fmha.common import pack_fp8_tensorwise_per_head
 from mslk.attention.fmha.tree_attention import (
     SplitKAutotune,
@@ -191,17 +191,22 @@ def tree_inputs(layout, dtype, B, tree_q, tree_kv, cache_rows, D=16):
     return randn(B, tree_q), randn(B, tree_kv), randn(B, tree_kv), randn(*cache_rows), randn(*cache_rows)
 
 
+@pytest.mark.parametrize("op", [None, triton_flash.FwOp], ids=["dispatched", "mslk-triton"])
 @pytest.mark.parametrize("layout", ["BMHK", "BMGHK"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tree_q", [13, 5])
-def test_tree_attention_with_padded_cache(layout, dtype, tree_q):
-    """A cache of B slots of Mk keys with ragged lengths (one empty); all the tree or only its last nodes queried."""
+def test_tree_attention_with_padded_cache(layout, dtype, tree_q, op):
+    """A cache of B slots of Mk keys with ragged lengths (one empty); all the tree or only its last nodes queried;
+    through the dispatcher (the reference on a CPU) and pinned to MSLK's Triton kernel (a GPU's choice; the
+    interpreter on a CPU): its packed varlen LSE and tensor-bias partials merge alike."""
     B, Mk, kv_lens = 3, 11, [7, 0, 11]
     meta = TreeAttnMetadata.from_tree_choices(EXAMPLE, dtype, DEVICE)
     tree_kv = len(EXAMPLE) + 1
     q, spec_k, spec_v, cache_k, cache_v = tree_inputs(layout, dtype, B, tree_q, tree_kv, (B, Mk))
     prefix = ab.BlockDiagonalPaddedKeysMask.from_seqlens([tree_q] * B, Mk, kv_lens, device=DEVICE)
-    out = tree_attention(q, spec_k, spec_v, cache_k, cache_v, meta.attention_bias[-tree_q:], prefix)
+    out = tree_attention(
+        q, spec_k, spec_v, cache_k, cache_v, meta.attention_bias[-tree_q:], prefix, prefix_op=op, suffix_op=op
+    )
     cache_keys, cache_values = ([c[b, :n] for b, n in enumerate(kv_lens)] for c in (cache_k, cache_v))
     ref = dense_tree_attention(q, spec_k, spec_v, cache_keys, cache_values, sees_matrix(EXAMPLE)[-tree_q:])
     assert out.dtype == dtype and out.shape == q.shape
