@@ -197,9 +197,12 @@ def test_block_kernel_matches_reference(shape, bm, bk, k_major, dtype):
 def test_raw_block_entry_takes_the_spec_order_and_checks_its_inputs():
     """triton_quantize_fp8_block(x, block_m, block_k, scale_ub, k_major) (spec Q-04): a positional k_major lands
     there (it was read as use_triton); blocks the kernel cannot tile are refused before it runs."""
-    x = testing.randn(300, 520, device=DEVICE)
+    x = testing.randn(130, 260, device=DEVICE)
     _, scale = triton_quantize_fp8_block(x, 128, 128, None, False)
-    assert scale.shape == (5, 3)
+    assert scale.shape == (3, 2)
+    backend = quantize_fp8_block_op.get_backend("triton").impl
+    tiny = x[:3, :300]
+    assert backend(tiny)[1].shape == (1, 2), "the op's backend takes the op's defaults (256 x 256 blocks)"
     with pytest.raises(ValueError, match="block_m and block_k must be positive"):
         triton_quantize_fp8_block(x, 0, 16)
     with pytest.raises(ValueError, match=r"triton_quantize_fp8_block: block_m=24, block_k=40: .* powers of two"):

@@ -126,6 +126,8 @@ def test_raw_entry_takes_the_spec_order_and_checks_its_inputs():
     align_rows_to and eps_opt land where the spec puts them (they were read as use_triton and output_device), and
     bad input gets quantize_fp8_row's errors (a 0-dim tensor raised an IndexError)."""
     a = testing.randn(3, 13, device=DEVICE, std=1e-4)
+    backend = quantize_fp8_row_op.get_backend("triton").impl
+    assert torch.equal(backend(a)[1], triton_quantize_fp8_row(a)[1]), "the op's backend takes the op's defaults"
     xq, scale = triton_quantize_fp8_row(a, None, None, 16, 1e-12)
     assert xq.shape == (3, 16) and scale.dtype == torch.float32
     torch.testing.assert_close(scale, a.abs().amax(-1) / torch.finfo(xq.dtype).max, rtol=1e-6, atol=0)

@@ -191,7 +191,8 @@ def _triton_row_supports(*args, **kwargs):
 
 
 @quantize_fp8_row_op.backend("triton", available=registry.triton_missing, supports=_triton_row_supports)
-def _triton_row(a, scale_ub, zero_start_index_M, use_triton, output_device, align_rows_to, eps_opt):
+def _triton_row(*args, **kwargs):
+    a, scale_ub, zero_start_index_M, _, output_device, align_rows_to, eps_opt = RowArgs(*args, **kwargs)
     xq, scale = run_row_kernel(
         a, arch.fp8_dtype(a.device), scale_ub, zero_start_index_M, _padded_k(a.shape[-1], align_rows_to), _eps(eps_opt)
     )
@@ -401,7 +402,8 @@ def _triton_block_supports(*args, **kwargs):
 
 
 @quantize_fp8_block_op.backend("triton", available=registry.triton_missing, supports=_triton_block_supports)
-def _triton_block(x, block_m, block_k, scale_ub, use_triton, output_device, k_major):
+def _triton_block(*args, **kwargs):
+    x, block_m, block_k, scale_ub, _, output_device, k_major = BlockArgs(*args, **kwargs)
     k = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
