@@ -83,6 +83,16 @@ def assert_device_tensors_match_lists(mask) -> None:
 # The reference, and MSLK's Triton kernel (a GPU's choice for these masks; the interpreter on a CPU).
 ATTENTION_OPS = [fmha.torch_reference.FwOp, fmha.triton_flash.FwOp]
 
+
+def assert_attention_is_dense(split, queries: int, keys: int, expected: torch.Tensor) -> None:
+    """Attention under split, through every op of ATTENTION_OPS, equals float64 attention under the dense mask."""
+    q = torch.randn(1, queries, 2, 8)
+    k, v = torch.randn(2, 1, keys, 2, 8).unbind(0)
+    for op in ATTENTION_OPS:
+        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=op)
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
+
+
 CASES = [(seed, bias_type, nq) for seed in range(3) for bias_type in (B11, B12) for nq in (1, 3)]
 
 
@@ -108,11 +118,7 @@ def test_decoding_is_the_chunked_rule(seed, bias_type, nq):
     expected = chunked(bias, q_lens, k_lens, padding, chunk, queries_follow_keys=bias_type is B11)
     assert torch.equal(split.materialize(expected.shape), expected)
 
-    q = torch.randn(1, sum(q_lens), 2, 8)
-    k, v = torch.randn(2, 1, len(k_lens) * padding, 2, 8).unbind(0)
-    for op in ATTENTION_OPS:
-        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=op)
-        torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
+    assert_attention_is_dense(split, sum(q_lens), len(k_lens) * padding, expected)
 
 
 @pytest.mark.parametrize(("seed", "bias_type", "nq"), CASES, ids=lambda v: getattr(v, "__name__", str(v)))
@@ -187,11 +193,7 @@ def test_prefill_is_the_chunked_rule(seed, bias_type):
     expected = chunked(bias, q_lens, k_lens, padding, chunk, queries_follow_keys=False)
     assert torch.equal(split.materialize(expected.shape), expected)
 
-    q = torch.randn(1, sum(q_lens), 2, 8)
-    k, v = torch.randn(2, 1, len(k_lens) * padding, 2, 8).unbind(0)
-    for op in ATTENTION_OPS:
-        out = fmha.memory_efficient_attention_forward(q, k, v, attn_bias=split, op=op)
-        torch.testing.assert_close(out.double(), dense_attention(q, k, v, expected), rtol=1e-5, atol=1e-5)
+    assert_attention_is_dense(split, sum(q_lens), len(k_lens) * padding, expected)
 
     # Paged: each table row (one input lane) is cut into the lanes of its chunks.
     page_size = 2
