@@ -86,6 +86,10 @@ def int4_calls():
         "grouped": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
                                           s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
                                           torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16()),
+        "grouped_plain": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
+                                                s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
+                                                torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16(),
+                                                shuffled=False),
     }
     return calls
 
@@ -210,6 +214,7 @@ SUITES = {
             "shuffled_m1024",
             "table_m1024",
             "grouped",
+            "grouped_plain",
         ],
     ),
     "attention": (

@@ -1,4 +1,4 @@
-"""INT4 weight-only GEMMs (spec G-24..G-31): bf16i4bf16_{rowwise,shuffled}{,_batched}, bf16i4bf16_shuffled_grouped,
+"""INT4 weight-only GEMMs (spec G-24..G-31, G-56): bf16i4bf16_{rowwise,shuffled}{,_batched,_grouped},
 f8i4bf16_rowwise, f8i4bf16_shuffled{,_grouped}.
 
 T0: the reference dequantization against mslk.quantize's layouts, group-size inference, errors, compile/export.
@@ -14,6 +14,8 @@ import torch
 from mslk.core import formats, testing
 from mslk.gemm.triton import int4_gemm as g
 from mslk.gemm.triton.fp8_gemm import quantize_rows
+from mslk.gemm.triton.int4_grouped_gemm import matmul_bf16i4_rowwise_grouped
+from mslk.gemm.triton.int4_grouped_gemm_fused import matmul_bf16i4_rowwise_grouped_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter truncates fp32 -> bf16 (a biased error about twice the GPU's) and rounds fp32 -> fp8 wrongly
@@ -190,24 +192,43 @@ GROUPED = [
     (0, [0, 0], 16, 128, 128),
     (7, [], 24, 128, 64),  # no group: every row is zero
 ]
+# The plain layout takes any even K: K past whole steps of 128, groups of 96 (K / groups), K = 0 (zeros).
+GROUPED_PLAIN = [(23, [7, 0, 9], 72, 200, 32), (6, [2, 4], 40, 480, 96), (5, [3, 2], 24, 0, 32)]
+GROUPED_OPS = {True: "bf16i4bf16_shuffled_grouped_op", False: "bf16i4bf16_rowwise_grouped_op"}
 
 
-@pytest.mark.parametrize(("rows", "sizes", "n", "k", "gs"), GROUPED, ids=str)
+@pytest.mark.parametrize(
+    ("rows", "sizes", "n", "k", "gs", "shuffled"),
+    [(*case, True) for case in GROUPED] + [(*case, False) for case in GROUPED[:3] + GROUPED_PLAIN],
+    ids=str,
+)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
-def test_bf16i4bf16_shuffled_grouped(rows, sizes, n, k, gs, index_dtype):
+def test_bf16i4bf16_grouped(rows, sizes, n, k, gs, shuffled, index_dtype):
     x = testing.randn(rows, k, dtype=torch.bfloat16, device=DEVICE)
     _, w, scale, zero = bf16_inputs(len(sizes), m=1, n=n, k=k, gs=gs)
     m_sizes = torch.tensor(sizes, dtype=index_dtype, device=DEVICE)
-    out = kernel(g.bf16i4bf16_shuffled_grouped_op)(x, w, scale, zero, m_sizes)
+    out = kernel(getattr(g, GROUPED_OPS[shuffled]))(x, w, scale, zero, m_sizes)
     assert out.shape == (rows, n)
     expected = torch.zeros(rows, n, dtype=torch.float64, device=DEVICE)
-    wdq = g.dequantize_int4(w, scale, zero, shuffled=True)
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=shuffled)
     start = 0
     for group, size in enumerate(sizes):
         expected[start : start + size] = oracle(x[start : start + size], wdq[group])
         start += size
     testing.assert_rel_close(out, expected, TOL)
     assert (out[sum(sizes) :] == 0).all()
+
+
+def test_spec_grouped_entries_are_the_plain_layout():
+    """The reference's grouped Triton entries (G-56) over plain weights, X a strided view."""
+    x = testing.randn(40, 2 * 200, dtype=torch.bfloat16, device=DEVICE)[:, ::2]
+    _, w, scale, zero = bf16_inputs(3, m=1, n=24, k=200, gs=32)
+    m_sizes = torch.tensor([17, 0, 20], dtype=torch.int32, device=DEVICE)
+    expected = g.bf16i4bf16_rowwise_grouped_op.reference(x, w, scale, zero, m_sizes)
+    for entry in (matmul_bf16i4_rowwise_grouped, matmul_bf16i4_rowwise_grouped_fused):
+        out = entry(x, w, scale, zero, m_sizes)
+        testing.assert_rel_close(out, expected, TOL)
+        assert (out[37:] == 0).all()
 
 
 def test_shuffled_grouped_negative_sizes_count_as_zero():
@@ -306,10 +327,11 @@ def test_every_output_and_partial_is_written(monkeypatch):
     m_sizes = torch.tensor([1, 1], device=DEVICE)
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     out = kernel(g.bf16i4bf16_rowwise_op)(x, w, scale, zero)
-    grouped = kernel(g.bf16i4bf16_shuffled_grouped_op)(x, w3, scale3, zero3, m_sizes)
+    grouped = [kernel(getattr(g, name))(x, w3, scale3, zero3, m_sizes) for name in GROUPED_OPS.values()]
     monkeypatch.undo()
     testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=False)), TOL)
-    assert not grouped.isnan().any() and (grouped[2] == 0).all()
+    for result in grouped:
+        assert not result.isnan().any() and (result[2] == 0).all()
 
 
 def test_strided_3d_and_empty_activations():
@@ -401,6 +423,14 @@ def test_bad_grouped_input():
         g.bf16i4bf16_shuffled_grouped(x[0], w, scale, zero, torch.tensor([1.0, 0.0]))
     with pytest.raises(ValueError, match=r"WQ must be int8 packed int4 \[G, N, K/2\]"):
         g.bf16i4bf16_shuffled_grouped(x[0], w[0], scale, zero, torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=r"bf16i4bf16_rowwise_grouped: W .* holds K = 128 values per row, X has K"):
+        g.bf16i4bf16_rowwise_grouped(x[0, :, :96], w, scale, zero, torch.tensor([1, 0]))
+    x, w, scale, zero = bf16_inputs(2, m=1, n=8, k=96, gs=32, device="cpu")
+    with pytest.raises(ValueError, match=r"preshuffled weights \(preshuffle_i4\) need K % 128 == 0, got K = 96"):
+        g.bf16i4bf16_shuffled_grouped(x[0], w, scale, zero, torch.tensor([1, 0]))
+    x, w, scale, zero = bf16_inputs(2, m=1, n=8, k=200, gs=67, device="cpu")  # 3 groups: no size fits K = 200
+    with pytest.raises(formats.ScaleFormatError, match=r"rowwise_grouped: scales of shape \(2, 3, 8\) give 3 groups"):
+        g.bf16i4bf16_rowwise_grouped(x[0], w, scale, zero, torch.tensor([1, 0]))
 
 
 @pytest.mark.parametrize(
@@ -583,6 +613,32 @@ def test_grouped_gpu(groups, rows, n, k):
     parts = zip(xq.split(sizes), x_scale.split(sizes), strict=True)
     expected = torch.cat([oracle(p, wdq[i], s, w_scale[i] + 0.5) for i, (p, s) in enumerate(parts)])
     testing.assert_rel_close(out, expected, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("groups", "rows", "n", "k", "gs"), [(8, 512, 4096, 7168, 128), (64, 3, 2048, 1000, 64)])
+def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs):
+    """The plain layout's grouped kernel at MoE-like shapes (K past whole steps of 128 too), eager and replayed
+    from a CUDA graph with new sizes written into M_sizes (read on the device, so the replay follows them)."""
+    sizes = [rows + (i % 3 - 1) * (rows // 4) for i in range(groups)]
+    _, w, scale, zero = bf16_inputs(groups, m=1, n=n, k=k, gs=gs, device="cuda")
+    x = testing.randn(sum(sizes), k, dtype=torch.bfloat16, device="cuda")
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=False)
+
+    def expected(sizes):
+        parts = [oracle(part, wdq[i]) for i, part in enumerate(x[: sum(sizes)].split(sizes))]
+        return torch.cat([*parts, torch.zeros(x.shape[0] - sum(sizes), n, dtype=torch.float64, device="cuda")])
+
+    m_sizes = torch.tensor(sizes, device="cuda")
+    testing.assert_rel_close(matmul_bf16i4_rowwise_grouped(x, w, scale, zero, m_sizes), expected(sizes), 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = matmul_bf16i4_rowwise_grouped_fused(x, w, scale, zero, m_sizes)
+    fewer = [size // 2 for size in sizes]
+    m_sizes.copy_(torch.tensor(fewer))
+    testing.poison_(out)
+    graph.replay()
+    testing.assert_rel_close(out, expected(fewer), 1e-2)
 
 
 @pytest.mark.gpu

@@ -359,6 +359,43 @@ for _name, _shuffled, _fp8 in (
         )
 
 
+def _int4_grouped_inputs(shape: dict, device: torch.device, shuffled: bool):
+    """The bf16 grouped inputs with W as int4 [G, N, K/2] (groups of 128, bf16 scales and zeros), and its
+    dequantized bf16 copy for torch._grouped_mm."""
+    from mslk.gemm.triton import int4_gemm
+
+    x, _, m_sizes, offsets = _grouped_inputs(shape, device)
+    g, n, k = shape["G"], shape["N"], shape["K"]
+    w = int4_gemm.random_int4(g, n, k, device=device)
+    scale, zero = int4_gemm.random_group_scales(g, n, k, group_size=_INT4_GROUP, device=device)
+    dequantized = int4_gemm.dequantize_int4(w, scale, zero, shuffled=shuffled).to(torch.bfloat16)
+    return x, (w, scale, zero), m_sizes, offsets, dequantized
+
+
+for _name, _shuffled in (("bf16i4bf16_rowwise_grouped", False), ("bf16i4bf16_shuffled_grouped", True)):
+    bench.register(
+        bench.BenchSpec(
+            name=_name,
+            op=f"mslk::{_name}",
+            shapes=GROUPED,
+            make_inputs=lambda s, device, shuffled=_shuffled: _int4_grouped_inputs(s, device, shuffled),
+            run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
+            baselines={"torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])},
+            flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
+            bytes=lambda s: (
+                s["G"]
+                * (
+                    s["rows"] * s["K"] * 2
+                    + s["N"] * s["K"] // 2
+                    + 2 * 2 * -(-s["K"] // _INT4_GROUP) * s["N"]
+                    + 2 * s["rows"] * s["N"]
+                )
+            ),
+            domain="gemm",
+        )
+    )
+
+
 def _int8_inputs(shape: dict, device: torch.device):
     from mslk.gemm.triton import int8_gemm  # imported on use: this module loads first
 

@@ -461,17 +461,20 @@ def _int4_gemm_kernel(
 def _int4_grouped_kernel(
     x_ptr, w_ptr, x_desc, w_desc, s_ptr, z_ptr, out_ptr, m_sizes_ptr, x_scale_ptr, w_scale_ptr, G, TOTAL_M, N, K,
     groups, stride_xm, stride_wg, stride_wn, stride_sgrp, stride_sg, stride_om, stride_wsg,
-    TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SHUFFLED: tl.constexpr, TABLE: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, KSUB: tl.constexpr, WGMMA_WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Preshuffled weights of G groups, X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py walks them:
-    persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the device; the
-    rows past ΣM_sizes come out zero. x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and W [G·N, ·].
+    """The weights of G groups (plain or preshuffled), X [ΣM, K] stacked (M_sizes rows each), as grouped_gemm.py
+    walks them: persistent programs take every P-th tile of the concatenated tile list, reading M_sizes on the
+    device; the rows past ΣM_sizes come out zero. x_desc / w_desc (or None): TMA descriptors of X [ΣM, K] and
+    W [G·N, ·].
 
-    Its K loop runs without `_wait_for_wgmmas`, which cost it 14-32% on the H200: a step's two products are two
-    dots, the first waited for (its result feeds the second), none split, and in the code compiled for sm_90a no
-    register of the second, which runs on into the next step, is rewritten before that wait (the SASS read under
-    Triton 3.7, docs/offline-compile.md; the GPU tests pass under 3.6)."""
+    With preshuffled weights its K loop runs without `_wait_for_wgmmas` (WGMMA_WAIT), which cost it 14-32% on the
+    H200: a step's two products are two dots, the first waited for (its result feeds the second), none split, and
+    in the code compiled for sm_90a no register of the second, which runs on into the next step, is rewritten
+    before that wait (the SASS read under Triton 3.7, docs/offline-compile.md; the GPU tests pass under 3.6).
+    Plain weights' one dot a step does race without it (tools/tests/test_hopper_sass.py, grouped_plain)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_row = 0  # of the current group in X and out
@@ -492,8 +495,8 @@ def _int4_grouped_kernel(
                 tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), x_ptr, w_ptr + g64 * stride_wg, x_desc, w_desc,
                 s_ptr + g64 * stride_sgrp, z_ptr + g64 * stride_sgrp, stride_xm, stride_wn, stride_sg, first_row + rows,
                 (rows < m)[:, None], first_row + pid_m * BLOCK_M, cols, g * N + pid_n * BLOCK_N, N, K, groups, 0,
-                tl.cdiv(K, _K_STEP) * (g < G), True, TABLE, ASM, UPCAST, True, GROUP_SIZE, KSUB,
-                True, False, False,  # group rows ahead; no wait (the docstring says why); scales before the dots
+                tl.cdiv(K, _K_STEP) * (g < G), SHUFFLED, TABLE, ASM, UPCAST, EVEN_K, GROUP_SIZE, KSUB,
+                True, WGMMA_WAIT, False,  # group rows ahead; scales before the dots
             )  # fmt: skip
             if TABLE:
                 if g < G:
@@ -667,12 +670,12 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     return out
 
 
-def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, w_scale=None):
-    """out [ΣM, N] bf16 of X [ΣM, K] and preshuffled W [G, N, K/2] with scales [G, Gk, N] (tables
-    [G, Gk, 8, N]) and zeros; x_scale [ΣM] and w_scale [G, N] for the FP8 table format."""
+def _run_grouped(X, W, scale, zero, M_sizes, out, *, shuffled=True, table=False, x_scale=None, w_scale=None):
+    """out [ΣM, N] bf16 of X [ΣM, K] and W [G, N, K/2] (preshuffled, or plain for bf16) with scales [G, Gk, N]
+    (tables [G, Gk, 8, N]) and zeros; x_scale [ΣM] and w_scale [G, N] for the FP8 table format."""
     total, k = X.shape
     n = W.shape[1]
-    if out.numel() == 0:
+    if launch.no_products(out, k):
         return out
     if W.shape[0] == 0:  # no group: every row is past their (empty) sum
         return out.zero_()
@@ -682,14 +685,16 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, table=False, x_scale=None, 
     block_m = block_n = 64 if total <= 64 * W.shape[0] else 128
     tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)
     programs = max(1, min(_programs(X.device), tiles_upper_bound))
-    w = _weights_view(W, True, table)
-    x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, True)
+    w = _weights_view(W, shuffled, table)
+    x_desc, w_desc = _descriptors(X[None], w, block_m, block_n, shuffled)
     zero = scale if zero is None else zero  # the table format has none: any pointer, never read
+    num_warps = 4 if block_m <= 64 else 8
     launch.fast(_int4_grouped_kernel)[(programs,)](
         X, w, x_desc, w_desc, scale, zero, out, M_sizes, x_scale, w_scale, W.shape[0], total, n, k, groups, X.stride(0),
         w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2), out.stride(0),
-        0 if w_scale is None else w_scale.stride(0), TABLE=table, GROUP_SIZE=size, KSUB=_sub_block(size, True),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8, num_stages=4, **_device_flags(X),
+        0 if w_scale is None else w_scale.stride(0), SHUFFLED=shuffled, TABLE=table, EVEN_K=k % K_STEP == 0,
+        GROUP_SIZE=size, KSUB=_sub_block(size, shuffled), WGMMA_WAIT=not shuffled and _wgmma_wait(X.device, num_warps),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=4, **_device_flags(X),
     )  # fmt: skip
     return out
 
@@ -842,49 +847,58 @@ def matmul_bf16i4_rowwise_batched(X, W, w_scale, w_zp) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ grouped bf16
 
 
-def _validate_bf16_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes):
-    where = "bf16i4bf16_shuffled_grouped"
-    _check_bf16_x(where, X, 2)
-    if WQ.dim() != 3:
-        raise ValueError(f"{where}: WQ must be int8 packed int4 [G, N, K/2], got {tuple(WQ.shape)} {WQ.dtype}")
-    _check_weights(where, WQ, X.shape[-1], (WQ.shape[0],), True)
-    _check_group_scales(where, WQ, X.shape[-1], w_scale_group, w_zero_group)
-    _check_m_sizes(where, M_sizes, WQ.shape[0])
-    registry.check_devices(where, X=X, WQ=WQ, w_scale_group=w_scale_group, w_zero_group=w_zero_group, M_sizes=M_sizes)
+def _bf16_grouped_op(name: str, *, shuffled: bool) -> registry.Op:
+    """bf16i4bf16_{rowwise,shuffled}_grouped: one schema, validation and Triton backend per layout."""
+    where = name
 
+    def validate(X, WQ, w_scale_group, w_zero_group, M_sizes):
+        _check_bf16_x(where, X, 2)
+        if WQ.dim() != 3:
+            raise ValueError(f"{where}: WQ must be int8 packed int4 [G, N, K/2], got {tuple(WQ.shape)} {WQ.dtype}")
+        _check_weights(where, WQ, X.shape[-1], (WQ.shape[0],), shuffled)
+        _check_group_scales(where, WQ, X.shape[-1], w_scale_group, w_zero_group)
+        _check_m_sizes(where, M_sizes, WQ.shape[0])
+        registry.check_devices(
+            where, X=X, WQ=WQ, w_scale_group=w_scale_group, w_zero_group=w_zero_group, M_sizes=M_sizes
+        )
 
-def _bf16_grouped_samples(device):
-    for total, sizes, n, k, gs in ((37, [10, 0, 27], 40, 256, 128), (5, [1, 1, 3, 0], 24, 128, 32)):
-        x = testing.randn(total, k, dtype=torch.bfloat16, device=device)
-        scale, zero = random_group_scales(len(sizes), n, k, group_size=gs, device=device)
-        m_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
-        yield registry.Sample((x, random_int4(len(sizes), n, k, device=device), scale, zero, m_sizes))
+    def samples(device):
+        cases = [(37, [10, 0, 27], 40, 256, 128), (5, [1, 1, 3, 0], 24, 128, 32)]
+        if not shuffled:  # K past whole steps of 128
+            cases.append((9, [4, 5], 24, 200, 32))
+        for total, sizes, n, k, gs in cases:
+            x = testing.randn(total, k, dtype=torch.bfloat16, device=device)
+            scale, zero = random_group_scales(len(sizes), n, k, group_size=gs, device=device)
+            m_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+            yield registry.Sample((x, random_int4(len(sizes), n, k, device=device), scale, zero, m_sizes))
 
-
-bf16i4bf16_shuffled_grouped_op = registry.Op(
-    "mslk::bf16i4bf16_shuffled_grouped(Tensor X, Tensor WQ, Tensor w_scale_group, Tensor w_zero_group, "
-    "Tensor M_sizes) -> Tensor",
-    domain="gemm",
-    reference=lambda X, WQ, scale, zero, M_sizes: _grouped_reference(
-        X, dequantize_int4(WQ, scale, zero, shuffled=True), M_sizes
-    ),
-    fake=lambda X, WQ, *args: X.new_empty((X.shape[0], WQ.shape[1])),
-    samples=_bf16_grouped_samples,
-    validate=_validate_bf16_grouped,
-    tolerance=1e-2,
-)
-
-
-@bf16i4bf16_shuffled_grouped_op.backend(
-    "triton",
-    available=registry.triton_missing,
-    supports=lambda X, WQ, scale, zero, M_sizes: _supports(X.shape[-1], scale.shape[-2]),
-)
-def _bf16_grouped_triton(X, WQ, w_scale_group, w_zero_group, M_sizes):
-    out = torch.empty((X.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=X.device)
-    return _run_grouped(
-        k_contiguous(X), WQ, w_scale_group.contiguous(), w_zero_group.contiguous(), M_sizes.contiguous(), out
+    op = registry.Op(
+        f"mslk::{name}(Tensor X, Tensor WQ, Tensor w_scale_group, Tensor w_zero_group, Tensor M_sizes) -> Tensor",
+        domain="gemm",
+        reference=lambda X, WQ, scale, zero, M_sizes: _grouped_reference(
+            X, dequantize_int4(WQ, scale, zero, shuffled=shuffled), M_sizes
+        ),
+        fake=lambda X, WQ, *args: X.new_empty((X.shape[0], WQ.shape[1])),
+        samples=samples,
+        validate=validate,
+        tolerance=1e-2,
     )
+
+    @op.backend(
+        "triton",
+        available=registry.triton_missing,
+        supports=lambda X, WQ, scale, zero, M_sizes: _supports(X.shape[-1], scale.shape[-2]),
+    )
+    def _triton(X, WQ, w_scale_group, w_zero_group, M_sizes):
+        out = torch.empty((X.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=X.device)
+        scale, zero = w_scale_group.contiguous(), w_zero_group.contiguous()
+        return _run_grouped(k_contiguous(X), WQ, scale, zero, M_sizes.contiguous(), out, shuffled=shuffled)
+
+    return op
+
+
+bf16i4bf16_shuffled_grouped_op = _bf16_grouped_op("bf16i4bf16_shuffled_grouped", shuffled=True)
+bf16i4bf16_rowwise_grouped_op = _bf16_grouped_op("bf16i4bf16_rowwise_grouped", shuffled=False)
 
 
 def bf16i4bf16_shuffled_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes) -> torch.Tensor:
@@ -892,6 +906,13 @@ def bf16i4bf16_shuffled_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes) -> 
     each), WQ [G, N, K/2] preshuffled, scales and zeros [G, K/gs, N] -> bf16 [ΣM, N]; rows past ΣM_sizes are
     zero. The zeros are applied (the reference library's CUDA kernel ignores them; they are 0 with use_zp=False)."""
     return torch.ops.mslk.bf16i4bf16_shuffled_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes)
+
+
+def bf16i4bf16_rowwise_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes) -> torch.Tensor:
+    """bf16i4bf16_shuffled_grouped over plain weights (pack_int4, any even K): the grouped form of
+    bf16i4bf16_rowwise, MSLK's op under the reference library's grouped Triton entries (spec G-56,
+    int4_grouped_gemm.py and int4_grouped_gemm_fused.py), whose layout is the plain one."""
+    return torch.ops.mslk.bf16i4bf16_rowwise_grouped(X, WQ, w_scale_group, w_zero_group, M_sizes)
 
 
 # ------------------------------------------------------------------------------------------- FP8 activations
