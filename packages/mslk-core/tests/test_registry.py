@@ -269,3 +269,23 @@ def test_validate_runs_before_backends_and_in_the_fake(fresh_ops):
         op(torch.empty(2, 3), torch.empty(2, dtype=torch.float64))
     s = testing.randn(2)
     testing.assert_rel_close(op(x, s), x * s[:, None])
+
+
+def test_a_call_without_tensors_gets_the_validation_error(fresh_ops):
+    """Empty lists and None optionals leave the dispatcher no device: the op's validation speaks, not torch's
+    "no fallback function is registered"."""
+
+    def validate(xs, y):
+        if not xs:
+            raise ValueError("list_sum: needs at least one tensor")
+
+    op = registry.Op(
+        "mslk_selftest::list_sum(Tensor[] xs, Tensor? y) -> Tensor",
+        domain="selftest",
+        reference=lambda xs, y: sum(xs),
+        validate=validate,
+    )
+    with pytest.raises(ValueError, match="list_sum: needs at least one tensor"):
+        op([], None)
+    x = testing.randn(3)
+    testing.assert_rel_close(op([x, x], None), 2 * x)

@@ -183,6 +183,8 @@ def test_grouped_mm_3d_3d_and_odd_offsets():
             "one N and K for all groups",
         ),
         (lambda: f.bf16bf16bf16_grouped([torch.rand(3, 8).bfloat16()], []), "equally long, non-empty lists"),
+        (lambda: f.bf16bf16bf16_grouped([], []), "equally long, non-empty lists X and W, got 0 and 0"),
+        (lambda: f.f8f8bf16_rowwise_grouped_cat([], [], [], []), "equally long, non-empty lists X and W, got 0"),
         (
             lambda: f.bf16bf16bf16_grouped_dynamic(
                 torch.rand(2, 3, 8).bfloat16(), torch.rand(2, 4, 8).bfloat16(), torch.tensor([1, 2, 3])

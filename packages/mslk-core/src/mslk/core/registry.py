@@ -160,6 +160,10 @@ class Op:
         lib.define(schema.split("::", 1)[1])
         for key in ("CPU", "CUDA"):
             lib.impl(self.name, self._dispatch, key)
+        if not any(arg.type.kind() == "TensorType" for arg in parsed.arguments):
+            # Called with no tensor at all (empty lists, optionals None), the dispatcher has no device to go by:
+            # this key takes such calls, whose validation says what is wrong, instead of its "no fallback" error.
+            lib.impl(self.name, self._dispatch, "CompositeExplicitAutograd")
         if fake is not None:
             torch.library.register_fake(self.qualname, self._validated(fake), lib=lib)
         OPS[self.qualname] = self
