@@ -70,6 +70,9 @@ def int4_calls():
     w = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8)
     s = torch.rand(k // 128, n).bfloat16()
     table = g.random_fp8_table(n, k, group_size=128)
+    # 8 groups of 256 rows
+    x8, sizes8 = torch.randn(8 * 256, k).bfloat16(), torch.full((8,), 256)
+    w8, s8 = w.expand(8, n, k // 2).contiguous(), s.expand(8, -1, -1).contiguous()
     calls = {
         "plain_m64": lambda: g._run_int4_rows(torch.randn(64, k).bfloat16(), w, s, s, shuffled=False),
         "plain_m1024": lambda: g._run_int4_rows(torch.randn(1024, k).bfloat16(), w, s, s, shuffled=False),
@@ -83,12 +86,11 @@ def int4_calls():
         "plain_m16_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 16, 64).bfloat16(),
                                                                        torch.randn(k // 64, 16), w, s, s,
                                                                        torch.empty(16, n).bfloat16(), 128),
-        "grouped": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
-                                          s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
-                                          torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16()),
-        "grouped_plain": lambda: g._run_grouped(torch.randn(8 * 256, k).bfloat16(), w.expand(8, n, k // 2).contiguous(),
-                                                s.expand(8, -1, -1).contiguous(), s.expand(8, -1, -1).contiguous(),
-                                                torch.full((8,), 256), torch.empty(8 * 256, n).bfloat16(),
+        "grouped": lambda: g._run_grouped(x8, w8, s8, s8, sizes8, torch.empty(8 * 256, n).bfloat16()),
+        "grouped_plain_gluon": lambda: g.int4_hopper.run(x8, w8, s8, s8, torch.empty(8 * 256, n).bfloat16(), 128,
+                                                        sizes=sizes8),
+        # (on the CPU tensors here the grouped GEMM takes the Triton kernel, as where the Gluon one cannot serve)
+        "grouped_plain": lambda: g._run_grouped(x8, w8, s8, s8, sizes8, torch.empty(8 * 256, n).bfloat16(),
                                                 shuffled=False),
     }
     return calls
@@ -215,6 +217,7 @@ SUITES = {
             "table_m1024",
             "grouped",
             "grouped_plain",
+            "grouped_plain_gluon",
         ],
     ),
     "attention": (

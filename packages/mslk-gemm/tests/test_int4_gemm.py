@@ -616,11 +616,22 @@ def test_grouped_gpu(groups, rows, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("groups", "rows", "n", "k", "gs"), [(8, 512, 4096, 7168, 128), (64, 3, 2048, 1000, 64)])
-def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs):
-    """The plain layout's grouped kernel at MoE-like shapes (K past whole steps of 128 too), eager and replayed
-    from a CUDA graph with new sizes written into M_sizes (read on the device, so the replay follows them)."""
-    sizes = [rows + (i % 3 - 1) * (rows // 4) for i in range(groups)]
+@pytest.mark.parametrize(
+    ("groups", "rows", "n", "k", "gs", "gluon"),
+    [
+        (8, 512, 4096, 7168, 128, True),  # the Gluon kernel's 256-row tiles
+        (16, 100, 1000, 2048, 64, True),  # its 128-row tiles; N past whole tiles
+        (64, 3, 2048, 1000, 64, False),  # decode-like groups, K past whole steps: the Triton kernel
+    ],
+    ids=str,
+)
+def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs, gluon, monkeypatch):
+    """The plain layout's grouped GEMM at MoE-like shapes, with an empty group, eager and replayed from a CUDA graph
+    with new sizes written into M_sizes (read on the device, so the replay follows them; the rows past their sum
+    are zero), in the kernel that dispatch picks."""
+    calls = []
+    monkeypatch.setattr(g.int4_hopper, "run", lambda *a, run=g.int4_hopper.run, **kw: calls.append(1) or run(*a, **kw))
+    sizes = [0 if i == 1 else rows + (i % 3 - 1) * (rows // 4) for i in range(groups)]
     _, w, scale, zero = bf16_inputs(groups, m=1, n=n, k=k, gs=gs, device="cuda")
     x = testing.randn(sum(sizes), k, dtype=torch.bfloat16, device="cuda")
     wdq = g.dequantize_int4(w, scale, zero, shuffled=False)
@@ -629,7 +640,7 @@ def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs):
         parts = [oracle(part, wdq[i]) for i, part in enumerate(x[: sum(sizes)].split(sizes))]
         return torch.cat([*parts, torch.zeros(x.shape[0] - sum(sizes), n, dtype=torch.float64, device="cuda")])
 
-    m_sizes = torch.tensor(sizes, device="cuda")
+    m_sizes = torch.tensor(sizes, dtype=torch.int32 if groups == 16 else torch.int64, device="cuda")
     testing.assert_rel_close(matmul_bf16i4_rowwise_grouped(x, w, scale, zero, m_sizes), expected(sizes), 1e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -639,6 +650,7 @@ def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs):
     testing.poison_(out)
     graph.replay()
     testing.assert_rel_close(out, expected(fewer), 1e-2)
+    assert bool(calls) == gluon
 
 
 @pytest.mark.gpu

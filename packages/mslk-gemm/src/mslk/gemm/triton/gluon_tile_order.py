@@ -1,6 +1,6 @@
 """Pieces of the Gluon GEMMs for Hopper (fp8_blockwise_hopper.py, grouped_gemm_hopper.py, int4_hopper.py,
-int4_decode_hopper.py): the output tile order of the persistent ones, a TMA ring and its barriers, and the layouts
-of a wgmma product over shared-memory operands and of its row-wise stores."""
+int4_decode_hopper.py): the output tile order of the persistent ones and the walk of a grouped GEMM's tiles, a TMA
+ring and its barriers, and the layouts of a wgmma product over shared-memory operands and of its row-wise stores."""
 
 from __future__ import annotations
 
@@ -19,6 +19,24 @@ def tile_offsets(tile, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.con
     first_m = (tile // (GROUP_M * tiles_n)) * GROUP_M
     group_rows = min(gl.cdiv(M, BM) - first_m, GROUP_M)
     return (first_m + tile % group_rows) * BM, ((tile % (GROUP_M * tiles_n)) // group_rows) * BN
+
+
+@gluon.jit
+def group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM: gl.constexpr,
+                 SIZES_ARE_ENDS: gl.constexpr):  # fmt: skip
+    """(rows, tiles, taken) of group g, which starts at row `first` and tile `first_tile` of the concatenated tile
+    list: its rows sizes[g] (or sizes[g] − first for cumulative ends) clamped to [0, ROWS − first] as the Triton
+    kernels clamp them (grouped_gemm.py, int4_gemm.py), its tiles, and how many of them the program takes (every
+    P-th from its next tile, next_tile). sizes_ptr None: one group of all ROWS rows (a dense GEMM)."""
+    if sizes_ptr is None:
+        size = ROWS - first
+    else:
+        size = gl.load(sizes_ptr + g).to(gl.int32)
+        if SIZES_ARE_ENDS:
+            size -= first
+        size = gl.minimum(gl.maximum(size, 0), ROWS - first)
+    tiles = gl.cdiv(size, BM) * tiles_n
+    return size, tiles, gl.maximum(gl.cdiv(first_tile + tiles - next_tile, gl.num_programs(0)), 0)
 
 
 @gluon.jit

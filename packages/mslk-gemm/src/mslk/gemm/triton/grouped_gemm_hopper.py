@@ -30,7 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mslk.core import arch, launch
 from mslk.gemm.triton.fp8_gemm import tma_ready
-from mslk.gemm.triton.gluon_tile_order import operand_ring, row_store_layout, tile_offsets, wgmma_layout
+from mslk.gemm.triton.gluon_tile_order import group_tiles, operand_ring, row_store_layout, tile_offsets, wgmma_layout
 
 BLOCK_M = 128  # rows of a tile: 64 per multiplying warpgroup
 NUM_WARPS = 8  # the multiplying warpgroups; the loading warp comes on top
@@ -52,21 +52,6 @@ _TILE_LAYOUT = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float
 
 
 @gluon.jit
-def _group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM: gl.constexpr,
-                 SIZES_ARE_ENDS: gl.constexpr):  # fmt: skip
-    """(rows, tiles, taken) of group g, which starts at row `first` and tile `first_tile` of the concatenated tile
-    list: its rows sizes[g] (or sizes[g] − first for cumulative ends) clamped to [0, ROWS − first] as the Triton
-    kernel clamps them, its tiles, and how many of them the program takes (every P-th from its next tile,
-    next_tile)."""
-    size = gl.load(sizes_ptr + g).to(gl.int32)
-    if SIZES_ARE_ENDS:
-        size -= first
-    size = gl.minimum(gl.maximum(size, 0), ROWS - first)
-    tiles = gl.cdiv(size, BM) * tiles_n
-    return size, tiles, gl.maximum(gl.cdiv(first_tile + tiles - next_tile, gl.num_programs(0)), 0)
-
-
-@gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, ROWS, N, K,
                     SIZES_ARE_ENDS: gl.constexpr):  # fmt: skip
     """The loading warp: the K steps of the program's tiles, in order, into the ring. Step c (counted over all the
@@ -82,7 +67,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, G, 
     next_tile = gl.program_id(0)  # the program's next tile there
     c = 0
     for g in range(G):
-        size, tiles, taken = _group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM, SIZES_ARE_ENDS)
+        size, tiles, taken = group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM, SIZES_ARE_ENDS)
         # Counted from 0, not as range(next_tile - first_tile, tiles, P): the loading warp's compiled loop then
         # kept next_tile and first_tile at their first values (Triton 3.6 and 3.7: other programs' tiles, a hang).
         for i in range(taken):
@@ -120,7 +105,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, a_scale_ptr, b_scale_p
     next_tile = gl.program_id(0)  # the program's next tile there
     c = 0
     for g in range(G):
-        size, tiles, taken = _group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM, SIZES_ARE_ENDS)
+        size, tiles, taken = group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM, SIZES_ARE_ENDS)
         for i in range(taken):
             off_m, off_n = tile_offsets(next_tile - first_tile + i * gl.num_programs(0), size, N, BM, BN, GROUP_M)
             acc = gl.zeros([BM, BN], gl.float32, mma_layout)

@@ -681,6 +681,9 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, shuffled=True, table=False,
         return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = formats.int4_group_size(k, groups)
+    if not (shuffled or table) and total >= int4_hopper.MIN_GROUPED_ROWS * W.shape[0]:
+        if int4_hopper.supports(X, W, size):
+            return int4_hopper.run(X, W, scale, zero, out, size, sizes=M_sizes)
     # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
     block_m = block_n = 64 if total <= 64 * W.shape[0] else 128
     tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)
