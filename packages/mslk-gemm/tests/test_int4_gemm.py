@@ -621,7 +621,8 @@ def test_grouped_gpu(groups, rows, n, k):
     [
         (8, 512, 4096, 7168, 128, True),  # the Gluon kernel's 256-row tiles
         (16, 100, 1000, 2048, 64, True),  # its 128-row tiles; N past whole tiles
-        (64, 3, 2048, 1000, 64, False),  # decode-like groups, K past whole steps: the Triton kernel
+        (64, 3, 2048, 1024, 64, True),  # decode-like groups
+        (64, 3, 2048, 1000, 64, False),  # K past whole steps of 64: the Triton kernel
     ],
     ids=str,
 )

@@ -486,7 +486,9 @@ def _int4_grouped_kernel(
             m = TOTAL_M - first_row
         tiles = tl.cdiv(m, BLOCK_M) * tiles_n
         tile = (pid - first_tile % programs + programs) % programs
-        g64 = tl.cast(g, tl.int64)
+        # The rows past the sum multiply no weights, but the K loop's prologue reads a group's scales: group G - 1's,
+        # not past the scales' end (an illegal address on the H200 in a graph replay with fewer rows).
+        g64 = tl.cast(tl.minimum(g, G - 1), tl.int64)
         while tile < tiles:
             pid_m, pid_n = tile // tiles_n, tile % tiles_n
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -681,9 +683,10 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, shuffled=True, table=False,
         return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = formats.int4_group_size(k, groups)
-    if not (shuffled or table) and total >= int4_hopper.MIN_GROUPED_ROWS * W.shape[0]:
-        if int4_hopper.supports(X, W, size):
-            return int4_hopper.run(X, W, scale, zero, out, size, sizes=M_sizes)
+    # Plain bf16 weights take the Gluon kernel where it can: 1.4-1.6x the Triton kernel's speed from 4 to 2048 rows
+    # a group, on par at 1 (H200, N = 2048-4096, K = 5120-7168; RESULTS.md, fifty-third session).
+    if not (shuffled or table) and int4_hopper.supports(X, W, size):
+        return int4_hopper.run(X, W, scale, zero, out, size, sizes=M_sizes)
     # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
     block_m = block_n = 64 if total <= 64 * W.shape[0] else 128
     tiles_upper_bound = (launch.cdiv(total, block_m) + W.shape[0] + 1) * launch.cdiv(n, block_n)

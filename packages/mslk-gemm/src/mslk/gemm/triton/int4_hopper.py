@@ -42,8 +42,6 @@ GROUP_M = 8  # tiles go in groups of 8 rows of tiles, so that neighbouring progr
 # 80.9, 300 119.1 / 124.3, 512 107.8 / 139.7, 1024 222.0 / 265.5; eager (L2 flushed), M = 2048 426 / 536, 8192 1760 /
 # 2171.
 MIN_M = 257
-# The grouped GEMM (bf16i4bf16_rowwise_grouped) takes this kernel where the groups average this many rows or more.
-MIN_GROUPED_ROWS = 64
 _X_LAYOUTS = {bm: gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.bfloat16) for bm in (BLOCK_M, BLOCK_M // 2)}
 _W_LAYOUT = gl.NVMMASharedLayout.get_default_for([2, BLOCK_N, BLOCK_K // 2], gl.int8)
 
