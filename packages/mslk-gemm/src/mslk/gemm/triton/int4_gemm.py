@@ -683,8 +683,8 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, shuffled=True, table=False,
         return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = formats.int4_group_size(k, groups)
-    # Plain bf16 weights take the Gluon kernel where it can: 1.4-1.6x the Triton kernel's speed from 4 to 2048 rows
-    # a group, on par at 1 (H200, N = 2048-4096, K = 5120-7168; RESULTS.md, fifty-third session).
+    # Plain bf16 weights take the Gluon kernel where it can: 1.2-1.6x the Triton kernel's speed from 8 to 2048 rows
+    # a group, 1.04-1.4x at 4, on par at 1 (H200, N = 2048-4096, K = 5120-7168; RESULTS.md, fifty-third session).
     if not (shuffled or table) and int4_hopper.supports(X, W, size):
         return int4_hopper.run(X, W, scale, zero, out, size, sizes=M_sizes)
     # Tiles as _config's by the mean rows per group: 64 x 64 for decode-like groups, else 128 x 128.
