@@ -382,15 +382,7 @@ for _name, _shuffled in (("bf16i4bf16_rowwise_grouped", False), ("bf16i4bf16_shu
             run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
             baselines={"torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])},
             flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
-            bytes=lambda s: (
-                s["G"]
-                * (
-                    s["rows"] * s["K"] * 2
-                    + s["N"] * s["K"] // 2
-                    + 2 * 2 * -(-s["K"] // _INT4_GROUP) * s["N"]
-                    + 2 * s["rows"] * s["N"]
-                )
-            ),
+            bytes=lambda s: s["G"] * _int4_bytes({"M": s["rows"], "N": s["N"], "K": s["K"]}, fp8=False),
             domain="gemm",
         )
     )
