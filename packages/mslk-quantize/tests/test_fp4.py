@@ -33,7 +33,7 @@ def test_e2m1_round_to_nearest_even_and_saturation():
         [0.0, 0.25, 0.26, 0.74, 0.75, 1.25, 1.26, 1.75, 2.5, 2.51, 3.5, 5.0, 5.01, 7.0, 1e9, -0.75, -6.0]
     )
     expect = [0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, 6.0, 6.0, -1.0, -6.0]
-    assert u.fp4_to_float(u.e2m1_codes(values)).tolist() == expect
+    assert u.e2m1_values(u.e2m1_codes(values)).tolist() == expect
     special = u.e2m1_codes(torch.tensor([-0.0, -0.1, float("nan"), -float("inf")])).tolist()
     assert special == [8, 8, 7, 15], "the sign bit goes to bit 3 (E2M1 -0 included), NaN saturates"
     codes = torch.arange(16, dtype=torch.uint8)
@@ -45,7 +45,7 @@ def test_e2m1_round_to_nearest_even_and_saturation():
 @given(st.floats(-10.0, 10.0, width=32))
 def test_e2m1_code_is_the_nearest_value(v):
     x = torch.tensor([v])
-    got = u.fp4_to_float(u.e2m1_codes(x)).item()
+    got = u.e2m1_values(u.e2m1_codes(x)).item()
     grid = sorted({s * e for e in u.E2M1_VALUES for s in (1, -1)})
     best = min(abs(g - max(min(v, 6.0), -6.0)) for g in grid)
     assert abs(got - max(min(v, 6.0), -6.0)) == best, "the nearest E2M1 value (clamped to ±6)"
@@ -75,7 +75,7 @@ def test_blocked_layout_matches_the_spec_formula():
     for r, c in [(0, 0), (31, 3), (32, 0), (127, 6), (128, 1), (299, 6)]:
         offset = (r // 128) * 512 * col_blocks + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
         assert flat[offset] == scale[r, c]
-    assert torch.equal(u.from_blocked(flat, rows, cols), scale)
+    assert torch.equal(u.from_blocked(flat, (rows, cols)), scale)
     assert flat.numel() - rows * cols == (flat == 0).sum() - 1, "padding is zero (one real zero at (0, 0))"
 
 
@@ -114,7 +114,7 @@ def test_mx4_reference_round_trip_and_nan():
     assert xq.shape == (6, 64) and scale.shape == (6, 4) and scale.dtype == torch.uint8
     assert scale[2, 1] == 255 and (scale[2, [0, 2, 3]] != 255).all()
     back = u.dequantize_mx4(xq, scale)
-    assert back[2, 32:64].isnan().all()
+    assert back.dtype == torch.bfloat16 and back[2, 32:64].isnan().all()
     ok = ~back.isnan()
     amax = x.unflatten(-1, (4, 32)).abs().amax(-1)
     step = torch.exp2(torch.ceil(torch.log2(amax)) - 2)[..., None].expand(-1, -1, 32).reshape(6, 128)
@@ -127,11 +127,71 @@ def test_nvfp4_reference():
     gs = u.global_scale_nvfp4(x)
     assert gs.item() == pytest.approx(448 * 6 / x.abs().max().item(), rel=1e-6)
     xq, scale = u.quantize_nvfp4(x, gs)
+    assert scale.shape == (256, 4) and gs.shape == ()  # the padded matrix of the blocked layout (spec Q-13)
     formats.NVFP4().check(xq, scale)
-    plain = u.from_blocked(scale.view(torch.uint8), 130, 4).view(torch.float8_e4m3fn)
-    testing.assert_rel_close(u.dequantize_nvfp4(xq, plain, gs), x, 0.15)
+    plain = u.from_blocked(scale.view(torch.uint8), (130, 4)).view(torch.float8_e4m3fn)
+    testing.assert_rel_close(u.dequantize_nvfp4(xq, scale, gs), x, 0.15)
     block_amax = x.unflatten(-1, (4, 16)).abs().amax(-1)
     assert torch.equal(plain, (block_amax / torch.tensor(6.0) * gs).to(torch.float8_e4m3fn))
+
+
+def test_reference_helpers_keep_their_contracts():
+    """fp4_utils as the reference library's (spec Q-16, Q-17): fp4_to_float unpacks bytes (low nibble first),
+    global_scale_nvfp4 is 0-dim, scale_nvfp4 applies block scales over the global scale to dequantized values,
+    dequantize_nvfp4 / dequantize_mx4 take the quantizers' outputs (blocked scales, flat or 2-D) and give bf16;
+    fp4_quantize has _to_blocked(x) and _from_blocked(x, (rows, cols))."""
+    packed = torch.tensor([[0x21, 0xF7]], dtype=torch.uint8)
+    assert u.fp4_to_float(packed).tolist() == [[0.5, 1.0, 6.0, -6.0]]
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        assert torch.equal(u.fp4_to_float(packed.view(torch.float4_e2m1fn_x2)), u.fp4_to_float(packed))
+    x = testing.randn(3, 130, 64, dtype=torch.bfloat16, std=3.0)
+    gs = u.global_scale_nvfp4(x)
+    assert gs.shape == () and gs.dtype == torch.float32
+    xq, scale = fp4.triton_quantize_nvfp4(x, gs)
+    assert xq.shape == (3, 130, 32) and scale.shape == (512, 4)  # M = 390 rows
+    for blocked in (scale, scale.reshape(-1)):
+        back = u.dequantize_nvfp4(xq, blocked, gs)
+        assert back.dtype == torch.bfloat16 and back.shape == x.shape
+        testing.assert_rel_close(back, x, 0.15)
+    plain = fp4._from_blocked(scale, (390, 4))
+    values = u.fp4_to_float(xq.reshape(390, 32))
+    expected = values.unflatten(-1, (4, 16)) * (plain.float() / gs)[..., None]
+    torch.testing.assert_close(u.scale_nvfp4(values, plain, gs), expected.flatten(-2), rtol=0, atol=0)
+    wider = torch.cat([plain.view(torch.uint8), torch.zeros(390, 4, dtype=torch.uint8)], 1)  # columns past K/16
+    torch.testing.assert_close(u.scale_nvfp4(values, wider, gs), expected.flatten(-2), rtol=0, atol=0)
+    assert torch.equal(fp4._to_blocked(plain.view(torch.uint8)), scale.view(torch.uint8).reshape(-1))
+    xm = testing.randn(130, 64, dtype=torch.bfloat16, std=3.0)
+    mq, ms = u.quantize_mx4(xm, 32, u.RoundingMode.ceil, "swizzled")
+    _, plain_ms = u.quantize_mx4(xm, 32, u.RoundingMode.ceil, "plain")
+    for scales in (ms, ms.view(torch.int8), plain_ms):
+        back = u.dequantize_mx4(mq, scales)
+        assert back.dtype == torch.bfloat16
+        testing.assert_rel_close(back, xm, 0.2)
+    assert torch.equal(u.dequantize_mx4(mq, ms), u.dequantize_mx4(mq, plain_ms))
+
+
+@pytest.mark.parametrize("shape", [(130, 64), (5, 48), (0, 32), (2, 3, 160)], ids=str)
+def test_nvfp4_e8m0_block_scales(shape):
+    """use_e8m0_scale (MXFP4 mimicked by NVFP4, spec Q-13): block scales are the powers of two of the reference
+    library's E8M0 "even" rounding of amax / 4 · gs (its unsigned_fp32_to_e8m0), 1 for exponents 0 and 255, at
+    most 448; the Triton kernel (interpreted on a CPU) gives the reference's bits; with
+    cal_global_scale_mx4_as_nvfp4 the values come back at MXFP4 accuracy."""
+    x = testing.randn(*shape, dtype=torch.bfloat16, device=DEVICE, std=3.0)
+    rows, groups = math.prod(shape[:-1]), shape[-1] // 16
+    if rows > 2:
+        x.view(rows, -1)[1, :16] = 0.0  # a zero block: exponent 0, scale 1
+    gs = fp4.cal_global_scale_mx4_as_nvfp4(x) if x.numel() else torch.ones((), device=DEVICE)
+    rq, rs = u.quantize_nvfp4(x.cpu(), gs.cpu(), use_e8m0_scale=True)
+    amax = x.cpu().float().reshape(rows, groups, 16).abs().amax(-1)
+    e8m0 = u.unsigned_fp32_to_e8m0(amax / torch.tensor(4.0) * gs.cpu(), 1, "even")
+    ones = (e8m0 == 2.0**-127) | (e8m0 == float("inf"))
+    expected = torch.where(ones, 1.0, e8m0).clamp(max=448.0).to(torch.float8_e4m3fn)
+    assert rs.shape == formats.swizzled_scale_shape(rows, groups)
+    assert torch.equal(u.from_blocked(rs.view(torch.uint8), (rows, groups)), expected.view(torch.uint8))
+    q, s = fp4.quantize_nvfp4_op.get_backend("triton").impl(x, gs, True)
+    assert torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8)) and torch.equal(q.cpu(), rq)
+    if x.numel():
+        testing.assert_rel_close(u.dequantize_nvfp4(rq, rs, gs.cpu()).reshape(x.shape), x.cpu(), 0.2)
 
 
 @pytest.mark.parametrize(
@@ -145,7 +205,6 @@ def test_nvfp4_reference():
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 40)), "multiple of the group size 16"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 0)), "positive multiple of the group size 16"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 32), torch.ones(2)), "global_scale must be one float32"),
-        (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 32), use_e8m0_scale=True), "MXFP4-16"),
     ],
 )
 def test_bad_input(call, message):
@@ -160,7 +219,8 @@ def test_compile_and_export():
 
     x = testing.randn(130, 64, dtype=torch.bfloat16)
     (q, s), (_, ns) = torch.compile(Quantize(), fullgraph=True, backend="aot_eager")(x)
-    assert q.shape == (130, 32) and s.shape == (256 * 4,) and ns.dtype == torch.float8_e4m3fn
+    assert q.shape == (130, 32) and s.shape == (256 * 4,) and s.dtype == torch.int8
+    assert ns.shape == (256, 4) and ns.dtype == torch.float8_e4m3fn
     graph = str(torch.export.export(Quantize(), (x,)).graph)
     assert "mslk.quantize_mx4" in graph and "mslk.quantize_nvfp4" in graph
 
@@ -179,7 +239,8 @@ def test_mx4_kernel_matches_reference(shape, group, mode, layout, monkeypatch):
     x = testing.randn(*shape, dtype=torch.bfloat16, device=DEVICE, std=3.0)
     q, s = fp4.quantize_mx4_op.get_backend("triton").impl(x, group, mode)
     rq, rs = u.quantize_mx4(x.cpu(), group, mode, layout)
-    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
+    assert s.dtype == (torch.int8 if layout == "swizzled" else torch.uint8)  # the reference library's (spec Q-10)
+    assert torch.equal(s.cpu().view(torch.uint8), rs) and torch.equal(q.cpu(), rq)
 
 
 def test_mx4_kernel_special_values_and_strides():
@@ -189,7 +250,7 @@ def test_mx4_kernel_special_values_and_strides():
     for inp in (x, t, testing.padded_rows(testing.randn(40, 64, dtype=torch.float16, device=DEVICE))):
         q, s = fp4.quantize_mx4_op.get_backend("triton").impl(inp)
         rq, rs = u.quantize_mx4(inp.cpu(), 32, u.RoundingMode.ceil, "swizzled")
-        assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
+        assert torch.equal(s.cpu().view(torch.uint8), rs) and torch.equal(q.cpu(), rq)
 
 
 def _ties_and_neighbours() -> torch.Tensor:
@@ -211,7 +272,7 @@ def test_fp4_kernels_round_exact_ties_like_the_reference():
     q, s = fp4.quantize_mx4_op.get_backend("triton").impl(mx.to(DEVICE), 32, u.RoundingMode.floor)
     rq, rs = u.quantize_mx4(mx, 32, u.RoundingMode.floor, formats.platform_mx_layout())
     assert set(u.unpack_fp4(rq)[:, 1:].flatten().tolist()) == set(range(16)), "every code is reached"
-    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu(), rq)
+    assert torch.equal(s.cpu().view(torch.uint8), rs) and torch.equal(q.cpu(), rq)
     q, _ = fp4.quantize_nvfp4_op.get_backend("triton").impl(x.to(DEVICE))
     assert torch.equal(q.cpu(), u.quantize_nvfp4(x)[0])
 
@@ -222,13 +283,14 @@ def test_mx4_kernel_stochastic_modes():
     q1, s1 = impl(x, 32, u.RoundingMode.stochastic, False, 1234)
     q2, s2 = impl(x, 32, u.RoundingMode.stochastic, False, 1234)
     assert torch.equal(q1, q2) and torch.equal(s1, s2), "a seed makes it reproducible"
-    floor_s = impl(x, 32, u.RoundingMode.floor)[1].int()
-    assert ((s1.int() - floor_s) >= 0).all() and ((s1.int() - floor_s) <= 1).all()
+    floor_s = impl(x, 32, u.RoundingMode.floor)[1].view(torch.uint8).int()
+    step = s1.view(torch.uint8).int() - floor_s
+    assert ((step >= 0) & (step <= 1)).all()
     # Stochastic casting is unbiased: 400 copies of the same row (independent random numbers per element)
     # average to it. Ceil scales, so that no element saturates at 6.
     y = testing.randn(1, 32, device=DEVICE).abs() + 0.1
     q, s = impl(y.expand(400, 32).contiguous(), 32, u.RoundingMode.ceil, True, 7)
-    mean = u.dequantize_mx4(q.cpu(), u.from_blocked(s.cpu(), 400, 1)).mean(dim=0, keepdim=True)
+    mean = u.dequantize_mx4(q.cpu(), s.cpu()).float().mean(dim=0, keepdim=True)
     testing.assert_rel_close(mean, y.cpu(), 0.02)
 
 
@@ -245,7 +307,7 @@ def test_nvfp4_kernel_matches_reference(shape, with_global, dtype):
     testing.assert_fp8_equal(s.cpu(), rs, what="scale")
     if testing.interpreting():  # the interpreter's e4m3 rounding moves some scales: the elements of the scales given
         rows, groups = math.prod(shape[:-1]), shape[-1] // 16
-        plain_s = u.from_blocked(s.cpu().view(torch.uint8), rows, groups).view(torch.float8_e4m3fn)
+        plain_s = u.from_blocked(s.cpu().view(torch.uint8), (rows, groups)).view(torch.float8_e4m3fn)
         gs_cpu = torch.ones(()) if gs is None else gs.cpu().reshape(())
         rq = u.pack_fp4(u.nvfp4_elements(x.cpu().reshape(rows, shape[-1]), plain_s, gs_cpu).reshape(shape))
     assert torch.equal(q.cpu(), rq)
@@ -356,7 +418,7 @@ def test_nvfp4_token_scale_round_trip():
     assert inv.shape == (128,) and torch.allclose(inv, expect, rtol=1e-6, atol=0)
     assert torch.equal(inv, u.token_scale_inv_nvfp4(x)), "the kernel's row amax equals the reference's"
     plain = u.from_blocked_stacked(s.view(torch.uint8).cpu(), m_sizes.cpu(), 4).view(torch.float8_e4m3fn)
-    back = u.dequantize_nvfp4(q.cpu(), plain) * inv.cpu()[:, None]  # dequantize with gs = 1, then per row
+    back = u.scale_nvfp4(u.fp4_to_float(q.cpu()), plain) * inv.cpu()[:, None]  # gs = 1, then per row
     testing.assert_rel_close(back, x.cpu().float(), 0.15)  # rows spanning 6 decades, each at NVFP4 accuracy
 
 

@@ -258,3 +258,12 @@ def test_block_tiles_stay_within_the_register_budget(bm, bk, m, k):
     assert config["TILE_M"] * config["TILE_K"] <= max(_BLOCK_TILE, bk)
     if config["WHOLE_BLOCKS"]:
         assert config["TILE_M"] % bm == 0 and config["TILE_K"] % bk == 0
+
+
+def test_triton_namespace_schemas_take_symbolic_sizes():
+    """The reference's torch.ops.triton schemas (its custom_op inference): sizes are SymInt, so that a compiled
+    caller with dynamic shapes can pass one."""
+    row = str(torch.ops.triton.quantize_fp8_row.default._schema)
+    block = str(torch.ops.triton.quantize_fp8_block.default._schema)
+    assert "SymInt? align_rows_to=None" in row
+    assert "SymInt block_m=256, SymInt block_k=256" in block

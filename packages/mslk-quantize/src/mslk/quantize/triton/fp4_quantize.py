@@ -6,8 +6,9 @@ Registered as `torch.ops.mslk.quantize_mx4`, `quantize_nvfp4`, `quantize_mx4_sta
 are the CPU kernels); the reference library's entry points (`triton_quantize_mx4`, `triton_quantize_mx4_unpack`,
 `triton_quantize_nvfp4`, `quantize_mx4_stacked`, `nvfp4_quantize_stacked(_with_token_scale)`,
 `calculate_group_max`) call them. Dense MXFP4 scales come in this platform's layout
-(`mslk.core.formats.platform_mx_layout`): flat blocked (swizzled) on CUDA, plain [..., K/gs] on ROCm; NVFP4
-and stacked scales are always blocked.
+(`mslk.core.formats.platform_mx_layout`), as the reference library's: flat blocked (swizzled) int8 on CUDA, plain
+[..., K/gs] uint8 on ROCm. NVFP4 scales are blocked, as their padded matrix [⌈M/128⌉·128, ⌈K/64⌉·4]; stacked
+scales are blocked per segment in a flat buffer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference modul
     get_mx4_exp_bias,
     unsigned_fp32_to_e8m0,
 )
+from mslk.quantize.triton.fp4_utils import from_blocked as _from_blocked  # noqa: F401  (spec Q-17's names)
+from mslk.quantize.triton.fp4_utils import to_blocked as _to_blocked  # noqa: F401
 from mslk.quantize.triton.nvfp4_fake_quantize import (  # noqa: F401  (the reference module's public names, Q-15)
     cal_global_scale_mx4_as_nvfp4,
     triton_fake_quantize_nvfp4_per_tensor,
@@ -56,6 +59,12 @@ def _scale_shape(x: torch.Tensor, groups: int, layout: str) -> tuple[int, ...]:
     return (_scale_numel(rows, groups, layout),) if layout == "swizzled" else (*x.shape[:-1], groups)
 
 
+def _mx_scale_dtype(layout: str) -> torch.dtype:
+    """The E8M0 bytes' dtype of dense MXFP4 scales, as the reference library's (spec Q-10): int8 in the CUDA
+    blocked layout, uint8 plain (ROCm)."""
+    return torch.int8 if layout == "swizzled" else torch.uint8
+
+
 # ------------------------------------------------------------------------------------------------- MXFP4
 
 
@@ -72,13 +81,15 @@ def _validate_mx4(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_
 def _mx4_reference(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
     if stochastic_casting:
         raise ValueError("quantize_mx4: stochastic_casting needs the Triton kernel (a GPU)")
-    return fp4_utils.quantize_mx4(x, group_size, rounding_mode, formats.platform_mx_layout())
+    layout = formats.platform_mx_layout()
+    xq, scale = fp4_utils.quantize_mx4(x, group_size, rounding_mode, layout)
+    return xq, scale.view(_mx_scale_dtype(layout))
 
 
 def _mx4_fake(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
     xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
-    groups = x.shape[-1] // group_size
-    return xq, x.new_empty(_scale_shape(x, groups, formats.platform_mx_layout()), dtype=torch.uint8)
+    layout = formats.platform_mx_layout()
+    return xq, x.new_empty(_scale_shape(x, x.shape[-1] // group_size, layout), dtype=_mx_scale_dtype(layout))
 
 
 def _mx4_samples(device):
@@ -225,7 +236,8 @@ def _run_mx4(x, scale_shape, layout, group_size, rounding_mode, stochastic_casti
 def _mx4_triton(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
     layout = formats.platform_mx_layout()
     shape = _scale_shape(x, x.shape[-1] // group_size, layout)
-    return _run_mx4(x, shape, layout, group_size, rounding_mode, stochastic_casting, seed)
+    q, scale = _run_mx4(x, shape, layout, group_size, rounding_mode, stochastic_casting, seed)
+    return q, scale.view(_mx_scale_dtype(layout))
 
 
 def triton_quantize_mx4_unpack(
@@ -238,9 +250,10 @@ def triton_quantize_mx4_unpack(
     *,
     seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 (spec Q-11): input [..., K] (K % group_size == 0) -> (E2M1 packed uint8 [..., K/2], E8M0 uint8
-    scales in this platform's layout). Shared exponent `clamp(round_mode(log2 amax) − 2, −127, 125)`;
-    elements round to nearest even (or stochastically with `stochastic_casting`, on a GPU)."""
+    """MXFP4 (spec Q-11): input [..., K] (K % group_size == 0) -> (E2M1 packed uint8 [..., K/2], E8M0 scales in
+    this platform's layout: flat blocked int8 on CUDA, plain uint8 [..., K/gs] on ROCm). Shared exponent
+    `clamp(round_mode(log2 amax) − 2, −127, 125)`; elements round to nearest even (or stochastically with
+    `stochastic_casting`, on a GPU)."""
     if (ebits, mbits) != (FP4_EBITS, FP4_MBITS):
         raise ValueError(f"triton_quantize_mx4_unpack: only E2M1 (ebits=2, mbits=1) is supported, got {ebits}, {mbits}")
     return torch.ops.mslk.quantize_mx4(input, group_size, int(rounding_mode), stochastic_casting, seed)
@@ -256,7 +269,7 @@ def triton_quantize_mx4(
 # ------------------------------------------------------------------------------------------------- NVFP4
 
 
-def _validate_nvfp4(x, global_scale=None):
+def _validate_nvfp4(x, global_scale=None, use_e8m0_scale=False):
     _check("quantize_nvfp4", x, 16)
     if global_scale is not None and (global_scale.numel() != 1 or global_scale.dtype != torch.float32):
         raise ValueError(
@@ -266,19 +279,25 @@ def _validate_nvfp4(x, global_scale=None):
     registry.check_devices("quantize_nvfp4", x=x, global_scale=global_scale)
 
 
-def _nvfp4_fake(x, global_scale=None):
+def _nvfp4_scale_shape(x: torch.Tensor) -> tuple[int, int]:
+    """The padded [⌈M/128⌉·128, ⌈K/64⌉·4] matrix of NVFP4's blocked scales (spec Q-13), M the rows of x [..., K]."""
+    return formats.swizzled_scale_shape(math.prod(x.shape[:-1]), x.shape[-1] // 16)
+
+
+def _nvfp4_fake(x, global_scale=None, use_e8m0_scale=False):
     xq = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
-    return xq, x.new_empty(_scale_shape(x, x.shape[-1] // 16, "swizzled"), dtype=torch.float8_e4m3fn)
+    return xq, x.new_empty(_nvfp4_scale_shape(x), dtype=torch.float8_e4m3fn)
 
 
 def _nvfp4_samples(device):
     x = testing.randn(130, 64, dtype=torch.bfloat16, device=device, std=2.0)
     yield registry.Sample((x, fp4_utils.global_scale_nvfp4(x)))
     yield registry.Sample((testing.randn(2, 3, 48, device=device),))
+    yield registry.Sample((x, cal_global_scale_mx4_as_nvfp4(x), True), name="E8M0 block scales")
 
 
 quantize_nvfp4_op = registry.Op(
-    "mslk::quantize_nvfp4(Tensor x, Tensor? global_scale=None) -> (Tensor, Tensor)",
+    "mslk::quantize_nvfp4(Tensor x, Tensor? global_scale=None, bool use_e8m0_scale=False) -> (Tensor, Tensor)",
     domain="quantize",
     reference=fp4_utils.quantize_nvfp4,
     fake=_nvfp4_fake,
@@ -305,7 +324,7 @@ def _pack_half_blocks(codes, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr):
 @triton.jit
 def _quantize_nvfp4_kernel(
     x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_xk, m_sizes_ptr, G, global_scale_ptr,
-    GLOBAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GLOBAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E8M0: tl.constexpr,
 ):  # fmt: skip
     # Each 16-element block is loaded as two 8-element halves of the same [BLOCK_M, BLOCK_K // 16, 8] shape, so
     # one thread holds a whole block: its amax, e4m3 scale and division are computed once, not on two threads.
@@ -328,8 +347,13 @@ def _quantize_nvfp4_kernel(
     else:
         gs = 1.0
     amax = max_nan(tl.reduce(tl.abs(low), 2, max_nan), tl.reduce(tl.abs(high), 2, max_nan))  # [BLOCK_M, BLOCKS]
-    # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits).
-    block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    if E8M0:  # MXFP4 mimicked: amax / 4 · gs as a power of two ("even" rounding; 1 for exponents 0 and 255)
+        exponent = (((tl.div_rn(amax, 4.0) * gs).to(tl.int32, bitcast=True) + (1 << 21) - 1) >> 23) & 0xFF
+        power = tl.where((exponent == 0) | (exponent == 255), 127 << 23, exponent << 23).to(tl.float32, bitcast=True)
+        block_scale = tl.minimum(power, 448.0).to(tl.float8e4nv)
+    else:  # e4m3 block scale, saturated at 448 (IEEE division so the CPU reference gives the same bits)
+        block_scale = tl.minimum(tl.div_rn(amax, 6.0) * gs, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        block_scale = block_scale.to(tl.float8e4nv)
     # One IEEE division per block, as the reference library does (x · (gs / s_b)); a zero block scale
     # encodes zeros (there x · gs / s_b would be 0/0 or saturate).
     denom = block_scale.to(tl.float32)
@@ -343,17 +367,19 @@ def _quantize_nvfp4_kernel(
     tl.store(scale_ptr + offsets, block_scale.to(tl.uint8, bitcast=True), mask=has_scale & (blocks < K // 16))
 
 
-def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None):
+def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None, e8m0=False):
     q = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
     scale = torch.zeros(scale_shape, dtype=torch.uint8, device=x.device)  # zero padding
-    _launch_fp4(_quantize_nvfp4_kernel, _NVFP4_TILE, x, q, scale, m_sizes, global_scale_ptr=global_scale, GLOBAL=mode)
+    _launch_fp4(
+        _quantize_nvfp4_kernel, _NVFP4_TILE, x, q, scale, m_sizes, global_scale_ptr=global_scale, GLOBAL=mode, E8M0=e8m0
+    )
     return q, scale.view(torch.float8_e4m3fn)
 
 
 @quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
-def _nvfp4_triton(x, global_scale=None):
+def _nvfp4_triton(x, global_scale=None, use_e8m0_scale=False):
     mode = _NO_GLOBAL if global_scale is None else _ONE_GLOBAL
-    return _run_nvfp4(x, _scale_shape(x, x.shape[-1] // 16, "swizzled"), global_scale, mode)
+    return _run_nvfp4(x, _nvfp4_scale_shape(x), global_scale, mode, e8m0=use_e8m0_scale)
 
 
 def triton_quantize_nvfp4(
@@ -362,17 +388,13 @@ def triton_quantize_nvfp4(
     use_e8m0_scale: bool = False,
     use_precise_math: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 (spec Q-13): x [..., K] (K % 16 == 0) -> (E2M1 packed uint8 [..., K/2], e4m3 block scales, flat
-    blocked over [M, K/16]). `s_b = e4m3(min(amax_b / 6 · gs, 448))`, elements `E2M1(x · (gs / s_b))`;
-    `global_scale=None` means 1 (torchao relies on it). Divisions are always IEEE-rounded, so
-    `use_precise_math` changes nothing; power-of-two block-16 scales are MXFP4-16
-    (`triton_quantize_mx4_unpack(x, group_size=16)`)."""
-    if use_e8m0_scale:
-        raise ValueError(
-            "triton_quantize_nvfp4: use_e8m0_scale=True is not supported; E8M0 scales per 16 elements are "
-            "MXFP4-16: call triton_quantize_mx4_unpack(x, group_size=16)"
-        )
-    return torch.ops.mslk.quantize_nvfp4(x, global_scale)
+    """NVFP4 (spec Q-13): x [..., K] (K % 16 == 0) -> (E2M1 packed uint8 [..., K/2], e4m3 block scales in the
+    blocked layout as its padded matrix [⌈M/128⌉·128, ⌈K/64⌉·4], M the rows of x). `s_b = e4m3(min(amax_b / 6 ·
+    gs, 448))`, elements `E2M1(x · (gs / s_b))` (zeros where s_b = 0); `global_scale=None` means 1 (torchao relies
+    on it). `use_e8m0_scale` mimics MXFP4 within NVFP4: `s_b` is the power of two `e8m0_even(amax_b / 4 · gs)`
+    (1 for exponents 0 and 255, at most 448), with the global scale of `cal_global_scale_mx4_as_nvfp4(x)`.
+    Divisions are always IEEE-rounded, so `use_precise_math` changes nothing."""
+    return torch.ops.mslk.quantize_nvfp4(x, global_scale, use_e8m0_scale)
 
 
 # ------------------------------------------------------------------------------ stacked (MoE) MXFP4 / NVFP4

@@ -3,6 +3,11 @@
 
 These are the CPU kernels of the FP4 quantizers and the oracles of their Triton kernels (fp4_quantize.py).
 Element rounding is round-to-nearest-even with saturation at ±6 (the OCP MX and NVFP4 conversion).
+
+The reference library's helpers keep their contracts (spec Q-16): `fp4_to_float` unpacks packed bytes,
+`scale_nvfp4` applies block scales (over the global scale) to dequantized E2M1 values, `global_scale_nvfp4` is
+one 0-dim value, and `dequantize_nvfp4` / `dequantize_mx4` take what the quantizers return (packed data, blocked
+scales) and give bf16.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from enum import IntEnum
 
 import torch
 
+from mslk.core.formats import swizzled_scale_shape
 from mslk.quantize.reference import abs_max
 
 FP4_E2M1_MAX = 6.0
@@ -54,11 +60,16 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return code | ((v.signbit() & ~v.isnan()).to(torch.uint8) << 3)
 
 
-def fp4_to_float(codes: torch.Tensor) -> torch.Tensor:
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 codes (the low 4 bits of each element)."""
     table = torch.tensor(E2M1_VALUES, device=codes.device)
     magnitude = table[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def fp4_to_float(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., 2·K] of packed E2M1 [..., K] (uint8 or float4_e2m1fn_x2; the even element in the low nibble)."""
+    return e2m1_values(unpack_fp4(x))
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -84,11 +95,13 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(-1)
 
 
-def from_blocked(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of to_blocked: the [rows, cols] scales."""
+def from_blocked(blocked: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of to_blocked: the [rows, cols] = shape scales (contiguous) of the blocked layout, flat or as its
+    2-D padded matrix (NVFP4's)."""
+    rows, cols = shape
     rb, cb = math.ceil(rows / 128), math.ceil(cols / 4)
-    tiles = flat.reshape(rb, cb, 32, 4, 4).permute(0, 3, 2, 1, 4)  # [rb, r//32, r%32, cb, c]
-    return tiles.reshape(rb * 128, cb * 4)[:rows, :cols]
+    tiles = blocked.reshape(rb, cb, 32, 4, 4).permute(0, 3, 2, 1, 4)  # [rb, r//32, r%32, cb, c]
+    return tiles.reshape(rb * 128, cb * 4)[:rows, :cols].contiguous()
 
 
 def row_segments(m_sizes: torch.Tensor, rows: int) -> torch.Tensor:
@@ -125,7 +138,9 @@ def from_blocked_stacked(flat: torch.Tensor, m_sizes: torch.Tensor, cols: int) -
     parts, padded_start = [], 0
     for size in m_sizes.tolist():
         padded = math.ceil(size / 128) * 128
-        parts.append(from_blocked(flat[padded_start * padded_cols : (padded_start + padded) * padded_cols], size, cols))
+        parts.append(
+            from_blocked(flat[padded_start * padded_cols : (padded_start + padded) * padded_cols], (size, cols))
+        )
         padded_start += padded
     return torch.cat(parts) if parts else flat.new_zeros(0, cols)
 
@@ -175,29 +190,53 @@ def quantize_mx4(
     return pack_fp4(codes), scale
 
 
+def _plain_scales(xq: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The [M, K/gs] scales of packed data [..., K/2] (M its rows) from their blocked layout (flat or 2-D), or
+    from the plain layout [..., K/gs] (MXFP4 on ROCm): one shape, whichever it is, as the blocked one is padded
+    to whole 128 x 4 tiles."""
+    rows, groups = math.prod(xq.shape[:-1]), 2 * xq.shape[-1] // group_size
+    if tuple(scale.shape) == (*xq.shape[:-1], groups):
+        return scale.reshape(rows, groups)
+    return from_blocked(scale, (rows, groups))
+
+
 def dequantize_mx4(xq: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
-    """fp32 values of packed MXFP4 [..., K/2] with plain E8M0 scales [..., K/gs] (use from_blocked first for
-    blocked scales). The E8M0 NaN scale gives NaN."""
-    values = fp4_to_float(unpack_fp4(xq))
-    biased = scale.view(torch.uint8).float()
+    """bf16 [..., K] of packed MXFP4 [..., K/2] and its E8M0 scales as the quantizers return them: blocked
+    (CUDA) or plain [..., K/gs] (ROCm); uint8, int8 or float8_e8m0fnu. Exact (E2M1 · 2^e fits bf16); the E8M0 NaN
+    scale gives NaN."""
+    biased = _plain_scales(xq, scale, group_size).view(torch.uint8).float()
     factor = torch.where(biased == E8M0_NAN, float("nan"), torch.exp2(biased - E8M0_EXPONENT_BIAS))
-    return (values.unflatten(-1, (-1, group_size)) * factor[..., None]).flatten(-2)
+    values = fp4_to_float(xq).reshape(biased.shape[0], -1, group_size) * factor[..., None]
+    return values.reshape(*xq.shape[:-1], -1).to(torch.bfloat16)
 
 
 def global_scale_nvfp4(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4 global scale `448 · 6 / amax(x)` (fp32, one element); torchao's is its inverse."""
-    return (FP8_E4M3_MAX * FP4_E2M1_MAX / abs_max(x)).reshape(1)
+    """NVFP4 global scale `448 · 6 / amax(x)` (fp32, 0-dim); torchao's is its inverse."""
+    return FP8_E4M3_MAX * FP4_E2M1_MAX / abs_max(x)
 
 
-def scale_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16) -> torch.Tensor:
-    """e4m3 block scales `min(amax_b / 6 · global_scale, 448)` of x [M, K] (K % group_size == 0), [M, K/gs]."""
-    return _block_scales(x, _global(global_scale, x.device), group_size)
+def scale_nvfp4(
+    x: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16
+) -> torch.Tensor:
+    """Dequantized E2M1 values x [..., K] (fp32) times their block scales over the global scale (None: 1): each
+    group of `group_size` along K by `scale / global_scale`, scale [M, ≥ K/gs] e4m3 (or its bytes), M the rows of
+    x (extra columns, a padded matrix's, are ignored)."""
+    groups = x.shape[-1] // group_size
+    true_scale = scale.view(torch.float8_e4m3fn).float().reshape(math.prod(x.shape[:-1]), -1)[:, :groups]
+    true_scale = true_scale / _global(global_scale, x.device)
+    return (x.reshape(-1, groups, group_size) * true_scale[..., None]).reshape(x.shape)
 
 
-def _block_scales(x: torch.Tensor, gs: torch.Tensor, group_size: int = 16) -> torch.Tensor:
+def _block_scales(x: torch.Tensor, gs: torch.Tensor, e8m0: bool = False, group_size: int = 16) -> torch.Tensor:
+    """e4m3 block scales [..., K/gs] of x [..., K]: `min(amax_b / 6 · gs, 448)`, or with e8m0 (MXFP4 mimicked by
+    NVFP4) the power of two `min(e8m0_even(amax_b / 4 · gs), 448)`, 1 where that exponent is 0 or 255."""
     amax = x.float().unflatten(-1, (-1, group_size)).abs().amax(dim=-1)
-    # Tensor divisor: torch divides by a Python number through its reciprocal (a second rounding).
-    return (amax / amax.new_full((), FP4_E2M1_MAX) * gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    # Tensor divisors: torch divides by a Python number through its reciprocal (a second rounding).
+    if not e8m0:
+        return (amax / amax.new_full((), FP4_E2M1_MAX) * gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    exponent = (((amax / amax.new_full((), 4.0) * gs).view(torch.int32) + (1 << 21) - 1) >> 23) & 0xFF
+    power = torch.where((exponent == 0) | (exponent == 255), 127 << 23, exponent << 23).view(torch.float32)
+    return power.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def _global(global_scale: torch.Tensor | None, device) -> torch.Tensor:
@@ -213,18 +252,23 @@ def nvfp4_elements(x2: torch.Tensor, block_scale: torch.Tensor, gs: torch.Tensor
     return e2m1_codes(x2.float().unflatten(-1, (-1, 16)) * factor[..., None]).flatten(-2)
 
 
-def _nvfp4_codes(x2: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_codes(x2: torch.Tensor, gs: torch.Tensor, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 codes [M, K] and e4m3 block scales [M, K/16] of x2 [M, K] with global scale(s) gs."""
-    block_scale = _block_scales(x2, gs)
+    block_scale = _block_scales(x2, gs, e8m0)
     return nvfp4_elements(x2, block_scale, gs), block_scale
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 reference: x [..., K] (K % 16 == 0) -> (packed E2M1 uint8 [..., K/2], e4m3 scales blocked flat
-    over [M, K/16]). Block scale `s_b = e4m3(amax_b / 6 · gs)`, elements `E2M1(x · (gs / s_b))` (0 where s_b = 0);
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None, use_e8m0_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 reference: x [..., K] (K % 16 == 0) -> (packed E2M1 uint8 [..., K/2], e4m3 scales in the blocked
+    layout as its padded matrix [⌈M/128⌉·128, ⌈K/64⌉·4], M the rows of x). Block scale `s_b = e4m3(amax_b / 6 ·
+    gs)` (use_e8m0_scale: see _block_scales), elements `E2M1(x · (gs / s_b))` (0 where s_b = 0);
     `global_scale=None` means 1."""
-    codes, block_scale = _nvfp4_codes(x.reshape(-1, x.shape[-1]), _global(global_scale, x.device))
-    return pack_fp4(codes.reshape(x.shape)), to_blocked(block_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    x2 = x.reshape(-1, x.shape[-1])
+    codes, block_scale = _nvfp4_codes(x2, _global(global_scale, x.device), use_e8m0_scale)
+    blocked = to_blocked(block_scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return pack_fp4(codes.reshape(x.shape)), blocked.reshape(swizzled_scale_shape(*block_scale.shape))
 
 
 def token_scale_inv_nvfp4(x: torch.Tensor, row_amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,9 +318,10 @@ def quantize_nvfp4_stacked(
 def dequantize_nvfp4(
     xq: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None = None, group_size: int = 16
 ) -> torch.Tensor:
-    """fp32 values of packed NVFP4 [..., K/2] with plain e4m3 scales [..., K/16]: `e2m1 · s_b / gs`."""
-    values = fp4_to_float(unpack_fp4(xq)).unflatten(-1, (-1, group_size))
-    return (values * scale.float()[..., None] / _global(global_scale, xq.device)).flatten(-2)
+    """bf16 [..., K] of packed NVFP4 [..., K/2] and its e4m3 scales as triton_quantize_nvfp4 returns them
+    (blocked, flat or 2-D): `e2m1 · s_b / gs` (global_scale None: 1)."""
+    plain = from_blocked(scale, (math.prod(xq.shape[:-1]), 2 * xq.shape[-1] // group_size))
+    return scale_nvfp4(fp4_to_float(xq), plain, global_scale, group_size).to(torch.bfloat16)
 
 
 def unsigned_fp32_to_e8m0(tensor: torch.Tensor, mbits: int, scale_round_mode: str) -> torch.Tensor:

@@ -98,7 +98,7 @@ def _row_samples(device):
 
 quantize_fp8_row_op = registry.Op(
     "triton::quantize_fp8_row(Tensor a, Tensor? scale_ub=None, Tensor? zero_start_index_M=None, "
-    "bool use_triton=True, Device? output_device=None, int? align_rows_to=None, "
+    "bool use_triton=True, Device? output_device=None, SymInt? align_rows_to=None, "
     "float? eps_opt=0.001953125) -> (Tensor, Tensor)",
     domain="quantize",
     reference=_row_reference,
@@ -314,7 +314,7 @@ def _block_samples(device):
 
 
 quantize_fp8_block_op = registry.Op(
-    "triton::quantize_fp8_block(Tensor x, int block_m=256, int block_k=256, Tensor? scale_ub=None, "
+    "triton::quantize_fp8_block(Tensor x, SymInt block_m=256, SymInt block_k=256, Tensor? scale_ub=None, "
     "bool use_triton=True, Device? output_device=None, bool k_major=True) -> (Tensor, Tensor)",
     domain="quantize",
     reference=_block_reference,

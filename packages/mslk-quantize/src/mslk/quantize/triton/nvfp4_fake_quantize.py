@@ -78,7 +78,7 @@ def _qdq_fp32(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     scale = torch.where(invalid, 1.0, (torch.ones_like(unscale_q) / (unscale_q + FLT_MIN)).float())
     inv_scale = torch.where(invalid, 1.0, unscale_q.float())
     scaled = torch.where(a.isfinite(), a * scale[:, None], fp4_utils.FP4_E2M1_MAX)
-    magnitude = fp4_utils.fp4_to_float(fp4_utils.e2m1_codes(scaled) & 7)  # scaled >= 0: magnitudes only
+    magnitude = fp4_utils.e2m1_values(fp4_utils.e2m1_codes(scaled) & 7)  # scaled >= 0: magnitudes only
     out = torch.where(blocks < 0, -1.0, 1.0) * magnitude * inv_scale[:, None]
     return out.reshape(-1)[: flat.numel()].reshape(x.shape)
 
