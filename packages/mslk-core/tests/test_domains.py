@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,15 @@ def test_reference_attributes():
     assert mslk.open_source is True
     assert mslk.__version__ == "1.3.0"
     assert isinstance(mslk.__variant__, str) and isinstance(mslk.__target__, str)
+
+
+@pytest.mark.parametrize(("value", "python_only"), [("1", "True"), ("0", "False")])
+def test_python_only_attribute(value, python_only):
+    """mslk._python_only, as the reference library's: True where MSLK_PYTHON_ONLY=1 keeps native libraries out."""
+    code = "import mslk; print(mslk._python_only)"
+    env = {**os.environ, "MSLK_PYTHON_ONLY": value}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == python_only, done.stderr[-2000:]
 
 
 def test_missing_domain_import_names_the_package():

@@ -42,6 +42,13 @@ def test_missing_library_names_the_file_the_cause_and_the_fix(tmp_path, monkeypa
     assert "not a CUDA build" in reason
 
 
+def test_python_only_loads_no_library(monkeypatch):
+    """MSLK_PYTHON_ONLY=1 (the reference library's switch) keeps the library unloaded, whatever is built."""
+    monkeypatch.setenv("MSLK_PYTHON_ONLY", "1")
+    lib, reason = library._load()
+    assert lib is None and reason == "MSLK_PYTHON_ONLY=1: native libraries are not loaded"
+
+
 def test_backends_report_the_missing_library(monkeypatch):
     monkeypatch.setattr(library, "_error", "libmslk_gemm_cublas.so is not in here: it has not been built")
     for function in (library.Function("mslk_f8f8bf16_cublas", ctypes.c_void_p), bf16x9_gemm._gemm):

@@ -179,3 +179,31 @@ def test_quantize_int4_preshuffle_bf16(shape, use_zp):
     # +8 clamps to 7, and 8 · 2^-8 more as the bf16 scale may round below amax / 8.
     bound = step / 2 * 1.001 if use_zp else step * 1.04
     assert ((back - w).abs() <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("n_lane", [16, 32])
+def test_ck_preshuffle_moves_each_element_to_its_lane(n_lane):
+    """ck_preshuffle (spec Q-22): element (n, k) of tile (n0, k0), n = n0·NL + nl, k = (k0·KL + kl)·16 + kp, lands
+    at [n0, k0, kl, nl, kp] of the output read as (N0, K0, KL, NL, 16); fnuz FP8 only, as CK's."""
+    n, k, k_lane = 2 * n_lane, 2 * (64 // n_lane) * 16, 64 // n_lane
+    values = torch.arange(n * k, dtype=torch.float32).reshape(n, k)  # indices, checked through a float copy
+    src = testing.randn(n, k).to(torch.float8_e4m3fnuz)
+    out = shuffle.ck_preshuffle(src, n_lane)
+    moved = shuffle._mfma_b_layout("test", values, n_lane).reshape(n // n_lane, k // (k_lane * 16), k_lane, n_lane, 16)
+    for n0, k0, kl, nl, kp in [(0, 0, 0, 0, 0), (1, 1, k_lane - 1, n_lane - 1, 15), (1, 0, 1, 3, 7)]:
+        assert moved[n0, k0, kl, nl, kp] == values[n0 * n_lane + nl, (k0 * k_lane + kl) * 16 + kp]
+    assert out.shape == src.shape and out.dtype == src.dtype
+    assert torch.equal(out.view(torch.uint8).flatten().sort().values, src.view(torch.uint8).flatten().sort().values)
+    assert torch.equal(shuffle._mfma_b_layout("test", src.view(torch.uint8), n_lane), out.view(torch.uint8))
+
+
+def test_preshuffle_b_mfma_batched_and_bad_input():
+    w = testing.randn(3, 32, 128, dtype=torch.bfloat16)
+    out = shuffle.preshuffle_b_mfma(w)
+    assert out.shape == w.shape and torch.equal(out[1], shuffle.preshuffle_b_mfma(w[1]))
+    with pytest.raises(ValueError, match=r"N a multiple of 16 and K of 64, got shape \(3, 32, 96\)"):
+        shuffle.preshuffle_b_mfma(w[..., :96])
+    with pytest.raises(TypeError, match="float8_e4m3fnuz"):
+        shuffle.ck_preshuffle(w[0])
+    with pytest.raises(ValueError, match="divide a wave of 64"):
+        shuffle.ck_preshuffle(w[0].to(torch.float8_e4m3fnuz), 24)

@@ -10,6 +10,7 @@ to install.
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 from mslk.core import domains as _domains
+from mslk.core import env as _env
 from mslk.core.version import package_version as _package_version
 
 open_source: bool = True
@@ -18,6 +19,8 @@ __version__: str = _package_version("mslk") or _package_version("mslk-core") or 
 # libraries that load where their vendor libraries do (mslk-gemm's cuBLAS GEMMs; `mslk env` says which loaded).
 __variant__: str = "triton"
 __target__: str = "default"
+# True where no native library loads (MSLK_PYTHON_ONLY=1), as the reference library's python_only builds.
+_python_only: bool = _env.PYTHON_ONLY.enabled()
 
 _domains.load_installed()
 _domains.install_missing_domain_hook()

@@ -53,6 +53,12 @@ LOG_DISPATCH = declare(
     "0",
     "1: log (logger `mslk.dispatch`, level INFO) which backend each op call picks.",
 )
+PYTHON_ONLY = declare(
+    "MSLK_PYTHON_ONLY",
+    "0",
+    "1: load no native library (mslk-gemm's cuBLAS GEMMs): Triton kernels and PyTorch only, as the reference "
+    "library's python_only builds; read when the libraries load (at import).",
+)
 ROCM_FORCE_FP8FNUZ_TYPE = declare(
     "MSLK_ROCM_FORCE_FP8FNUZ_TYPE",
     "0",

@@ -224,3 +224,43 @@ def quantize_int4_preshuffle(
         zero = torch.zeros_like(scale)
     wq, scale = preshuffle_i4(pack_int4(q).reshape(*lead, n, k // 2), per_matrix(scale))
     return wq, (scale, per_matrix(zero))
+
+
+# ------------------------------------------------------------------- ROCm MFMA B-operand layout (spec Q-22)
+# The reference library's layouts for its ROCm FP8 GEMMs (CK's rowwise preshuffle, FlyDSL's groupwise grouped):
+# pure data movement, so they are here for its users although those GEMMs are not MSLK's.
+_MFMA_K_PACK = 16  # k per lane of an MFMA B operand
+_MFMA_WAVE = 64  # lanes of a wave: n_lane along N times 64 / n_lane along K
+
+
+def _mfma_b_layout(where: str, src: torch.Tensor, n_lane: int) -> torch.Tensor:
+    """src [..., N, K] with each [n_lane, 64 / n_lane · 16] tile of the last two dims stored lane by lane:
+    (N0, n_lane, K0, k_lane, 16) -> (N0, K0, k_lane, n_lane, 16), the same shape."""
+    if n_lane < 1 or _MFMA_WAVE % n_lane:
+        raise ValueError(f"{where}: the N lanes must divide a wave of {_MFMA_WAVE}, got {n_lane}")
+    k_lane = _MFMA_WAVE // n_lane
+    if src.dim() < 2 or src.shape[-2] % n_lane or src.shape[-1] % (k_lane * _MFMA_K_PACK):
+        raise ValueError(
+            f"{where}: src must be [..., N, K] with N a multiple of {n_lane} and K of {k_lane * _MFMA_K_PACK}, got "
+            f"shape {tuple(src.shape)}"
+        )
+    *lead, n, k = src.shape
+    tiles = src.reshape(*lead, n // n_lane, n_lane, k // (k_lane * _MFMA_K_PACK), k_lane, _MFMA_K_PACK)
+    d = len(lead)
+    return tiles.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4).contiguous().reshape(src.shape)
+
+
+def ck_preshuffle(src: torch.Tensor, NXdl: int = 16) -> torch.Tensor:
+    """FP8 weights [N, K] (float8_e4m3fnuz, the CK GEMMs') shuffled for f8f8bf16_rowwise_preshuffle (spec Q-22):
+    NXdl lanes along N, 64 / NXdl along K, 16 k each (see _mfma_b_layout)."""
+    if src.dtype != torch.float8_e4m3fnuz:
+        raise TypeError(f"ck_preshuffle: src must be float8_e4m3fnuz, got {src.dtype}")
+    if src.dim() != 2:
+        raise ValueError(f"ck_preshuffle: src must be 2-D [N, K], got shape {tuple(src.shape)}")
+    return _mfma_b_layout("ck_preshuffle", src, NXdl)
+
+
+def preshuffle_b_mfma(src: torch.Tensor) -> torch.Tensor:
+    """Weights [..., N, K] (any dtype) in the MFMA B-operand layout of f8f8bf16_groupwise_grouped_preshuffle
+    (spec Q-22): 16 lanes along N, 4 along K, 16 k each (see _mfma_b_layout)."""
+    return _mfma_b_layout("preshuffle_b_mfma", src, 16)

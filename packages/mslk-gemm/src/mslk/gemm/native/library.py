@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mslk.core import launch, registry
+from mslk.core import env, launch, registry
 from mslk.gemm.native import toolkit
 
 NAME = "mslk_gemm_cublas"
@@ -49,6 +49,8 @@ def _preload(soname: str) -> None:
 
 def _load(path: Path = PATH, skipped: Path = SKIPPED) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None), or (None, why it is unusable)."""
+    if env.PYTHON_ONLY.enabled():
+        return None, "MSLK_PYTHON_ONLY=1: native libraries are not loaded"
     if torch.version.cuda is None:
         return None, f"torch {torch.__version__} is not a CUDA build (the library calls cuBLAS)"
     if not path.is_file():
