@@ -263,6 +263,24 @@ def test_paged_gappy_masks(seed):
         assert torch.equal(mask.materialize((mq, pool)), expected), cls.__name__
 
 
+def test_paged_gappy_key_metadata_has_upstreams_layout():
+    """_GappySeqInfo.from_seqlens_gappy(paged=True) and B21/B22's k_seqinfo as upstream's (spec 3): the starts
+    inside the lanes then -1, the ends (start + length), max/min of the lengths; the sequences' lengths and their
+    keys laid out lane after lane (what the attention reference reads) follow."""
+    info = ab._GappySeqInfo.from_seqlens_gappy([2, 0, 5], [3, 1, 0], True, device="cpu")
+    assert info.seqstart_py == [2, 0, 5, -1] and info.seqstart.tolist() == [2, 0, 5, -1]
+    assert info.seqlen_py == [5, 1, 5] and info.seqlen.tolist() == [5, 1, 5]
+    assert (info.max_seqlen, info.min_seqlen) == (3, 0) and info.lengths() == [3, 1, 0]
+    laid_out = info.lanes_laid_out(8)
+    assert laid_out.seqstart_py == [2, 8, 21, 24] and laid_out.seqstart.tolist() == [2, 8, 21, 24]
+    assert laid_out.seqlen_py == [3, 1, 0] and laid_out.seqlen.tolist() == [3, 1, 0] and not laid_out.paged
+    tables = torch.zeros(3, 2, dtype=torch.int32)
+    mask = ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens([1, 1, 0], [2, 0, 5], [3, 1, 0], tables, 4)
+    assert mask.k_seqinfo.seqstart_py == [2, 0, 5, -1] and mask.k_seqinfo.seqlen_py == [5, 1, 5]
+    with pytest.raises(ValueError, match=r"one start \(inside its lane\) and one length per sequence"):
+        ab._GappySeqInfo.from_seqlens_gappy([2, 0, 5, 9], [3, 1, 0], True)
+
+
 def test_paged_mask_errors():
     tables = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_tables must be int32"):

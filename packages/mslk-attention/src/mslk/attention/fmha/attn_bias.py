@@ -281,32 +281,60 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
 @dataclass
 class _GappySeqInfo(_SeqLenInfo):
     """Keys anywhere: sequence b is rows [seqstart[b], seqstart[b] + seqlen[b]); seqstart has B + 1 entries,
-    the last the total number of key rows."""
+    the last the total number of key rows. Paged (B21, B22; upstream's layout): each sequence lies in a lane of its
+    own, seqstart[b] is where it starts inside lane b (the (B + 1)-th entry, -1, means nothing), and seqlen[b] is
+    where it ends there (start + length); max_seqlen and min_seqlen are still of the lengths."""
 
     seqlen: torch.Tensor  # int32 [B]
     seqlen_py: list[int]
+    paged: bool = False
 
     @classmethod
     def from_seqlens_gappy(
         cls, seqstarts: Sequence[int], seqlens: Sequence[int], paged: bool = False, *, device=None
     ) -> _GappySeqInfo:
-        if paged:
-            raise NotImplementedError("paged gappy keys come with the paged masks (B21, B22)")
+        """seqstarts: B + 1 entries (the last the number of key rows), or paged, B (where each sequence starts
+        inside its lane)."""
         starts, lengths = list(seqstarts), list(seqlens)
-        if len(starts) != len(lengths) + 1 or any(
+        if paged:
+            if len(starts) != len(lengths) or any(s < 0 or n < 0 for s, n in zip(starts, lengths, strict=True)):
+                raise ValueError(
+                    f"paged gappy keys need one start (inside its lane) and one length per sequence, none negative, "
+                    f"got starts {starts} and lengths {lengths}"
+                )
+            starts, ends = [*starts, -1], [s + n for s, n in zip(starts, lengths, strict=True)]
+        elif len(starts) != len(lengths) + 1 or any(
             s < 0 or s + n > starts[-1] or n < 0 for s, n in zip(starts, lengths, strict=False)
         ):
             raise ValueError(
                 f"kv_seqstarts must have B + 1 entries (the last the number of key rows) and each sequence must "
                 f"fit, got starts {starts} and lengths {lengths}"
             )
+        ends_or_lengths = ends if paged else lengths
         return cls(
             _int_tensor(starts, device), max(lengths, default=0), min(lengths, default=0), starts,
-            _int_tensor(lengths, device), lengths,
+            _int_tensor(ends_or_lengths, device), ends_or_lengths, paged,
         )  # fmt: skip
 
     def intervals(self) -> Iterable[tuple[int, int]]:
+        """Each sequence's rows; paged, its positions inside its lane."""
+        if self.paged:
+            return zip(self.seqstart_py, self.seqlen_py, strict=False)
         return ((start, start + n) for start, n in zip(self.seqstart_py, self.seqlen_py, strict=False))
+
+    def lanes_laid_out(self, lane: int) -> _GappySeqInfo:
+        """Paged keys as the unpaged layout of their lanes laid out one after another (lane b from row b · lane),
+        the device tensors computed on the device (no host sync)."""
+        count = len(self.seqlen_py)
+        offsets = [b * lane for b in range(count + 1)]
+        starts = [offset + start for offset, start in zip(offsets[:count], self.seqstart_py[:count], strict=True)]
+        lengths = [end - start for start, end in self.intervals()]
+        device_offsets = torch.arange(count + 1, dtype=torch.int32, device=self.seqstart.device) * lane
+        device_starts = self.seqstart[:count]
+        return _GappySeqInfo(
+            torch.cat([device_offsets[:count] + device_starts, device_offsets[count:]]), self.max_seqlen,
+            self.min_seqlen, [*starts, count * lane], self.seqlen - device_starts, lengths,
+        )  # fmt: skip
 
     def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
         """Refused: packed starts would replace the keys' own (the kernels would read the wrong rows)."""
@@ -708,8 +736,8 @@ class PagedBlockDiagonalCausalLocalPaddedKeysMask(PagedBlockDiagonalPaddedKeysMa
 @dataclass
 class PagedBlockDiagonalGappyKeysMask(_Paged):
     """B21: lane b's keys are its logical keys [kv_seqstarts[b], kv_seqstarts[b] + kv_seqlen[b]) (starts inside
-    the lane, one per lane), read through the page table; full attention. k_seqinfo holds them over the logical
-    keys laid out lane after lane (start b · max_pages · page_size + kv_seqstarts[b])."""
+    the lane, one per lane), read through the page table; full attention. k_seqinfo has upstream's paged layout
+    (_GappySeqInfo: the starts inside the lanes, the ends)."""
 
     q_seqinfo: _SeqLenInfo
     k_seqinfo: _GappySeqInfo
@@ -726,7 +754,8 @@ class PagedBlockDiagonalGappyKeysMask(_Paged):
         return cls(_SeqLenInfo.from_seqlens(q_seqlen, device=device), keys, block_tables, page_size)
 
     def _unpaged(self) -> BlockDiagonalGappyKeysMask:
-        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo)
+        lane = self.block_tables.shape[1] * self.page_size
+        return self._UNPAGED(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo.lanes_laid_out(lane))
 
 
 @dataclass
@@ -737,8 +766,8 @@ class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKey
 
 
 def _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device) -> _GappySeqInfo:
-    """The keys of paged gappy masks: kv_seqstarts[b] is where sequence b's keys start inside lane b; k_seqinfo
-    holds them over the logical keys laid out lane after lane (start b · max_pages · page_size + kv_seqstarts[b])."""
+    """The keys of paged gappy masks (upstream's paged _GappySeqInfo): kv_seqstarts[b] is where sequence b's keys
+    start inside lane b, and they must end inside it."""
     lane = block_tables.shape[1] * page_size
     starts, lengths = list(kv_seqstarts), list(kv_seqlen)
     if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
@@ -746,8 +775,7 @@ def _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device) ->
             f"{cls.__name__}: kv_seqstarts (one per lane) and kv_seqlen must keep each sequence inside its lane "
             f"of {lane} keys, got {starts} and {lengths}"
         )
-    logical = [b * lane + start for b, start in enumerate(starts)] + [len(starts) * lane]
-    return _GappySeqInfo.from_seqlens_gappy(logical, lengths, device=device)
+    return _GappySeqInfo.from_seqlens_gappy(starts, lengths, paged=True, device=device)
 
 
 # Masks whose inputs are packed varlen batches (B = 1).

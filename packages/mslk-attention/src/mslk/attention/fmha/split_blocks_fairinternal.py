@@ -110,20 +110,18 @@ def split_blocks_for_decoding_gpu_part(
     block_tables: torch.Tensor | None = None,
     page_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The device tensors (key seqstart [B + 1], key seqlen [B], int32) of the mask split_blocks_for_decoding
-    returns for the same arguments, computed on the device alone: compute them ahead and pass them as its gpu_data.
-    None when batchify_len is None."""
+    """The device tensors (key seqstart [B + 1], key seqlen [B], int32; paged, as _GappySeqInfo's paged layout) of
+    the mask split_blocks_for_decoding returns for the same arguments, computed on the device alone: compute them
+    ahead and pass them as its gpu_data. None when batchify_len is None."""
     if batchify_len is None:
         return None
     _check_decoding(input_bias, batchify_len, block_tables, page_size)
     keys = input_bias.k_seqinfo
     start = _chunk_start(keys.seqlen, type(input_bias) is BlockDiagonalCausalWithOffsetPaddedKeysMask, batchify_len)
-    if block_tables is None:
-        lanes = keys.seqstart  # padded lanes: b · padding, then the number of key rows
-    else:  # paged gappy keys are held over the logical keys laid out lane after lane (b · max_pages · page_size)
-        lanes = torch.arange(len(keys.seqlen_py) + 1, dtype=torch.int32, device=start.device)
-        lanes = lanes * (block_tables.shape[1] * page_size)
-    return lanes + torch.cat([start, start.new_zeros(1)]), keys.seqlen - start
+    if block_tables is not None:  # paged gappy keys: the starts inside the lanes (then -1), and the ends
+        return torch.cat([start, start.new_full((1,), -1)]), keys.seqlen
+    # padded lanes start at b · padding (then the number of key rows)
+    return keys.seqstart + torch.cat([start, start.new_zeros(1)]), keys.seqlen - start
 
 
 def split_blocks_for_decoding(
