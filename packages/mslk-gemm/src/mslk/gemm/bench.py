@@ -105,6 +105,8 @@ GROUPED = [
     {"G": 64, "rows": 128, "N": 2048, "K": 7168},
     {"G": 16, "rows": 512, "N": 2048, "K": 5120},  # Llama-4 experts
     {"G": 128, "rows": 64, "N": 2048, "K": 7168},  # DeepSeek-V3 experts
+    {"G": 256, "rows": 32, "N": 2048, "K": 7168},  # all 256 of DeepSeek-V3's routed experts
+    {"G": 16, "rows": 512, "N": 14336, "K": 5120},  # wide experts (Mixtral-size N)
 ]
 
 
