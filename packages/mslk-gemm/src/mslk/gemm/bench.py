@@ -110,12 +110,18 @@ GROUPED = [
 ]
 
 
-def _grouped_inputs(shape: dict, device: torch.device):
-    """bf16 X [G·rows, K] and W [G, N, K], int64 M_sizes, int32 offsets for torch._grouped_mm."""
+def _grouped_rows(shape: dict, device: torch.device):
+    """bf16 X [G·rows, K], int64 M_sizes, int32 offsets for torch._grouped_mm."""
     x = testing.randn(shape["G"] * shape["rows"], shape["K"], dtype=torch.bfloat16, device=device)
-    w = testing.randn(shape["G"], shape["N"], shape["K"], dtype=torch.bfloat16, device=device)
     m_sizes = torch.full((shape["G"],), shape["rows"], dtype=torch.int64, device=device)
-    return x, w, m_sizes, torch.cumsum(m_sizes, 0).to(torch.int32)
+    return x, m_sizes, torch.cumsum(m_sizes, 0).to(torch.int32)
+
+
+def _grouped_inputs(shape: dict, device: torch.device):
+    """_grouped_rows with bf16 W [G, N, K] second."""
+    x, m_sizes, offsets = _grouped_rows(shape, device)
+    w = testing.randn(shape["G"], shape["N"], shape["K"], dtype=torch.bfloat16, device=device)
+    return x, w, m_sizes, offsets
 
 
 bench.register(
@@ -366,7 +372,7 @@ def _int4_grouped_inputs(shape: dict, device: torch.device, shuffled: bool):
     dequantized bf16 copy for torch._grouped_mm."""
     from mslk.gemm.triton import int4_gemm
 
-    x, _, m_sizes, offsets = _grouped_inputs(shape, device)
+    x, m_sizes, offsets = _grouped_rows(shape, device)
     g, n, k = shape["G"], shape["N"], shape["K"]
     w = int4_gemm.random_int4(g, n, k, device=device)
     scale, zero = int4_gemm.random_group_scales(g, n, k, group_size=_INT4_GROUP, device=device)
@@ -374,20 +380,33 @@ def _int4_grouped_inputs(shape: dict, device: torch.device, shuffled: bool):
     return x, (w, scale, zero), m_sizes, offsets, dequantized
 
 
+# MoE decode steps: a few tokens an expert (DeepSeek-V3's and Llama-4's expert shapes), under CUDA graphs as the
+# INT4 decode specs (the weights, 117 MB to 940 MB, do not fit in L2).
+GROUPED_DECODE = [
+    {"G": 128, "rows": 4, "N": 2048, "K": 7168},
+    {"G": 64, "rows": 8, "N": 2048, "K": 7168},
+    {"G": 16, "rows": 16, "N": 4096, "K": 7168},
+    {"G": 8, "rows": 1, "N": 4096, "K": 7168},
+]
+
 for _name, _shuffled in (("bf16i4bf16_rowwise_grouped", False), ("bf16i4bf16_shuffled_grouped", True)):
-    bench.register(
-        bench.BenchSpec(
-            name=_name,
-            op=f"mslk::{_name}",
-            shapes=GROUPED,
-            make_inputs=lambda s, device, shuffled=_shuffled: _int4_grouped_inputs(s, device, shuffled),
-            run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
-            baselines={"torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])},
-            flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
-            bytes=lambda s: s["G"] * _int4_bytes({"M": s["rows"], "N": s["N"], "K": s["K"]}, fp8=False),
-            domain="gemm",
+    for _suffix, _shapes, _graph in (("", GROUPED, False), ("_decode", GROUPED_DECODE, True)):
+        bench.register(
+            bench.BenchSpec(
+                name=_name + _suffix,
+                op=f"mslk::{_name}",
+                shapes=_shapes,
+                make_inputs=lambda s, device, shuffled=_shuffled: _int4_grouped_inputs(s, device, shuffled),
+                run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
+                baselines={
+                    "torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])
+                },
+                flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
+                bytes=lambda s: s["G"] * _int4_bytes({"M": s["rows"], "N": s["N"], "K": s["K"]}, fp8=False),
+                cuda_graph=_graph,
+                domain="gemm",
+            )
         )
-    )
 
 
 def _int8_inputs(shape: dict, device: torch.device):
