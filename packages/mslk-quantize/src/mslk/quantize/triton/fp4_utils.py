@@ -191,9 +191,9 @@ def quantize_mx4(
 
 
 def _plain_scales(xq: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The [M, K/gs] scales of packed data [..., K/2] (M its rows) from their blocked layout (flat or 2-D), or
-    from the plain layout [..., K/gs] (MXFP4 on ROCm): one shape, whichever it is, as the blocked one is padded
-    to whole 128 x 4 tiles."""
+    """The [M, K/gs] scales of packed data [..., K/2] (M its rows) from the plain layout [..., K/gs] (MXFP4 on
+    ROCm), or else from the blocked one (flat, as the quantizers return it; a 2-D padded matrix whose shape happens
+    to be the plain one would read as plain)."""
     rows, groups = math.prod(xq.shape[:-1]), 2 * xq.shape[-1] // group_size
     if tuple(scale.shape) == (*xq.shape[:-1], groups):
         return scale.reshape(rows, groups)
@@ -201,7 +201,7 @@ def _plain_scales(xq: torch.Tensor, scale: torch.Tensor, group_size: int) -> tor
 
 
 def dequantize_mx4(xq: torch.Tensor, scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
-    """bf16 [..., K] of packed MXFP4 [..., K/2] and its E8M0 scales as the quantizers return them: blocked
+    """bf16 [..., K] of packed MXFP4 [..., K/2] and its E8M0 scales as the quantizers return them: flat blocked
     (CUDA) or plain [..., K/gs] (ROCm); uint8, int8 or float8_e8m0fnu. Exact (E2M1 · 2^e fits bf16); the E8M0 NaN
     scale gives NaN."""
     biased = _plain_scales(xq, scale, group_size).view(torch.uint8).float()
