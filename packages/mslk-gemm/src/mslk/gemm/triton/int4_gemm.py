@@ -855,17 +855,16 @@ def matmul_bf16i4_rowwise_batched(X, W, w_scale, w_zp) -> torch.Tensor:
 
 def _bf16_grouped_op(name: str, *, shuffled: bool) -> registry.Op:
     """bf16i4bf16_{rowwise,shuffled}_grouped: one schema, validation and Triton backend per layout."""
-    where = name
 
     def validate(X, WQ, w_scale_group, w_zero_group, M_sizes):
-        _check_bf16_x(where, X, 2)
+        _check_bf16_x(name, X, 2)
         if WQ.dim() != 3:
-            raise ValueError(f"{where}: WQ must be int8 packed int4 [G, N, K/2], got {tuple(WQ.shape)} {WQ.dtype}")
-        _check_weights(where, WQ, X.shape[-1], (WQ.shape[0],), shuffled)
-        _check_group_scales(where, WQ, X.shape[-1], w_scale_group, w_zero_group)
-        _check_m_sizes(where, M_sizes, WQ.shape[0])
+            raise ValueError(f"{name}: WQ must be int8 packed int4 [G, N, K/2], got {tuple(WQ.shape)} {WQ.dtype}")
+        _check_weights(name, WQ, X.shape[-1], (WQ.shape[0],), shuffled)
+        _check_group_scales(name, WQ, X.shape[-1], w_scale_group, w_zero_group)
+        _check_m_sizes(name, M_sizes, WQ.shape[0])
         registry.check_devices(
-            where, X=X, WQ=WQ, w_scale_group=w_scale_group, w_zero_group=w_zero_group, M_sizes=M_sizes
+            name, X=X, WQ=WQ, w_scale_group=w_scale_group, w_zero_group=w_zero_group, M_sizes=M_sizes
         )
 
     def samples(device):
