@@ -93,6 +93,35 @@ def test_on_hopper(mock_gpu, props, hip, hopper):
     assert arch.on_hopper(on_gpu) is hopper
 
 
+A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0, multi_processor_count=108)
+L4 = SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58)
+RTX_5090 = SimpleNamespace(name="NVIDIA GeForce RTX 5090", major=12, minor=0, multi_processor_count=170)
+
+
+@pytest.mark.parametrize(
+    ("props", "hip", "missing"),
+    [(A100, None, True), (L4, None, False), (H200, None, False), (RTX_5090, None, False), (MI300X, "7.1.0", False)],
+)
+def test_fp8_e4m3_missing(mock_gpu, props, hip, missing):
+    """float8_e4m3fn kernels need NVIDIA compute capability 8.9 (Triton compiles no e4m3 below it); ROCm has its own
+    FP8 flavours (fp8_dtype) and a CPU tensor asks no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    queries = mock_gpu(props, hip=hip)
+    assert arch.fp8_e4m3_missing(torch.ones(2)) is None
+    assert queries == []
+    with FakeTensorMode():
+        on_gpu = torch.ones(2, device="cuda")
+    why = arch.fp8_e4m3_missing(on_gpu)
+    if missing:
+        assert why == (
+            "float8_e4m3fn needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            "NVIDIA A100-SXM4-80GB has 8.0"
+        )
+    else:
+        assert why is None
+
+
 def test_gfx942_uses_fnuz(mock_gpu):
     mock_gpu(MI300X, hip="7.1.0")
     assert arch.vendor() == "amd" and arch.gfx_arch() == "gfx942" and ref_device.get_gfx_arch_name() == "gfx942"

@@ -183,3 +183,46 @@ def test_launcher_leaves_to_triton(fake_launch, case):
     for _ in range(3):
         launcher[grid](torch.empty(64), 32, extra, BLOCK=128)
     assert len(slow) == 3 and not compiled.calls
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_launcher_runs_fewer_stages_where_shared_memory_is_short(fake_launch, hooks, caplog):
+    """A GPU whose blocks have less shared memory than the stages asked for (Triton raises OutOfResources at the first
+    launch): the same kernel on fewer stages, kept under the launch's own key; on Triton's path (hooks) too."""
+    from triton.runtime.errors import OutOfResources
+
+    kernel, slow, compiled, runtime = fake_launch
+    runtime.hooks = hooks
+    fits = 2
+    run = kernel.run
+
+    def short_of_shared_memory(*args, num_stages, **kwargs):
+        run(*args, num_stages=num_stages, **kwargs)
+        if num_stages > fits:
+            raise OutOfResources(49152 * num_stages, 101376, "shared memory")
+        return compiled
+
+    kernel.run = short_of_shared_memory
+    launcher = launch.Launcher(kernel)
+    with caplog.at_level("INFO", logger="mslk.launch"):
+        for _ in range(2):
+            assert launcher[(1,)](torch.empty(64), 32, 0.5, BLOCK=128, num_stages=4) is compiled
+    stages = [kwargs["num_stages"] for _, _, kwargs in slow]
+    assert stages == ([4, 3, 2] * 2 if hooks else [4, 3, 2])
+    assert len(compiled.calls) == (0 if hooks else 1)
+    assert "4 pipeline stages take 196608 bytes of shared memory, this GPU has 101376 a block: trying 3" in caplog.text
+
+
+@pytest.mark.parametrize(("error", "stages"), [(("threads",), 4), (("shared memory",), 1), (("shared memory",), None)])
+def test_launcher_raises_what_fewer_stages_cannot_mend(fake_launch, error, stages):
+    from triton.runtime.errors import OutOfResources
+
+    kernel, *_ = fake_launch
+
+    def out_of_resources(*args, **kwargs):
+        raise OutOfResources(1 << 20, 1024, *error)
+
+    kernel.run = out_of_resources
+    options = {} if stages is None else {"num_stages": stages}
+    with pytest.raises(OutOfResources):
+        launch.Launcher(kernel)[(1,)](torch.empty(64), 32, 0.5, BLOCK=128, **options)

@@ -120,6 +120,26 @@ def test_unavailable_backend_reason_is_cached_and_reported(fresh_ops):
         op(x, s, backend="triton")
 
 
+def test_a_backend_requirement_is_asked_of_the_first_tensor(fresh_ops):
+    """`requires` says why the GPU holding the call's first tensor cannot run a backend (arch.fp8_e4m3_missing):
+    the dispatcher passes over it, a pinned call raises with the reason."""
+    asked = []
+
+    def requires(t):
+        asked.append(t)
+        return "this GPU is too old"
+
+    op = fresh_ops(devices=("cpu",))
+    op.backends[0].requires = requires
+    x, s = _inputs()
+    assert op.select((x, s), {}).name == "reference"
+    assert asked == [x]
+    with pytest.raises(ValueError, match="`triton` is not supported because:\n +this GPU is too old"):
+        op(x, s, backend="triton")
+    op.backends[0].requires = lambda t: None
+    assert op.select((x, s), {}).name == "triton"
+
+
 def test_log_dispatch(fresh_ops, monkeypatch, caplog):
     op = fresh_ops()
     monkeypatch.setenv("MSLK_LOG_DISPATCH", "1")

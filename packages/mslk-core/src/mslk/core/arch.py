@@ -122,6 +122,22 @@ def on_hopper(t: torch.Tensor) -> bool:
     return t.is_cuda and is_cuda() and capability(t.device) == (9, 0)
 
 
+def fp8_e4m3_missing(t: torch.Tensor) -> str | None:
+    """Why MSLK's float8_e4m3fn kernels cannot run on the GPU holding tensor t (None: they can, or t is on no NVIDIA
+    GPU): e4m3 conversions and products need compute capability 8.9 (Ada) or newer, and below it Triton's compile
+    fails inside the first launch ("type fp8e4nv not supported in this architecture"), cuBLAS's too. Asked of the
+    tensor as `on_hopper` is."""
+    if not (t.is_cuda and is_cuda()):
+        return None
+    major, minor = capability(t.device)
+    if (major, minor) >= (8, 9):
+        return None
+    return (
+        f"float8_e4m3fn needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+        f"{device_info(t.device).name} has {major}.{minor}"
+    )
+
+
 def sm_count(device: torch.device | int | None = None) -> int:
     return device_info(device).sm_count
 

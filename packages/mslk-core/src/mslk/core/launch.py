@@ -7,9 +7,12 @@ imported at a launcher's first launch only: mslk.core imports without it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger("mslk.launch")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,6 +50,11 @@ class Launcher:
     functions, launch hooks (profilers), unhashable arguments. Triton's knobs are read at a kernel's first launch.
     Measured (H200 machine, host time a call): FP8 rowwise GEMM 106 -> 93 us at 2048 x 7168 x 2048 and 82 -> 75 us
     at 16 x 8192 x 8192, varlen attention forward and backward 1479-1892 -> 1249-1628 us (RESULTS.md, 38th session).
+
+    The pipeline depths (`num_stages`) were measured on Hopper, whose blocks have 227 KiB of shared memory; A100's
+    have 163 KiB, RTX 4090's and 5090's 99 KiB. Where a GPU's shared memory cannot hold the stages asked for
+    (Triton's OutOfResources at the first launch, before the kernel runs), the kernel runs on fewer: slower, not
+    wrong (a stage holds the same tiles; fewer only load less ahead), as the `mslk.launch` logger says (INFO).
     """
 
     MAX_KEPT = 64  # compiled kernels kept per launcher; more means keys that rarely repeat: start again
@@ -68,15 +76,15 @@ class Launcher:
             self._runtime = self._first_launch()
         runtime = self._runtime
         if runtime is None or not isinstance(grid, tuple) or runtime.hooks_set():
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         device = runtime.current_device()
         try:
             key = (device, self._key(args, kwargs))
             kept = self._kept.get(key)
         except TypeError:  # an unhashable argument: Triton's path
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         if kept is None:
-            compiled = self.kernel[grid](*args, **kwargs)
+            compiled = self._through_triton(grid, args, kwargs)
             if compiled is not None and not hasattr(compiled, "result"):  # (a future under async compilation)
                 if len(self._kept) >= self.MAX_KEPT:
                     self._kept.clear()
@@ -90,6 +98,23 @@ class Launcher:
         stream = runtime.current_stream(device)
         kept.run(grid_x, grid_y, grid_z, stream, kept.function, kept.packed_metadata, None, None, None, *values)
         return kept
+
+    def _through_triton(self, grid, args: tuple, kwargs: dict):
+        """kernel[grid](*args, **kwargs), on fewer pipeline stages while the GPU's shared memory cannot hold them
+        (Triton keeps each compiled kernel and its OutOfResources: a retry costs no compile)."""
+        stages = kwargs.get("num_stages")
+        while True:
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            except _out_of_resources() as exc:
+                if exc.name != "shared memory" or stages is None or stages <= 1:
+                    raise
+                log.info(
+                    "%s: %d pipeline stages take %d bytes of shared memory, this GPU has %d a block: trying %d",
+                    getattr(self.kernel, "__name__", self.kernel), stages, exc.required, exc.limit, stages - 1,
+                )  # fmt: skip
+                stages -= 1
+                kwargs = {**kwargs, "num_stages": stages}
 
     def _first_launch(self) -> _TritonRuntime | None:
         """The runtime when the kernel is compiled by Triton: a JITFunction (not interpreted, not autotuned)
@@ -113,6 +138,12 @@ class Launcher:
         for name, value in kwargs.items():  # launch options (num_warps, ...) are not parameters: kept as they are
             key.append((name, value if constexpr.get(name, True) else specialization(value)))
         return tuple(key)
+
+
+def _out_of_resources() -> type[Exception]:
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
 
 
 _launchers: dict[int, Launcher] = {}

@@ -72,6 +72,8 @@ class Backend:
 
     `devices`: device types it runs on. `available()`: None when usable on this machine, else why not
     (checked once and cached). `supports(*args, **kwargs)`: reasons why it cannot serve these inputs.
+    `requires(tensor)`: why the GPU holding the call's first tensor cannot run it (None: it can), e.g.
+    `arch.fp8_e4m3_missing`.
     """
 
     name: str
@@ -79,6 +81,7 @@ class Backend:
     devices: frozenset[str]
     supports: Callable[..., Iterable[str]] | None = None
     available: Callable[[], str | None] | None = None
+    requires: Callable[[torch.Tensor], str | None] | None = None
 
     @functools.cached_property
     def unavailable_reason(self) -> str | None:
@@ -89,6 +92,10 @@ class Backend:
             return [f"device={device_type} (supported: {', '.join(sorted(self.devices))})"]
         if self.unavailable_reason is not None:
             return [self.unavailable_reason]
+        first = _first_tensor(args, kwargs) if self.requires is not None else None
+        missing = self.requires(first) if first is not None else None
+        if missing is not None:
+            return [missing]
         return list(self.supports(*args, **kwargs)) if self.supports is not None else []
 
 
@@ -177,6 +184,7 @@ class Op:
         supports: Callable[..., Iterable[str]] | None = None,
         available: Callable[[], str | None] | None = None,
         before: str | None = None,
+        requires: Callable[[torch.Tensor], str | None] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering `impl` as a backend, after those already registered (before reference), or
         just ahead of the backend named `before` (a backend that another module adds to an op defined elsewhere)."""
@@ -185,7 +193,7 @@ class Op:
         position = -1 if before is None else self.backends.index(self.get_backend(before))
 
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
-            self.backends.insert(position, Backend(name, impl, frozenset(devices), supports, available))
+            self.backends.insert(position, Backend(name, impl, frozenset(devices), supports, available, requires))
             return impl
 
         return register
@@ -290,15 +298,21 @@ def _parse_pins(value: str) -> tuple[dict[str, str], tuple[str, ...]]:
     return per_op, tuple(anywhere)
 
 
-def _device_type(args: tuple, kwargs: dict) -> str:
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The call's first tensor, also inside a list or tuple argument."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value.device.type
+            return value
         if isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, torch.Tensor):
-                    return item.device.type
-    return "cpu"
+                    return item
+    return None
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    first = _first_tensor(args, kwargs)
+    return "cpu" if first is None else first.device.type
 
 
 def _default_next_step(op: Op) -> str:

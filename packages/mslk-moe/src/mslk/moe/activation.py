@@ -235,7 +235,9 @@ def triton_silu_mul(x0, x1, valid_token_count=None):
     return out
 
 
-@silu_mul_quant_op.backend("triton", available=registry.triton_missing, supports=_triton_supports)
+@silu_mul_quant_op.backend(
+    "triton", available=registry.triton_missing, supports=_triton_supports, requires=arch.fp8_e4m3_missing
+)
 def triton_silu_mul_quant(x0, x1, scale_ub=None, valid_token_count=None):
     """The fused Triton kernel behind silu_mul_quant (spec M-08): one read of x0 and x1 (rows up to 16384), one
     write of xq; same arguments and results."""

@@ -197,6 +197,7 @@ f8f8bf16_blockwise_op = registry.Op(
     "triton",
     available=registry.triton_missing,
     supports=lambda XQ, WQ, x_scale, w_scale, block_m=128, block_n=128, block_k=128: _triton_supports(block_k),
+    requires=arch.fp8_e4m3_missing,
 )
 def _blockwise_triton(XQ, WQ, x_scale, w_scale, block_m=128, block_n=128, block_k=128):
     return _run_block_scaled(XQ, WQ, x_scale, x_scale.stride(), w_scale, w_scale.stride(), block_m, block_n, block_k)
@@ -250,7 +251,7 @@ f8f8bf16_groupwise_op = registry.Op(
 )
 
 
-@f8f8bf16_groupwise_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_groupwise_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _groupwise_triton(XQ, WQ, x_scale, w_scale):
     # Both scales are MN-major: [K/128, M] and [K/128, N/128]; the kernel takes (row-block, K-block) strides.
     return _run_block_scaled(

@@ -406,7 +406,7 @@ def _rowwise_op(name: str, out_dtype: torch.dtype, samples) -> registry.Op:
         )  # fmt: skip
         return out if XQ.dim() == 2 else out.reshape(*XQ.shape[:-1], WQ.shape[0])
 
-    @op.backend("triton", available=registry.triton_missing)
+    @op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
     def _triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True):
         out = torch.empty((*XQ.shape[:-1], WQ.shape[0]), dtype=out_dtype, device=XQ.device)
         return _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out)
@@ -498,7 +498,7 @@ f8f8bf16_rowwise_out_op = registry.Op(
 )
 
 
-@f8f8bf16_rowwise_out_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_rowwise_out_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _out_triton(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
     if output.is_contiguous():
         _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, output)
@@ -540,7 +540,7 @@ f8f8bf16_rowwise_batched_op = registry.Op(
 )
 
 
-@f8f8bf16_rowwise_batched_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_rowwise_batched_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _batched_triton(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
     out = torch.empty((*XQ.shape[:-1], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     x_scale = x_scale.reshape(XQ.shape[:-1]).contiguous()

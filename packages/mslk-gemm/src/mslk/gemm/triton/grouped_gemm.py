@@ -558,7 +558,9 @@ f8f8bf16_rowwise_grouped_stacked_op = registry.Op(
 )
 
 
-@f8f8bf16_rowwise_grouped_stacked_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_rowwise_grouped_stacked_op.backend(
+    "triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing
+)
 def _fp8_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
@@ -645,7 +647,7 @@ f8f8bf16_groupwise_grouped_op = registry.Op(
 )
 
 
-@f8f8bf16_groupwise_grouped_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_groupwise_grouped_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _groupwise_triton(XQ, WQ, x_scale, w_scale, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_grouped(
@@ -723,6 +725,11 @@ def _run_entry(out, x, w, m_sizes, x_scale, w_scale, bias, token_weights, use_fa
     )  # fmt: skip
 
 
+def _fp8_inputs_missing(x: torch.Tensor) -> str | None:
+    """The GPU's FP8 requirement where the entry's inputs are FP8 (they may be bf16)."""
+    return arch.fp8_e4m3_missing(x) if x.dtype == torch.float8_e4m3fn else None
+
+
 def _entry_samples(device, scatter: bool):
     total, groups, n, k = 37, 4, 24, 64
     sizes = _ragged_sizes(total, groups, device, torch.int32)
@@ -756,7 +763,7 @@ grouped_gemm_op = registry.Op(
 )
 
 
-@grouped_gemm_op.backend("triton", available=registry.triton_missing)
+@grouped_gemm_op.backend("triton", available=registry.triton_missing, requires=_fp8_inputs_missing)
 def _grouped_gemm_triton(x, w, m_sizes, x_scale=None, w_scale=None, bias=None, token_weights=None, use_fast_accum=True):
     out = torch.empty((x.shape[0], _entry_weights(w, m_sizes).shape[1]), dtype=torch.bfloat16, device=x.device)
     return _run_entry(out, x, w, m_sizes, x_scale, w_scale, bias, token_weights, use_fast_accum)
@@ -803,7 +810,12 @@ grouped_gemm_scatter_add_op = registry.Op(
 )
 
 
-@grouped_gemm_scatter_add_op.backend("triton", available=registry.triton_missing)
+def _scatter_supports(output, x, *args, **kwargs) -> list[str]:
+    missing = _fp8_inputs_missing(x)  # (the first tensor, which `requires` would ask, is the bf16 output)
+    return [] if missing is None else [missing]
+
+
+@grouped_gemm_scatter_add_op.backend("triton", available=registry.triton_missing, supports=_scatter_supports)
 def _scatter_triton(
     output, x, w, m_sizes, scatter_add_indices, x_scale=None, w_scale=None, bias=None, token_weights=None,
     use_fast_accum=True,

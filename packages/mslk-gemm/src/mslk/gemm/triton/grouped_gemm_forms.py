@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from mslk.core import formats, registry, testing
+from mslk.core import arch, formats, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows
 from mslk.gemm.triton.grouped_gemm import (
     K_GROUPED,
@@ -109,7 +109,7 @@ def _list_ops(prefix: str, args: str, fp8: bool, samples) -> tuple[registry.Op, 
             validate=functools.partial(validate, name),
             tolerance=1e-2,
         )
-        op.backend("triton", available=registry.triton_missing)(
+        op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing if fp8 else None)(
             lambda X, W, *scales, finish=finish: finish(_list_triton(X, W, *scales), X)
         )
         ops.append(op)
@@ -256,7 +256,9 @@ f8f8bf16_rowwise_grouped_dynamic_op = registry.Op(
 )
 
 
-@f8f8bf16_rowwise_grouped_dynamic_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_rowwise_grouped_dynamic_op.backend(
+    "triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing
+)
 def _fp8_dynamic_triton(XQ, WQ, x_scale, w_scale, zero_start_index_M, zeroing_output_tensor=True):
     out = torch.empty((*XQ.shape[:2], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)
     return _run_padded(
@@ -356,7 +358,7 @@ f8f8bf16_rowwise_grouped_mm_op = registry.Op(
 )
 
 
-@f8f8bf16_rowwise_grouped_mm_op.backend("triton", available=registry.triton_missing)
+@f8f8bf16_rowwise_grouped_mm_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _grouped_mm_triton(XQ, WQ, x_scale, w_scale, offsets, output):
     form = (XQ.dim(), WQ.dim())
     groups = _grouped_mm_shapes(XQ, WQ, offsets)[0]

@@ -46,7 +46,7 @@ from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton import int4_decode_hopper, int4_hopper
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
 from mslk.gemm.triton.int4_ptx import BIASED_BYTES_PTX, DEQUANT_BYTES_PTX, DEQUANT_PTX
-from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, splitk_reduce
+from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, dependent_launch_options, splitk_reduce
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
@@ -664,7 +664,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
         KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
         WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(scales_after, cfg),
-        DEPENDENT_LAUNCH=dependent, launch_pdl=dependent,
+        DEPENDENT_LAUNCH=dependent, **dependent_launch_options(dependent),
         **_device_flags(X), **cfg,
     )  # fmt: skip
     if split:
@@ -964,6 +964,7 @@ f8i4bf16_rowwise_op = registry.Op(
     "triton",
     available=registry.triton_missing,
     supports=lambda XQ, WQ, x_scale, w_scale, w_zp: _supports(XQ.shape[-1], w_scale.shape[-2]),
+    requires=arch.fp8_e4m3_missing,
 )
 def _f8_rowwise_triton(XQ, WQ, x_scale, w_scale, w_zp):
     return _run_int4_rows(XQ, WQ, w_scale, w_zp, shuffled=False, x_scale=x_scale.reshape(-1).contiguous())
@@ -1013,6 +1014,7 @@ f8i4bf16_shuffled_op = registry.Op(
     "triton",
     available=registry.triton_missing,
     supports=lambda XQ, WQ, x_scale, w_scale, table: _supports(XQ.shape[-1], table.shape[-3]),
+    requires=arch.fp8_e4m3_missing,
 )
 def _f8_shuffled_triton(XQ, WQ, x_scale, w_scale, w_scale_group):
     return _run_int4_rows(
@@ -1073,6 +1075,7 @@ f8i4bf16_shuffled_grouped_op = registry.Op(
     "triton",
     available=registry.triton_missing,
     supports=lambda XQ, WQ, x_scale, w_scale, table, M_sizes: _supports(XQ.shape[-1], table.shape[-3]),
+    requires=arch.fp8_e4m3_missing,
 )
 def _f8_grouped_triton(XQ, WQ, x_scale, w_scale, w_scale_group, M_sizes):
     out = torch.empty((XQ.shape[0], WQ.shape[1]), dtype=torch.bfloat16, device=XQ.device)

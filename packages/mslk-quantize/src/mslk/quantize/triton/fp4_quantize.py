@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mslk.core import formats, launch, registry, testing
+from mslk.core import arch, formats, launch, registry, testing
 from mslk.quantize.triton import fp4_utils
 from mslk.quantize.triton.common import check_float_input, e2m1_codes, max_nan
 from mslk.quantize.triton.fp4_utils import (  # noqa: F401  (the reference module's public names)
@@ -376,7 +376,7 @@ def _run_nvfp4(x, scale_shape, global_scale, mode, m_sizes=None, e8m0=False):
     return q, scale.view(torch.float8_e4m3fn)
 
 
-@quantize_nvfp4_op.backend("triton", available=registry.triton_missing)
+@quantize_nvfp4_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _nvfp4_triton(x, global_scale=None, use_e8m0_scale=False):
     mode = _NO_GLOBAL if global_scale is None else _ONE_GLOBAL
     return _run_nvfp4(x, _nvfp4_scale_shape(x), global_scale, mode, e8m0=use_e8m0_scale)
@@ -505,7 +505,7 @@ quantize_nvfp4_stacked_op = registry.Op(
 )
 
 
-@quantize_nvfp4_stacked_op.backend("triton", available=registry.triton_missing)
+@quantize_nvfp4_stacked_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
 def _nvfp4_stacked_triton(m_sizes, x, global_scale=None):
     if global_scale is None:
         return _run_nvfp4(x, (_stacked_scale_numel(m_sizes, x, 16),), None, _NO_GLOBAL, m_sizes)
@@ -555,7 +555,9 @@ def _row_abs_max(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@quantize_nvfp4_stacked_token_scale_op.backend("triton", available=registry.triton_missing)
+@quantize_nvfp4_stacked_token_scale_op.backend(
+    "triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing
+)
 def _token_triton(m_sizes, x):
     token_scale_inv = fp4_utils.token_scale_inv_nvfp4(x, _row_abs_max(x))
     shape = (_stacked_scale_numel(m_sizes, x, 16),)

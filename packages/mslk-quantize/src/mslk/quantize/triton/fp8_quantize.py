@@ -190,7 +190,9 @@ def _triton_row_supports(*args, **kwargs):
     return [] if RowArgs(*args, **kwargs).use_triton else ["use_triton=False"]
 
 
-@quantize_fp8_row_op.backend("triton", available=registry.triton_missing, supports=_triton_row_supports)
+@quantize_fp8_row_op.backend(
+    "triton", available=registry.triton_missing, supports=_triton_row_supports, requires=arch.fp8_e4m3_missing
+)
 def _triton_row(*args, **kwargs):
     a, scale_ub, zero_start_index_M, _, output_device, align_rows_to, eps_opt = RowArgs(*args, **kwargs)
     xq, scale = run_row_kernel(
@@ -401,7 +403,9 @@ def _triton_block_supports(*args, **kwargs):
     return reasons
 
 
-@quantize_fp8_block_op.backend("triton", available=registry.triton_missing, supports=_triton_block_supports)
+@quantize_fp8_block_op.backend(
+    "triton", available=registry.triton_missing, supports=_triton_block_supports, requires=arch.fp8_e4m3_missing
+)
 def _triton_block(*args, **kwargs):
     x, block_m, block_k, scale_ub, _, output_device, k_major = BlockArgs(*args, **kwargs)
     k = x.shape[-1]
@@ -599,7 +603,9 @@ def _triton_tensor_supports(a, use_triton=True):
     return [] if use_triton else ["use_triton=False"]
 
 
-@quantize_fp8_tensor_op.backend("triton", available=registry.triton_missing, supports=_triton_tensor_supports)
+@quantize_fp8_tensor_op.backend(
+    "triton", available=registry.triton_missing, supports=_triton_tensor_supports, requires=arch.fp8_e4m3_missing
+)
 def triton_quantize_fp8_tensor(a, use_triton=True):
     """The Triton kernels behind quantize_fp8_tensor (spec Q-08): a partial-amax pass, then a quantize pass."""
     if not _dense_in_memory(a):

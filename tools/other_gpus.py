@@ -1,0 +1,185 @@
+"""Compile MSLK's Triton kernels for a GPU this machine does not have, as the first launches there would.
+
+    python tools/other_gpus.py sm120 [--only NAME ...] [--attention] [-v]
+
+The host code decides as on that GPU (its compute capability, SM count, vendor) while a fake active driver reports
+its target: every op's Triton backends run on their samples (CPU tensors), attention's Triton kernels on a matrix
+of dtypes, head dims and masks (--attention), and each launch stops after its compile. A kernel asking more shared
+memory than the GPU's blocks have raises OutOfResources as Triton's first launch would (launch.Launcher then tries
+fewer stages). A call fails on an error (a compile error included) or a kernel that still does not fit; the exit
+status is the number of failures. Speed and results need the GPU itself: this finds what would not run at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton.runtime.driver as driver  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+# name: (vendor, capability, SMs, shared memory a block may opt into, device name)
+GPUS = {
+    "sm80": ("nvidia", (8, 0), 108, 166912, "NVIDIA A100-SXM4-80GB"),
+    "sm89": ("nvidia", (8, 9), 128, 101376, "NVIDIA GeForce RTX 4090"),
+    "sm90": ("nvidia", (9, 0), 132, 232448, "NVIDIA H100 80GB HBM3"),
+    "sm120": ("nvidia", (12, 0), 170, 101376, "NVIDIA GeForce RTX 5090"),
+    "gfx942": ("amd", (9, 4), 304, 65536, "AMD Instinct MI300X"),
+    "gfx950": ("amd", (9, 5), 256, 163840, "AMD Instinct MI355X"),
+}
+
+
+class FakeDriver:
+    def __init__(self, gpu: str):
+        vendor, capability, *_ = GPUS[gpu]
+        major, minor = capability
+        self.target = GPUTarget("hip", gpu, 64) if vendor == "amd" else GPUTarget("cuda", major * 10 + minor, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def install(gpu: str, compiled: list) -> None:
+    """The fake GPU: its driver, no-op launches that record (kernel name, shared bytes) or raise OutOfResources as
+    Triton's first launch would, CUDA tensors as the host code sees them, and arch's answers for the GPU."""
+    vendor, capability, sm_count, shared_limit, name = GPUS[gpu]
+    if vendor == "amd":
+        torch.version.hip = "7.1.0"
+
+    def init_handles(kernel):
+        if kernel.module is not None:
+            return
+        if kernel.metadata.shared > shared_limit:
+            raise OutOfResources(kernel.metadata.shared, shared_limit, "shared memory")
+        compiled.append((kernel.name, kernel.metadata.shared))
+        kernel._run = lambda *args, **kwargs: None
+        kernel.function, kernel.module, kernel.n_regs, kernel.n_spills = 0, object(), 0, 0
+
+    CompiledKernel._init_handles = init_handles
+    CompiledKernel.launch_metadata = lambda self, grid, stream, *args: None
+    driver.set_active(FakeDriver(gpu))
+    torch.Tensor.is_cuda = property(lambda self: True)
+    torch.cuda.current_device = lambda: 0
+    from mslk.core import arch
+
+    arch._gpu_visible["any"] = True
+    arch._device_infos[0] = arch.DeviceInfo(0, vendor, name, capability, sm_count, gpu if vendor == "amd" else None)
+
+
+def op_calls(only: list[str]):
+    """(name, call) of every op's Triton backends on its samples, where the backend takes them on this GPU."""
+    from mslk.core import registry
+
+    for qualname, op in registry.OPS.items():
+        if op.samples is None or (only and not any(name in qualname for name in only)):
+            continue
+        for backend in op.backends:
+            if "triton" not in backend.name or "cuda" not in backend.devices or backend.unavailable_reason:
+                continue
+            for i, sample in enumerate(op.samples(torch.device("cpu"))):
+                name = f"{qualname} [{backend.name}, {sample.name or i}]"
+                reasons = backend.reasons("cuda", sample.args, sample.kwargs)
+                if reasons:
+                    yield name, None, "; ".join(reasons)
+                else:
+                    yield name, (lambda b=backend, s=sample: b.impl(*s.args, **s.kwargs)), None
+
+
+def attention_calls():
+    """(name, call) of the Triton attention forward and backward over dtypes, head dims and masks."""
+    from mslk.attention.fmha import attn_bias
+    from mslk.attention.fmha import triton_flash as tf
+    from mslk.attention.fmha.common import Inputs
+
+    tf.FwOp.SUPPORTED_DEVICES = tf.BwOp.SUPPORTED_DEVICES = frozenset({"cpu", "cuda"})
+    b, m, h = 2, 300, 2
+    masks = {
+        "none": lambda dtype: None,
+        "causal": lambda dtype: attn_bias.LowerTriangularMask(),
+        "bias": lambda dtype: torch.randn(b, h, m, m).to(dtype),
+        "window": lambda dtype: attn_bias.LocalAttentionFromBottomRightMask(window_left=64, window_right=0),
+        "varlen": lambda dtype: attn_bias.BlockDiagonalCausalMask.from_seqlens([100, 200]),
+    }
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dim in (32, 64, 80, 96, 128, 256):
+            for mask, make in masks.items():
+                for p in (0.0, 0.3) if mask == "none" else (0.0,):
+                    batch = 1 if mask == "varlen" else b
+                    q = torch.randn(batch, m, h, dim, dtype=dtype)
+                    bias = make(dtype)
+                    inp = Inputs(q, q, q, attn_bias=bias[:batch] if mask == "bias" else bias, p=p)
+                    name = f"attention {dtype} K={dim} {mask}{f' p={p}' if p else ''}"
+                    reasons = tf.FwOp.not_supported_reasons(inp)
+                    if reasons:
+                        yield name, None, "; ".join(reasons)
+                        continue
+                    yield name + " fwd+bwd", (lambda inp=inp, q=q: _forward_backward(tf, inp, q)), None
+
+
+def _forward_backward(tf, inp, grad):
+    out, ctx = tf.FwOp.apply(inp, True)
+    if not tf.BwOp.not_supported_reasons(inp):
+        tf.BwOp.apply(ctx, inp, grad)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gpu", choices=sorted(GPUS))
+    parser.add_argument("--only", nargs="*", default=[], help="ops whose qualname contains one of these")
+    parser.add_argument("--attention", action="store_true", help="also attention's dtype x head dim x mask matrix")
+    parser.add_argument("-v", action="store_true", help="every call, and the tracebacks of failures")
+    args = parser.parse_args()
+    compiled: list = []
+    install(args.gpu, compiled)
+    import mslk  # noqa: F401  (every installed domain registers its ops)
+
+    calls = list(op_calls(args.only))
+    if args.attention:
+        calls += list(attention_calls())
+    failures = 0
+    for name, call, declined in calls:
+        if call is None:
+            if args.v:
+                print(f"declined  {name}: {declined}")
+            continue
+        start = len(compiled)
+        try:
+            call()
+        except Exception as exc:
+            failures += 1
+            print(f"FAILED    {name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
+            if args.v:
+                traceback.print_exc()
+            continue
+        if args.v:
+            kernels = ", ".join(f"{kernel} {shared}" for kernel, shared in compiled[start:])
+            print(f"ok        {name}: {kernels}")
+    limit = GPUS[args.gpu][3]
+    print(
+        f"{args.gpu}: {len(calls)} calls, {failures} failed; {len(compiled)} kernels compiled, the most shared memory "
+        f"{max((shared for _, shared in compiled), default=0)} of {limit} bytes"
+    )
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
