@@ -222,6 +222,10 @@ def _run_grouped(
     cfg = _grouped_config(a.element_size() == 1, grouping == STACKED and a.shape[0] <= 256 * groups)
     if scales == GROUPWISE:  # no K step may straddle two scales
         cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], GROUP_K)}
+    if scatter is not None and torch.version.hip is not None:
+        # The scatter's atomic adds take the fp32 tile through shared memory on ROCm: 128 x 256 asked 128 KiB of
+        # MI300X's 64 (tools/other_gpus.py gfx942).
+        cfg = {**cfg, "BLOCK_N": 64}
     if grouping == STACKED:
         rows, row_tiles = a.shape[0], launch.cdiv(a.shape[0], cfg["BLOCK_M"]) + groups + 1  # the tail included
     else:
