@@ -134,7 +134,7 @@ def test_a_backend_requirement_is_asked_of_the_first_tensor(fresh_ops):
     x, s = _inputs()
     assert op.select((x, s), {}).name == "reference"
     assert asked == [x]
-    with pytest.raises(ValueError, match="`triton` is not supported because:\n +this GPU is too old"):
+    with pytest.raises(ValueError, match=r"`triton` is not supported because:\n +this GPU is too old"):
         op(x, s, backend="triton")
     op.backends[0].requires = lambda t: None
     assert op.select((x, s), {}).name == "triton"
