@@ -86,11 +86,11 @@ def install(gpu: str, compiled: list) -> None:
 
 
 def op_calls(only: list[str]):
-    """(name, call) of every op's Triton backends on its samples, where the backend takes them on this GPU."""
+    """(name, call, why declined) of every op's Triton backends (of the ops named in `only`, if any) on its samples."""
     from mslk.core import registry
 
     for qualname, op in registry.OPS.items():
-        if op.samples is None or (only and not any(name in qualname for name in only)):
+        if op.samples is None or (only and qualname not in only and op.name not in only):
             continue
         for backend in op.backends:
             if "triton" not in backend.name or "cuda" not in backend.devices or backend.unavailable_reason:
@@ -105,7 +105,7 @@ def op_calls(only: list[str]):
 
 
 def attention_calls():
-    """(name, call) of the Triton attention forward and backward over dtypes, head dims and masks."""
+    """(name, call, why declined) of the Triton attention forward and backward over dtypes, head dims and masks."""
     from mslk.attention.fmha import attn_bias
     from mslk.attention.fmha import triton_flash as tf
     from mslk.attention.fmha.common import Inputs
@@ -144,7 +144,7 @@ def _forward_backward(tf, inp, grad):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gpu", choices=sorted(GPUS))
-    parser.add_argument("--only", nargs="*", default=[], help="ops whose qualname contains one of these")
+    parser.add_argument("--only", nargs="*", default=[], help="these ops only (names, with or without mslk::)")
     parser.add_argument("--attention", action="store_true", help="also attention's dtype x head dim x mask matrix")
     parser.add_argument("-v", action="store_true", help="every call, and the tracebacks of failures")
     args = parser.parse_args()

@@ -20,8 +20,8 @@ TOOL = Path(__file__).resolve().parents[1] / "other_gpus.py"
 @pytest.mark.parametrize(
     ("gpu", "only"),
     [
-        # the GEMMs (the deep pipelines; the whole sweep, attention included, is the tool's run without --only)
-        ("sm120", ["f8f8bf16_rowwise", "f8f8bf16_blockwise", "bf16bf16bf16_grouped", "grouped_gemm", "bf16x9"]),
+        # GEMMs with deep pipelines (the whole sweep: the tool without --only, with --attention)
+        ("sm120", ["f8f8bf16_rowwise", "f8f8bf16_blockwise", "bf16bf16bf16_grouped_stacked", "bf16x9_gemm"]),
         ("gfx942", ["grouped_gemm_scatter_add", "i8i8bf16", "bf16i4bf16_rowwise", "f8i4bf16_shuffled"]),
     ],
 )

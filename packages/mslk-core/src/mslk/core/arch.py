@@ -124,9 +124,9 @@ def on_hopper(t: torch.Tensor) -> bool:
 
 def fp8_e4m3_missing(t: torch.Tensor) -> str | None:
     """Why MSLK's float8_e4m3fn kernels cannot run on the GPU holding tensor t (None: they can, or t is on no NVIDIA
-    GPU): e4m3 conversions and products need compute capability 8.9 (Ada) or newer, and below it Triton's compile
-    fails inside the first launch ("type fp8e4nv not supported in this architecture"), cuBLAS's too. Asked of the
-    tensor as `on_hopper` is."""
+    GPU): e4m3 conversions and products need compute capability 8.9 (Ada) or newer; below it Triton's compile fails
+    inside the first launch ("type fp8e4nv not supported in this architecture") and cuBLAS has no FP8 GEMM. Asked
+    of the tensor as `on_hopper` is."""
     if not (t.is_cuda and is_cuda()):
         return None
     major, minor = capability(t.device)
