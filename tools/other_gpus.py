@@ -151,6 +151,12 @@ def main() -> int:
     compiled: list = []
     install(args.gpu, compiled)
     import mslk  # noqa: F401  (every installed domain registers its ops)
+    from mslk.core import registry
+
+    names = {name for op in registry.OPS.values() for name in (op.qualname, op.name)}
+    unknown = [name for name in args.only if name not in names]
+    if unknown:
+        parser.error(f"no op named {', '.join(unknown)}")
 
     calls = list(op_calls(args.only))
     if args.attention:
