@@ -345,26 +345,32 @@ def _int4_bytes(s: dict, fp8: bool) -> int:
     return s["M"] * s["K"] * (1 if fp8 else 2) + s["N"] * s["K"] // 2 + scales + 2 * s["M"] * s["N"]
 
 
+def _register_prefill_and_decode(name: str, prefill: list, decode: list, **spec) -> None:
+    """Specs `name` over the prefill shapes and `name_decode` over the decode shapes (under CUDA graphs: launch-bound),
+    both of op mslk::name."""
+    for suffix, shapes, graph in (("", prefill, False), ("_decode", decode, True)):
+        bench.register(
+            bench.BenchSpec(
+                name=name + suffix, op=f"mslk::{name}", shapes=shapes, cuda_graph=graph, domain="gemm", **spec
+            )
+        )
+
+
 for _name, _shuffled, _fp8 in (
     ("bf16i4bf16_rowwise", False, False),
     ("bf16i4bf16_shuffled", True, False),
     ("f8i4bf16_shuffled", True, True),
 ):
-    for _suffix, _shapes, _graph in (("", INT_PREFILL, False), ("_decode", INT_DECODE, True)):
-        bench.register(
-            bench.BenchSpec(
-                name=_name + _suffix,
-                op=f"mslk::{_name}",
-                shapes=_shapes,
-                make_inputs=lambda s, device, shuffled=_shuffled, fp8=_fp8: _int4_inputs(s, device, shuffled, fp8),
-                run=_int4_run(_name),
-                baselines={"torch.matmul bf16 (dequantized)": _dequantized_matmul},
-                flops=lambda s: 2 * s["M"] * s["N"] * s["K"],
-                bytes=lambda s, fp8=_fp8: _int4_bytes(s, fp8),
-                cuda_graph=_graph,
-                domain="gemm",
-            )
-        )
+    _register_prefill_and_decode(
+        _name,
+        INT_PREFILL,
+        INT_DECODE,
+        make_inputs=lambda s, device, shuffled=_shuffled, fp8=_fp8: _int4_inputs(s, device, shuffled, fp8),
+        run=_int4_run(_name),
+        baselines={"torch.matmul bf16 (dequantized)": _dequantized_matmul},
+        flops=lambda s: 2 * s["M"] * s["N"] * s["K"],
+        bytes=lambda s, fp8=_fp8: _int4_bytes(s, fp8),
+    )
 
 
 def _int4_grouped_inputs(shape: dict, device: torch.device, shuffled: bool):
@@ -390,23 +396,16 @@ GROUPED_DECODE = [
 ]
 
 for _name, _shuffled in (("bf16i4bf16_rowwise_grouped", False), ("bf16i4bf16_shuffled_grouped", True)):
-    for _suffix, _shapes, _graph in (("", GROUPED, False), ("_decode", GROUPED_DECODE, True)):
-        bench.register(
-            bench.BenchSpec(
-                name=_name + _suffix,
-                op=f"mslk::{_name}",
-                shapes=_shapes,
-                make_inputs=lambda s, device, shuffled=_shuffled: _int4_grouped_inputs(s, device, shuffled),
-                run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
-                baselines={
-                    "torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])
-                },
-                flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
-                bytes=lambda s: s["G"] * _int4_bytes({"M": s["rows"], "N": s["N"], "K": s["K"]}, fp8=False),
-                cuda_graph=_graph,
-                domain="gemm",
-            )
-        )
+    _register_prefill_and_decode(
+        _name,
+        GROUPED,
+        GROUPED_DECODE,
+        make_inputs=lambda s, device, shuffled=_shuffled: _int4_grouped_inputs(s, device, shuffled),
+        run=lambda i, name=_name: getattr(torch.ops.mslk, name)(i[0], *i[1], i[2]),
+        baselines={"torch._grouped_mm bf16 (dequantized)": lambda i: torch._grouped_mm(i[0], i[4].mT, offs=i[3])},
+        flops=lambda s: 2 * s["G"] * s["rows"] * s["N"] * s["K"],
+        bytes=lambda s: s["G"] * _int4_bytes({"M": s["rows"], "N": s["N"], "K": s["K"]}, fp8=False),
+    )
 
 
 def _int8_inputs(shape: dict, device: torch.device):
