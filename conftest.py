@@ -9,6 +9,11 @@ if not torch.cuda.is_available():
     # T1: without a GPU, Triton kernels run under the interpreter. Set before any kernel module is imported,
     # since @triton.jit decides at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter's tl.reduce with our combine functions, a slice a call instead of an element (a quarter of T1).
+    from mslk.core import testing
+
+    testing.vectorize_interpreter_reductions()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,8 @@ import unittest
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mslk.core import arch, testing
 
@@ -72,3 +74,59 @@ def test_skip_decorators_on_rocm(monkeypatch):
     assert not _skipped(testing.skipUnlessGfxArch("gfx950", "gfx942"))
     assert _skipped(testing.skipUnlessGfxArch("gfx950"))
     assert _skipped(testing.skipUnlessCuda())
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _first_argmax(value, index, other_value, other_index):
+    take = (other_value > value) | ((other_value == value) & (other_index < index))
+    return tl.where(take, other_value, value), tl.where(take, other_index, index)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _custom_reductions_kernel(x_ptr, n_ptr, max_ptr, argmax_ptr, sum_ptr, A: tl.constexpr, B: tl.constexpr,
+                              AXIS: tl.constexpr):  # fmt: skip
+    offsets = tl.arange(0, A)[:, None] * B + tl.arange(0, B)[None, :]
+    x = tl.load(x_ptr + offsets)
+    out = tl.arange(0, B if AXIS == 0 else A)
+    tl.store(max_ptr + out, tl.reduce(x, AXIS, _nan_max))
+    index = tl.arange(0, A)[:, None] + tl.zeros([A, B], tl.int32) if AXIS == 0 else offsets % B
+    tl.store(argmax_ptr + out, tl.reduce((tl.where(x == x, x, 0.0), index), AXIS, _first_argmax)[1])
+    tl.store(sum_ptr + out, tl.reduce(tl.load(n_ptr + offsets), AXIS, _add))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_vectorized_interpreter_reductions(axis, monkeypatch):
+    """vectorize_interpreter_reductions' tl.reduce of our own combine functions (a NaN-propagating max, a first-index
+    argmax over ties, an integer sum) gives what Triton's element-by-element one and torch give."""
+    if not testing.interpreting():
+        pytest.skip("the Triton interpreter's reductions (tier T1)")
+    from triton.runtime import interpreter
+
+    assert testing.vectorize_interpreter_reductions()
+    x = torch.randint(-3, 4, (8, 16)).float()  # ties for the argmax
+    x[2, 5] = x[7, 0] = float("nan")
+    n = torch.randint(-1000, 1000, (8, 16), dtype=torch.int32)
+
+    def run():
+        outs = [testing.empty_poisoned(x.shape[1 - axis], dtype=dtype) for dtype in (x.dtype, torch.int32, n.dtype)]
+        _custom_reductions_kernel[(1,)](x, n, *outs, A=8, B=16, AXIS=axis)
+        return outs
+
+    got = run()
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", interpreter.ReduceOps.generic_reduce.__wrapped__)
+    for mine, tritons in zip(got, run(), strict=True):
+        torch.testing.assert_close(mine, tritons, rtol=0, atol=0, equal_nan=True)
+    expected_max = x.amax(axis).where(~x.isnan().any(axis), float("nan"))
+    torch.testing.assert_close(got[0], expected_max, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got[1], x.nan_to_num(0.0).argmax(axis).int(), rtol=0, atol=0)
+    torch.testing.assert_close(got[2], n.sum(axis, dtype=torch.int32), rtol=0, atol=0)
