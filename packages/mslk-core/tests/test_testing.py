@@ -93,21 +93,24 @@ def _add(a, b):
 
 
 @triton.jit
-def _custom_reductions_kernel(x_ptr, n_ptr, max_ptr, argmax_ptr, sum_ptr, A: tl.constexpr, B: tl.constexpr,
-                              AXIS: tl.constexpr):  # fmt: skip
+def _custom_reductions_kernel(x_ptr, n_ptr, max_ptr, argmax_ptr, sum_ptr, all_ptr, A: tl.constexpr,
+                              B: tl.constexpr, AXIS: tl.constexpr):  # fmt: skip
     offsets = tl.arange(0, A)[:, None] * B + tl.arange(0, B)[None, :]
     x = tl.load(x_ptr + offsets)
     out = tl.arange(0, B if AXIS == 0 else A)
     tl.store(max_ptr + out, tl.reduce(x, AXIS, _nan_max))
     index = tl.arange(0, A)[:, None] + tl.zeros([A, B], tl.int32) if AXIS == 0 else offsets % B
     tl.store(argmax_ptr + out, tl.reduce((tl.where(x == x, x, 0.0), index), AXIS, _first_argmax)[1])
-    tl.store(sum_ptr + out, tl.reduce(tl.load(n_ptr + offsets), AXIS, _add))
+    kept = tl.reduce(tl.load(n_ptr + offsets), AXIS, _add, keep_dims=True)  # [1, B] or [A, 1]
+    tl.store(sum_ptr + out, tl.reshape(kept, [B if AXIS == 0 else A]))
+    tl.store(all_ptr, tl.reduce(x, None, _nan_max))
 
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_vectorized_interpreter_reductions(axis, monkeypatch):
     """vectorize_interpreter_reductions' tl.reduce of our own combine functions (a NaN-propagating max, a first-index
-    argmax over ties, an integer sum) gives what Triton's element-by-element one and torch give."""
+    argmax over ties, an integer sum keeping the axis, a max over all) gives what Triton's element-by-element one
+    and torch give."""
     if not testing.interpreting():
         pytest.skip("the Triton interpreter's reductions (tier T1)")
     from triton.runtime import interpreter
@@ -119,6 +122,7 @@ def test_vectorized_interpreter_reductions(axis, monkeypatch):
 
     def run():
         outs = [testing.empty_poisoned(x.shape[1 - axis], dtype=dtype) for dtype in (x.dtype, torch.int32, n.dtype)]
+        outs.append(testing.empty_poisoned(1, dtype=x.dtype))
         _custom_reductions_kernel[(1,)](x, n, *outs, A=8, B=16, AXIS=axis)
         return outs
 
@@ -130,3 +134,4 @@ def test_vectorized_interpreter_reductions(axis, monkeypatch):
     torch.testing.assert_close(got[0], expected_max, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got[1], x.nan_to_num(0.0).argmax(axis).int(), rtol=0, atol=0)
     torch.testing.assert_close(got[2], n.sum(axis, dtype=torch.int32), rtol=0, atol=0)
+    assert got[3].isnan().all(), "a NaN anywhere: the max over all is NaN"
