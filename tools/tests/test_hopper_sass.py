@@ -86,6 +86,11 @@ def int4_calls():
         "plain_m16_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 16, 64).bfloat16(),
                                                                        torch.randn(k // 64, 16), w, s, s,
                                                                        torch.empty(16, n).bfloat16(), 128),
+        # Its grouped form: 8 groups of 4 rows, items of 8 (the work list the first kernel writes: given here).
+        "grouped_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 32, 64).bfloat16(),
+                                                                     torch.randn(k // 64, 32), w8, s8, s8,
+                                                                     torch.empty(32, n).bfloat16(), 128,
+                                                                     torch.zeros(8, 3, dtype=torch.int32), 8),
         "grouped": lambda: g._run_grouped(x8, w8, s8, s8, sizes8, torch.empty(8 * 256, n).bfloat16()),
         "grouped_plain_gluon": lambda: g.int4_hopper.run(x8, w8, s8, s8, torch.empty(8 * 256, n).bfloat16(), 128,
                                                         sizes=sizes8),
@@ -213,6 +218,7 @@ SUITES = {
             "plain_m1024",
             "plain_m1024_gluon",
             "plain_m16_gluon_decode",
+            "grouped_gluon_decode",
             "shuffled_m1024",
             "table_m1024",
             "grouped",
@@ -272,7 +278,7 @@ def compiled(tmp_path_factory):
 
 
 # Kernels on mma.sync (operands in registers are read when the instruction issues): no warpgroup MMA to race.
-MMA_SYNC = {("int4", "plain_m16_gluon_decode")}
+MMA_SYNC = {("int4", "plain_m16_gluon_decode"), ("int4", "grouped_gluon_decode")}
 
 
 @pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in MMA_SYNC])

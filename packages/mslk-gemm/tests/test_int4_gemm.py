@@ -462,6 +462,47 @@ def test_decode_relabelling(m, k, shuffled):
     assert not sums[:, m:].any()
 
 
+def _work_list(sizes, rows, chunk):
+    """The grouped decode kernel's items, as _work_items should write them: each group's rows (sizes clamped to the
+    rows left) in runs of `chunk`, then the rows past them (group -1)."""
+    items, start = [], 0
+    for group, size in enumerate(sizes):
+        size = max(0, min(size, rows - start))
+        items += [(group, start + first, min(chunk, size - first)) for first in range(0, size, chunk)]
+        start += size
+    return items + [(-1, first, min(chunk, rows - first)) for first in range(start, rows, chunk)]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rows"),
+    [([3, 0, 20, 5], 28), ([3, 0, 20, 5], 40), ([1] * 5, 3), ([0, 0], 7), ([40, -3, 2], 30), ([16] * 4, 64),
+     ([2] * 130, 300), ([9, 0, 0, 7, 1], 17)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_grouped_decode_work_list(sizes, rows, index_dtype):
+    """The grouped decode kernel's first kernel (interpreted on a CPU): its work list holds each group's rows in runs
+    of 8 or 16 (empty groups none, sizes past the rows clamped), then the rows past the sizes' sum, then items of no
+    rows, within the host's bound; X' holds every row (a multiple of 4 of them, at least a run) in the relabelled
+    order the dense form gives."""
+    d = g.int4_decode_hopper
+    x = testing.randn(rows, 320, dtype=torch.bfloat16, device=DEVICE)
+    chunk = d.item_rows(rows, len(sizes))
+    items = torch.full((d.items_bound(rows, len(sizes), chunk), 3), 12345, dtype=torch.int32, device=DEVICE)
+    m_sizes = torch.tensor(sizes, dtype=index_dtype, device=DEVICE)
+    xp, sums = d.relabelled_activations(x, False, m_sizes, items, chunk)
+    expected = _work_list(sizes, rows, chunk)
+    assert len(expected) <= items.shape[0]
+    got = [tuple(item) for item in items.tolist()]
+    assert got[: len(expected)] == expected
+    assert all(count == 0 for _, _, count in got[len(expected) :])
+    assert xp.shape[1] >= max(rows, chunk) and xp.shape[1] % 4 == 0 and sums.shape == xp.shape[:2]
+    dense_xp, dense_sums = d.relabelled_activations(x[:5], False)
+    torch.testing.assert_close(xp[:, :5], dense_xp[:, :5], rtol=0, atol=0)
+    torch.testing.assert_close(sums[:, :5], dense_sums[:, :5])
+    assert not xp[:, rows:].any() and not sums[:, rows:].any()
+
+
 def test_unsupported_group_size_names_the_reason():
     x, w, scale, zero = bf16_inputs(m=4, n=8, k=240, gs=24, device="cpu")  # 10 groups of 24 (no power of two)
     reasons = g.bf16i4bf16_rowwise_op.get_backend("triton").reasons("cuda", (x, w, scale, zero), {})
@@ -617,21 +658,25 @@ def test_grouped_gpu(groups, rows, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("groups", "rows", "n", "k", "gs", "gluon"),
+    ("groups", "rows", "n", "k", "gs", "picked"),
     [
-        (8, 512, 4096, 7168, 128, True),  # the Gluon kernel's 256-row tiles
-        (16, 100, 1000, 2048, 64, True),  # its 128-row tiles; N past whole tiles
-        (64, 3, 2048, 1024, 64, True),  # decode-like groups
-        (64, 3, 2048, 1000, 64, False),  # K past whole steps of 64: the Triton kernel
+        (8, 512, 4096, 7168, 128, "prefill"),  # the Gluon prefill kernel's 256-row tiles
+        (16, 100, 1000, 2048, 64, "prefill"),  # its 128-row tiles; N past whole tiles
+        (16, 20, 1000, 2048, 64, "prefill"),  # more than MAX_M rows a group on average
+        (64, 3, 2048, 1024, 64, "decode"),  # decode-like groups: the Gluon decode kernel
+        (64, 3, 2048, 1000, 64, "triton"),  # K past whole steps of 64: the Triton kernel
     ],
     ids=str,
 )
-def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs, gluon, monkeypatch):
+def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs, picked, monkeypatch):
     """The plain layout's grouped GEMM at MoE-like shapes, with an empty group, eager and replayed from a CUDA graph
     with new sizes written into M_sizes (read on the device, so the replay follows them; the rows past their sum
     are zero), in the kernel that dispatch picks."""
     calls = []
-    monkeypatch.setattr(g.int4_hopper, "run", lambda *a, run=g.int4_hopper.run, **kw: calls.append(1) or run(*a, **kw))
+    for name, module in (("prefill", g.int4_hopper), ("decode", g.int4_decode_hopper)):
+        monkeypatch.setattr(
+            module, "run", lambda *a, run=module.run, name=name, **kw: calls.append(name) or run(*a, **kw)
+        )
     sizes = [0 if i == 1 else rows + (i % 3 - 1) * (rows // 4) for i in range(groups)]
     _, w, scale, zero = bf16_inputs(groups, m=1, n=n, k=k, gs=gs, device="cuda")
     x = testing.randn(sum(sizes), k, dtype=torch.bfloat16, device="cuda")
@@ -651,7 +696,44 @@ def test_plain_grouped_gpu_and_graph(groups, rows, n, k, gs, gluon, monkeypatch)
     testing.poison_(out)
     graph.replay()
     testing.assert_rel_close(out, expected(fewer), 1e-2)
-    assert bool(calls) == gluon
+    assert set(calls) == ({picked} - {"triton"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("sizes", "rows", "n", "k", "gs"),
+    [
+        ([3, 0, 20, 5, 1], 40, 200, 512, 128),  # 8-row items: an empty group, one of three items; rows past the sum
+        ([1] * 8, 8, 64, 64, 64),  # one run of K (plain only)
+        ([17, 0, 30, 9], 64, 1000, 2304, 256),  # 16-row items; K ending inside a stage; N past whole tiles
+        ([5, 0], 5, 64, 4096, 128),  # one tile, three items at most: K split
+        ([4] * 100 + [0] * 28, 400, 256, 1024, 512),  # many groups, empty ones last
+        ([2, 70, -1, 3], 60, 136, 768, 128),  # a size past the rows (clamped), a negative one
+    ],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("shuffled", [False, True], ids=["plain", "shuffled"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_grouped_decode_kernel(sizes, rows, n, k, gs, shuffled, scale_dtype):
+    """int4_decode_hopper's grouped form, called directly: poisoned output, the rows past the sizes' sum zero."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    if shuffled and (k % 128 or gs % 128):
+        pytest.skip("the preshuffled layout comes in blocks of 128 k")
+    _, w, scale, zero = bf16_inputs(len(sizes), m=1, n=n, k=k, gs=gs, scale_dtype=scale_dtype, device="cuda")
+    x = testing.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    m_sizes = torch.tensor(sizes, device="cuda")
+    assert g.int4_decode_hopper.supports(x, w, scale, zero, gs, shuffled)
+    out = testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device="cuda")
+    out = g.int4_decode_hopper.run(x, w, scale, zero, out, gs, shuffled, sizes=m_sizes)
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=shuffled)
+    expected, start = torch.zeros(rows, n, dtype=torch.float64, device="cuda"), 0
+    for group, size in enumerate(sizes):
+        size = max(0, min(size, rows - start))
+        expected[start : start + size] = oracle(x[start : start + size], wdq[group])
+        start += size
+    testing.assert_rel_close(out, expected, 1e-2)
+    assert (out[start:] == 0).all()
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""The GEMM of bf16i4bf16_rowwise and bf16i4bf16_shuffled for decode shapes (M <= 16 activation rows) on Hopper
-(sm_90), written in Gluon:
+"""The GEMM of bf16i4bf16_rowwise and bf16i4bf16_shuffled for decode shapes (M <= 16 activation rows), and of their
+grouped forms for groups of decode rows, on Hopper (sm_90), written in Gluon:
 
     out[m, n] = Σ_k X[m, k] · (q[n, k] · scale[k // gs, n] + zero[k // gs, n])      (bf16 out, fp32 sums)
 
@@ -23,6 +23,11 @@ step moving the group scales between layouts through shared memory). Here:
   early: the next call's first kernel taking its places at its start measured slower (RESULTS.md).
 - Programs: 64-row tiles of the weights times splits of K, about one program per SM; with more than one split each
   writes fp32 partial sums that split_k.splitk_reduce adds.
+
+Grouped (X stacks the groups' rows, M_sizes read on the device): the first kernel also writes a work list, items
+of (group, first row, rows) of at most 8 or 16 rows of one group, then the rows past the sizes' sum (zeros to write),
+and the multiplying programs take an item each (times the tiles of N and the splits of K). So each group's weights
+stream once per item, an empty group's not at all, and no program's rows cross a group.
 
 Only the first kernel knows the weights' layout: in the preshuffled one a run's 32 bytes hold 32 k and the 32 k
 64 further (byte j of a 128-k block holds k = j and j + 64), so X' takes those.
@@ -81,28 +86,69 @@ def _run_nibble(t):
 
 
 @triton.jit
-def _activations_kernel(x_ptr, xp_ptr, sums_ptr, M, K, stride_xm, stride_xk, BM: tl.constexpr,
-                        SHUFFLED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
-    """One run of 64 k (32 bytes of each weight row): X'[run, m, t] = X[m, k of t] (zero past M and K) and
-    sums[run, m] = Σ_k X[m, k] over the run's k (fp32). Nibble R = run_nibble(t) of the run's bytes is k = 64 run + R in
-    the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j and j + 64) k = 128 (run // 2) +
-    32 (run % 2) + R // 2 + 64 (R % 2). DEPENDENT (launched as a dependent of the kernel before it): wait for that
-    kernel's writes, then let the multiplying kernel, this one's dependent, take its places (it waits on the GPU for
-    this kernel's writes)."""
+def _work_items(sizes_ptr, items_ptr, G, ROWS, ITEMS, CHUNK: tl.constexpr, G_BLOCK: tl.constexpr,
+                I_BLOCK: tl.constexpr):  # fmt: skip
+    """The grouped kernel's work list items [ITEMS, 3] int32: (group, first row, rows) of each run of at most CHUNK
+    rows of a group, group by group, then (-1, first row, rows) of the rows past the groups' sum (zeros to write),
+    then (-1, ROWS, 0) (nothing). Sizes are clamped as gluon_tile_order.group_tiles clamps them (negative ones 0,
+    none past ROWS)."""
+    g = tl.arange(0, G_BLOCK)
+    in_g = g < G
+    sizes = tl.maximum(tl.load(sizes_ptr + g, mask=in_g, other=0).to(tl.int32), 0)
+    ends = tl.cumsum(sizes, axis=0)
+    starts = tl.minimum(ends - sizes, ROWS)
+    rows = tl.minimum(ends, ROWS) - starts
+    chunks = tl.cdiv(rows, CHUNK)
+    item_ends = tl.cumsum(chunks, axis=0)
+    group_items = tl.sum(chunks, axis=0)
+    used = tl.sum(rows, axis=0)
+    for first in range(0, ITEMS, I_BLOCK):
+        w = first + tl.arange(0, I_BLOCK)
+        group = tl.sum(((item_ends[None, :] <= w[:, None]) & in_g[None, :]).to(tl.int32), axis=1)
+        this = g[None, :] == group[:, None]  # one-hot: the item's group (none past the groups' items)
+        chunk_row = CHUNK * (w - tl.sum(tl.where(this, item_ends - chunks, 0), axis=1))
+        group_first = tl.sum(tl.where(this, starts, 0), axis=1)
+        group_rows = tl.sum(tl.where(this, rows, 0), axis=1)
+        tail_first = tl.minimum(used + CHUNK * (w - group_items), ROWS)
+        past = w >= group_items
+        first_row = tl.where(past, tail_first, group_first + chunk_row)
+        count = tl.where(past, tl.minimum(ROWS - tail_first, CHUNK), tl.minimum(group_rows - chunk_row, CHUNK))
+        mask = w < ITEMS
+        tl.store(items_ptr + 3 * w, tl.where(past, -1, group), mask=mask)
+        tl.store(items_ptr + 3 * w + 1, first_row, mask=mask)
+        tl.store(items_ptr + 3 * w + 2, count, mask=mask)
+
+
+@triton.jit
+def _activations_kernel(x_ptr, xp_ptr, sums_ptr, sizes_ptr, items_ptr, M, K, XROWS, G, ITEMS, stride_xm,
+                        stride_xk, BM: tl.constexpr, SHUFFLED: tl.constexpr, DEPENDENT: tl.constexpr,
+                        CHUNK: tl.constexpr, G_BLOCK: tl.constexpr):  # fmt: skip
+    """One run of 64 k (32 bytes of each weight row) for BM of X' rows: X'[run, m, t] = X[m, k of t] (zero past M
+    and K) and sums[run, m] = Σ_k X[m, k] over the run's k (fp32), m < XROWS. Nibble R = run_nibble(t) of the
+    run's bytes is k = 64 run + R in the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j
+    and j + 64) k = 128 (run // 2) + 32 (run % 2) + R // 2 + 64 (R % 2). Grouped (sizes_ptr not None), the
+    programs one run past the last build the multiplying kernel's work list (_work_items). DEPENDENT (launched as
+    a dependent of the kernel before it): wait for that kernel's writes, then let the multiplying kernel, this
+    one's dependent, take its places (it waits on the GPU for this kernel's writes)."""
     if DEPENDENT:
         gdc_wait()
         gdc_launch_dependents()
     run = tl.program_id(0)
-    rows = tl.arange(0, BM)[:, None]
-    t = tl.arange(0, 64)[None, :]
-    nibble = _run_nibble(t)
-    if SHUFFLED:
-        k = (run // 2) * 128 + (run % 2) * 32 + nibble // 2 + (nibble % 2) * 64
+    if run == tl.cdiv(K, 64):  # (grouped only: the grid has one more run)
+        if tl.program_id(1) == 0:
+            _work_items(sizes_ptr, items_ptr, G, M, ITEMS, CHUNK, G_BLOCK, 32)
     else:
-        k = run * 64 + nibble
-    x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
-    tl.store(xp_ptr + (run * BM + rows) * 64 + t, x)
-    tl.store(sums_ptr + run * BM + tl.arange(0, BM), tl.sum(x.to(tl.float32), axis=1))
+        rows = tl.program_id(1) * BM + tl.arange(0, BM)[:, None]
+        t = tl.arange(0, 64)[None, :]
+        nibble = _run_nibble(t)
+        if SHUFFLED:
+            k = (run // 2) * 128 + (run % 2) * 32 + nibble // 2 + (nibble % 2) * 64
+        else:
+            k = run * 64 + nibble
+        x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
+        tl.store(xp_ptr + (run * XROWS + rows) * 64 + t, x, mask=rows < XROWS)
+        sum_rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        tl.store(sums_ptr + run * XROWS + sum_rows, tl.sum(x.to(tl.float32), axis=1), mask=sum_rows < XROWS)
 
 
 @gluon.jit
@@ -119,20 +165,23 @@ def _relabelled(packed, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, off_n, GROUP_SIZE: gl.constexpr):
-    """A stage's weights, scales and zeros (k on), onto its slot's barrier."""
-    tma.async_copy_global_to_shared(w_desc, [off_n, k // 2], bar, w_bufs.index(slot))
-    tma.async_copy_global_to_shared(s_desc, [k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
-    tma.async_copy_global_to_shared(z_desc, [k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
+def _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, w_row, s_row, off_n,
+                  GROUP_SIZE: gl.constexpr):  # fmt: skip
+    """A stage's weights (rows from w_row), scales and zeros (rows from s_row; k on), onto its slot's barrier."""
+    tma.async_copy_global_to_shared(w_desc, [w_row, k // 2], bar, w_bufs.index(slot))
+    tma.async_copy_global_to_shared(s_desc, [s_row + k // GROUP_SIZE, off_n], bar, s_bufs.index(slot))
+    tma.async_copy_global_to_shared(z_desc, [s_row + k // GROUP_SIZE, off_n], bar, z_bufs.index(slot))
 
 
 @gluon.jit
 def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs, ready,
-                    empty, first_stage, stages, GROUP_SIZE: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
+                    empty, first_stage, stages, w_row, s_row, x_row, GROUP_SIZE: gl.constexpr,
+                    DEPENDENT: gl.constexpr):  # fmt: skip
     """The loading warp: the program's stages in order, each into the next slot of the ring once the multiplying
-    warps have released the stage loaded there before. DEPENDENT (launched as a dependent of the activations'
-    kernel, which lets it launch only once the kernel before that one has finished): the first turn's weights load
-    at once, X' and the sums after the wait for the activations' kernel's writes."""
+    warps have released the stage loaded there before (weights from row w_row, scales and zeros from row s_row,
+    X' and sums from row x_row). DEPENDENT (launched as a dependent of the activations' kernel, which lets it
+    launch only once the kernel before that one has finished): the first turn's weights load at once, X' and the
+    sums after the wait for the activations' kernel's writes."""
     SLOTS: gl.constexpr = w_bufs.shape[0]
     NBYTES: gl.constexpr = (w_desc.block_type.nbytes + x_desc.block_type.nbytes + s_desc.block_type.nbytes
                             + z_desc.block_type.nbytes + sums_desc.block_type.nbytes)  # fmt: skip
@@ -141,7 +190,9 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
     for i in range(first_turn):  # fresh slots: no wait
         mbarrier.expect(ready.index(i), NBYTES)
         k = (first_stage + i) * _STAGE_K
-        _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, ready.index(i), i, k, off_n, GROUP_SIZE)
+        _load_weights(
+            w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, ready.index(i), i, k, w_row, s_row, off_n, GROUP_SIZE
+        )
     if DEPENDENT:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     for i in range(stages):
@@ -151,19 +202,19 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
         if i >= SLOTS:
             mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)
             mbarrier.expect(bar, NBYTES)
-            _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, off_n, GROUP_SIZE)
-        tma.async_copy_global_to_shared(x_desc, [k // _RUN, 0, 0], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(sums_desc, [k // _RUN, 0], bar, sums_bufs.index(slot))
+            _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, w_row, s_row, off_n, GROUP_SIZE)
+        tma.async_copy_global_to_shared(x_desc, [k // _RUN, x_row, 0], bar, x_bufs.index(slot))
+        tma.async_copy_global_to_shared(sums_desc, [k // _RUN, x_row], bar, sums_bufs.index(slot))
 
 
 @gluon.jit
-def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr, M, N,
-                   stride_cs, stride_cm, stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+                   first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr,
                    KGROUP: gl.constexpr):  # fmt: skip
     """A group of multiplying warps (KGROUP of KGROUPS): every KGROUPS-th stage from KGROUP on, each stage's four runs
     (one mma.sync product each), the scales applied per scale block. Then the groups' sums meet in group 0
-    (`partial`), which writes the tile's output (bf16, or fp32 partial sums into the split's slice of the
-    workspace)."""
+    (`partial`), which writes the tile's output, M rows from first_row (bf16, or fp32 partial sums into the split's
+    slice of the workspace)."""
     BN: gl.constexpr = w_bufs.shape[1]
     BM: gl.constexpr = x_tiles.shape[1]
     RUNS: gl.constexpr = _STAGE_K // _RUN
@@ -206,7 +257,7 @@ def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, par
         acc += partial.index(other).load(mma_layout)
     rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=row_layout)
     tokens = gl.arange(0, BM, layout=token_layout)
-    ptrs = c_ptr + gl.program_id(1) * stride_cs + tokens[None, :] * stride_cm + rows[:, None]
+    ptrs = c_ptr + gl.program_id(1) * stride_cs + (first_row + tokens)[None, :] * stride_cm + rows[:, None]
     mask = (rows < N)[:, None] & (tokens < M)[None, :]
     if SPLIT:
         gl.store(ptrs, acc, mask=mask)
@@ -215,14 +266,19 @@ def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, par
 
 
 @gluon.jit
-def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, stride_cs, stride_cm,
-                        stages_per_split, total_stages, GROUP_SIZE: gl.constexpr, SLOTS: gl.constexpr,
+def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_ptr, M, N, groups, stride_cs,
+                        stride_cm, stages_per_split, total_stages, GROUP_SIZE: gl.constexpr, SLOTS: gl.constexpr,
                         SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr, MMA_REGISTERS: gl.constexpr,
                         LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
     128-byte swizzled; a run is a 32-byte column slice of its stage's tile), scales and zeros [groups, N] (boxes of a
-    stage's groups and BN rows), and X's sums [K / 64, BM] (a stage's runs a box)."""
+    stage's groups and BN rows), and X's sums [K / 64, BM] (a stage's runs a box).
+
+    Grouped (items_ptr not None: the work list of _work_items, item program_id(2)): X' and its sums hold all rows
+    ([K / 64, rows, 64], [K / 64, rows]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
+    program multiplies its item's rows by its group's weights (rows of a tile past N read the next group's, never
+    stored), writes zeros for an item of rows past the groups (group -1), and nothing for an item of no rows."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BM: gl.constexpr = x_desc.block_type.shape[1]
@@ -251,38 +307,65 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, M, N, 
         mbarrier.init(partial_ready.index(i), count=1)
     first_stage = gl.program_id(1) * stages_per_split
     stages = gl.minimum(stages_per_split, total_stages - first_stage)
+    off_n = gl.program_id(0) * BN
+    if items_ptr is None:
+        first_row = 0
+        w_row = off_n
+        s_row = 0
+    else:
+        if DEPENDENT:  # the work list is the activations' kernel's
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        item = items_ptr + 3 * gl.program_id(2)
+        group = gl.load(item)
+        first_row = gl.load(item + 1)
+        M = gl.load(item + 2)
+        stages = gl.where(group >= 0, stages, 0)
+        w_row = gl.maximum(group, 0) * N + off_n
+        s_row = gl.maximum(group, 0) * groups
     gl.static_assert(_KGROUPS == 2 and SLOTS % _KGROUPS == 0, "two K groups below, each with its own slots")
     gl.warp_specialize(
         [
             (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
-                              M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 0)),
+                              first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 0)),
             (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
-                              M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 1)),
+                              first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 1)),
             (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
-                               ready, empty, first_stage, stages, GROUP_SIZE, DEPENDENT)),
+                               ready, empty, first_stage, stages, w_row, s_row, first_row, GROUP_SIZE, DEPENDENT)),
         ],
         [NUM_WARPS, 1],
         [MMA_REGISTERS, LOAD_REGISTERS],
     )  # fmt: skip
 
 
+def _stacked(t: torch.Tensor) -> torch.Tensor | None:
+    """A grouped operand [G, rows, cols] as one matrix [G · rows, cols] where that is a view of it (else None); a
+    matrix as itself."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def supports(
     X: torch.Tensor, W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, shuffled: bool = False
 ) -> bool:
     """Whether the kernel serves X [M, K] (M <= MAX_M) and packed W [N, K / 2] (plain, or preshuffled) with scales
-    and zeros [groups, N]: an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 == 0; preshuffled: its blocks
-    of 128 k, K % 128 == 0) and groups of whole runs (blocks) that divide a stage or are whole stages, operands TMA
-    can read (W, scales and zeros: unit last stride, 16-byte aligned rows)."""
+    and zeros [groups, N], or grouped, X of any rows and the groups' W [G, N, K / 2], scales and zeros [G, groups, N]
+    (each a view of one matrix stacking the groups'): an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 ==
+    0; preshuffled: its blocks of 128 k, K % 128 == 0) and groups of whole runs (blocks) that divide a stage or are
+    whole stages, operands TMA can read (W, scales and zeros: unit last stride, 16-byte aligned rows)."""
     m, k = X.shape
     unit = 2 * RUN if shuffled else RUN  # a run's k lie in one block of 128 k of the preshuffled layout
+    operands = [_stacked(t) for t in (W, scale, zero)]
     return (
         arch.on_hopper(X)
         and X.dtype == torch.bfloat16
-        and 0 < m <= MAX_M
+        and 0 < m
+        and (m <= MAX_M or W.dim() == 3)
         and k % unit == 0
         and group_size % unit == 0
         and (STAGE_K % group_size == 0 or group_size % STAGE_K == 0)
-        and all(tma_ready(t) for t in (W, scale, zero))
+        and all(t is not None and tma_ready(t) for t in operands)
     )
 
 
@@ -302,26 +385,53 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype, swizzled))
 
 
-def relabelled_activations(X: torch.Tensor, shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def item_rows(rows: int, groups: int) -> int:
+    """Activation rows of a grouped program (mma.sync's N): 8 where the groups average at most 8 rows, else 16."""
+    return 8 if rows <= 8 * groups else MAX_M
+
+
+def items_bound(rows: int, groups: int, chunk: int) -> int:
+    """The most items of the grouped work list (_work_items) for `rows` rows in `groups` groups: each group's
+    ⌈rows_g / chunk⌉ and the rows past them ⌈tail / chunk⌉, so at most (rows + (chunk − 1)(groups + 1)) / chunk,
+    and no more than rows (an item has a row or more)."""
+    return max(1, min(rows, (rows + (chunk - 1) * (groups + 1)) // chunk))
+
+
+def relabelled_activations(
+    X: torch.Tensor, shuffled: bool = False, sizes: torch.Tensor | None = None, items: torch.Tensor | None = None,
+    chunk: int = MAX_M,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(X' [runs, BM, 64] bf16, sums [runs, BM] fp32) of X [M, K] (any strides) for plain or preshuffled weights:
-    the first kernel."""
+    the first kernel. Grouped (sizes [G] row counts on the device), X' and the sums of all rows (at least `chunk`,
+    a multiple of 4: rows of TMA boxes), and the work list of `chunk` rows an item written into items."""
     m, k = X.shape
-    bm = 8 if m <= 8 else 16
     runs = launch.cdiv(k, RUN)
-    xp = torch.empty((runs, bm, RUN), dtype=torch.bfloat16, device=X.device)
-    sums = torch.empty((runs, bm), dtype=torch.float32, device=X.device)
+    if sizes is None:
+        rows = block = 8 if m <= 8 else 16
+        groups, grid = 0, (runs, 1)
+    else:
+        rows, block, groups = max(chunk, launch.cdiv(m, 4) * 4), 32, sizes.shape[0]
+        grid = (runs + 1, launch.cdiv(rows, block))  # (one more run: the work list's program)
+    xp = torch.empty((runs, rows, RUN), dtype=torch.bfloat16, device=X.device)
+    sums = torch.empty((runs, rows), dtype=torch.float32, device=X.device)
     dependent = dependent_launch(X.device)
-    launch.fast(_activations_kernel)[(runs,)](
-        X, xp, sums, m, k, *X.stride(), BM=bm, SHUFFLED=shuffled, DEPENDENT=dependent, num_warps=4,
-        launch_pdl=dependent,
+    launch.fast(_activations_kernel)[grid](
+        X, xp, sums, sizes, items, m, k, rows, groups, 0 if items is None else items.shape[0], *X.stride(), BM=block,
+        SHUFFLED=shuffled, DEPENDENT=dependent, CHUNK=chunk, G_BLOCK=triton.next_power_of_2(max(groups, 1)),
+        num_warps=4, launch_pdl=dependent,
     )  # fmt: skip
     return xp, sums
 
 
-def multiply(xp, sums, W, scale, zero, out, group_size: int):
+def multiply(xp, sums, W, scale, zero, out, group_size: int, items=None, chunk: int = MAX_M):
     """out [M, N] bf16 (unit column stride) from relabelled_activations' X' and sums, W [N, K / 2], scales and zeros
-    [groups, N]: the second kernel (and split_k's reduction where K is split)."""
-    (m, n), k, bm = out.shape, 2 * W.shape[1], xp.shape[1]
+    [groups, N]: the second kernel (and split_k's reduction where K is split). Grouped (items: the work list of
+    `chunk` rows an item), W [G, N, K / 2] and scales and zeros [G, groups, N]."""
+    (m, n), k = out.shape, 2 * W.shape[-1]
+    bm = xp.shape[1] if items is None else chunk
+    groups = scale.shape[-2]
+    if items is not None:
+        W, scale, zero = (_stacked(t) for t in (W, scale, zero))
     groups_per_stage = max(1, STAGE_K // group_size)
     descs = (
         _descriptor(W, [BLOCK_N, STAGE_K // 2]),
@@ -332,15 +442,16 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
+    work = 1 if items is None else items.shape[0]
     # About one program per SM (two, with twice the splits, measured 15-20% slower on the H200 at 16 x 8192 x 8192);
     # a split keeps at least 4 stages.
-    splits = max(1, min(arch.sm_count(out.device) // tiles, total_stages // 4))
+    splits = max(1, min(arch.sm_count(out.device) // (tiles * work), total_stages // 4))
     per_split = launch.cdiv(total_stages, splits)
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
     dependent = dependent_launch(out.device)
-    launch.fast(_int4_decode_kernel)[(tiles, splits)](
-        *descs, c, m, n, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
+    launch.fast(_int4_decode_kernel)[(tiles, splits, work)](
+        *descs, c, items, m, n, groups, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
         GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, NUM_WARPS=NUM_WARPS, MMA_REGISTERS=MMA_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
     )  # fmt: skip
@@ -349,8 +460,14 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int):
     return out
 
 
-def run(X, W, scale, zero, out, group_size: int, shuffled: bool = False):
+def run(X, W, scale, zero, out, group_size: int, shuffled: bool = False, sizes=None):
     """out [M, N] bf16 (unit column stride) of X [M, K] and W [N, K / 2] (plain, or preshuffled) with scales and
-    zeros [groups, N]; see the module docstring and supports()."""
-    xp, sums = relabelled_activations(X, shuffled)
-    return multiply(xp, sums, W, scale, zero, out, group_size)
+    zeros [groups, N]; grouped, sizes [G] row counts (int32 / int64, on the device), W [G, N, K / 2] and scales and
+    zeros [G, groups, N], rows past the sizes' sum zero. See the module docstring and supports()."""
+    if sizes is None:
+        xp, sums = relabelled_activations(X, shuffled)
+        return multiply(xp, sums, W, scale, zero, out, group_size)
+    chunk = item_rows(X.shape[0], W.shape[0])
+    items = torch.empty((items_bound(X.shape[0], W.shape[0], chunk), 3), dtype=torch.int32, device=X.device)
+    xp, sums = relabelled_activations(X, shuffled, sizes, items, chunk)
+    return multiply(xp, sums, W, scale, zero, out, group_size, items, chunk)

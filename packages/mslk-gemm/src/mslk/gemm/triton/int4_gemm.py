@@ -28,9 +28,10 @@ fp32 products, once per output element a step. The tiles come through TMA descri
 W (zeros past their edges), else through pointers. Small M (decode) splits K over more programs: each writes fp32
 partial sums to a workspace and a second kernel (split_k.py), a dependent of the first where the GPU can (Hopper),
 adds them in split order (deterministic) into bf16. On Hopper, the bf16 formats have Gluon kernels: decode (M <=
-int4_decode_hopper.MAX_M, plain and preshuffled) runs int4_decode_hopper.py's, over K relabelled so that a nibble
-pair takes one LOP3 (and part of a shift), and prefill of the plain format (M >= int4_hopper.MIN_M, whole 64-k
-steps) int4_hopper.py's, which dequantizes a step's weights while the step before it multiplies.
+int4_decode_hopper.MAX_M, plain and preshuffled; grouped, at most that many rows a group on average) runs
+int4_decode_hopper.py's, over K relabelled so that a nibble pair takes one LOP3 (and part of a shift), and prefill
+of the plain format (M >= int4_hopper.MIN_M, whole 64-k steps; grouped, larger groups) int4_hopper.py's, which
+dequantizes a step's weights while the step before it multiplies.
 """
 
 from __future__ import annotations
@@ -683,6 +684,12 @@ def _run_grouped(X, W, scale, zero, M_sizes, out, *, shuffled=True, table=False,
         return out.zero_()
     groups = scale.shape[-3] if table else scale.shape[-2]
     size = formats.int4_group_size(k, groups)
+    # Groups of decode rows (at most MAX_M on average) take the Gluon decode kernel, which streams each nonempty
+    # group's weights once (and an empty group's not at all) where the prefill kernels below dequantize each weight
+    # for a 64- or 128-row tile: about 0.9 TB/s of weights at G = 128 x 4 rows (RESULTS.md, fifty-third session).
+    decode = total <= int4_decode_hopper.MAX_M * W.shape[0]
+    if decode and not table and int4_decode_hopper.supports(X, W, scale, zero, size, shuffled):
+        return int4_decode_hopper.run(X, W, scale, zero, out, size, shuffled, sizes=M_sizes)
     # Plain bf16 weights take the Gluon kernel where it can: 1.2-1.6x the Triton kernel's speed from 8 to 2048 rows
     # a group, 1.04-1.4x at 4, on par at 1 (H200, N = 2048-4096, K = 5120-7168; RESULTS.md, fifty-third session).
     if not (shuffled or table) and int4_hopper.supports(X, W, size):
