@@ -476,7 +476,7 @@ def _work_list(sizes, rows, chunk):
 @pytest.mark.parametrize(
     ("sizes", "rows"),
     [([3, 0, 20, 5], 28), ([3, 0, 20, 5], 40), ([1] * 5, 3), ([0, 0], 7), ([40, -3, 2], 30), ([16] * 4, 64),
-     ([2] * 130, 300), ([9, 0, 0, 7, 1], 17)],
+     ([2] * 130, 300), ([9, 0, 0, 7, 1], 17), ([5], 5), ([20], 33)],
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)

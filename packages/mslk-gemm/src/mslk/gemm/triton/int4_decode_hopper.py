@@ -72,6 +72,7 @@ KGROUPS = 2  # groups of multiplying warps taking the stages in turn (1 and 3 me
 # are a multiple of it
 MMA_REGISTERS = 240  # per thread of the K groups but the first (setmaxnreg)
 LOAD_REGISTERS = 24  # per thread of the loading warp (setmaxnreg)
+MAX_ITEMS = 65535  # a grid's third dimension: the grouped work list's items
 _RUN = gl.constexpr(RUN)  # the same, for the kernels
 _STAGE_K = gl.constexpr(STAGE_K)
 _KGROUPS = gl.constexpr(KGROUPS)
@@ -353,15 +354,17 @@ def supports(
     and zeros [groups, N], or grouped, X of any rows and the groups' W [G, N, K / 2], scales and zeros [G, groups, N]
     (each a view of one matrix stacking the groups'): an sm_90 GPU, bf16 activations, runs of 64 k whole (K % 64 ==
     0; preshuffled: its blocks of 128 k, K % 128 == 0) and groups of whole runs (blocks) that divide a stage or are
-    whole stages, operands TMA can read (W, scales and zeros: unit last stride, 16-byte aligned rows)."""
+    whole stages, operands TMA can read (W, scales and zeros: unit last stride, 16-byte aligned rows); grouped, no
+    more than MAX_ITEMS items."""
     m, k = X.shape
     unit = 2 * RUN if shuffled else RUN  # a run's k lie in one block of 128 k of the preshuffled layout
     operands = [_stacked(t) for t in (W, scale, zero)]
+    grouped = W.dim() == 3
     return (
         arch.on_hopper(X)
         and X.dtype == torch.bfloat16
         and 0 < m
-        and (m <= MAX_M or W.dim() == 3)
+        and (items_bound(m, W.shape[0], item_rows(m, W.shape[0])) <= MAX_ITEMS if grouped else m <= MAX_M)
         and k % unit == 0
         and group_size % unit == 0
         and (STAGE_K % group_size == 0 or group_size % STAGE_K == 0)
