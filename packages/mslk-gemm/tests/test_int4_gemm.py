@@ -737,6 +737,26 @@ def test_grouped_decode_kernel(sizes, rows, n, k, gs, shuffled, scale_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batches", "m", "n", "k", "gs"), [(3, 1, 200, 512, 128), (4, 16, 1000, 2304, 256), (2, 9, 64, 4096, 128)]
+)
+@pytest.mark.parametrize("shuffled", [False, True], ids=["plain", "shuffled"])
+def test_batched_decode_takes_the_grouped_decode_kernel(batches, m, n, k, gs, shuffled, monkeypatch):
+    """bf16i4bf16_{rowwise,shuffled}_batched with at most MAX_M rows a batch: the decode kernel's grouped form
+    (a group a batch), poisoned output."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs")
+    calls = []
+    d = g.int4_decode_hopper
+    monkeypatch.setattr(d, "run", lambda *a, run=d.run, **kw: calls.append(kw.get("sizes")) or run(*a, **kw))
+    x, w, scale, zero = bf16_inputs(batches, m=m, n=n, k=k, gs=gs, device="cuda")
+    op = g.bf16i4bf16_shuffled_batched if shuffled else g.bf16i4bf16_rowwise_batched
+    out = op(x, w, scale, zero)
+    assert len(calls) == 1 and calls[0].tolist() == [m] * batches
+    testing.assert_rel_close(out, oracle(x, g.dequantize_int4(w, scale, zero, shuffled=shuffled)), 1e-2)
+
+
+@pytest.mark.gpu
 def test_decode_records_into_a_cuda_graph():
     """Split K included: the workspace is allocated while capturing and the reduction is recorded too. Three calls,
     each reading the output of the one before, eager and replayed: each kernel launched as a dependent (the split-K

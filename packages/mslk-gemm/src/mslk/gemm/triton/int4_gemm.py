@@ -646,6 +646,13 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         if m >= int4_hopper.MIN_M and not shuffled and int4_hopper.supports(X[0], W[0], size):
             int4_hopper.run(X[0], W[0], scale[0], zero[0], out[0], size)
             return out
+    if batches > 1 and not table and zero is not None and m <= int4_decode_hopper.MAX_M:
+        # A batch of decode GEMMs is a grouped one of m rows a group: the decode kernel's grouped form.
+        rows = X.reshape(batches * m, k)
+        if int4_decode_hopper.supports(rows, W, scale, zero, size, shuffled):
+            sizes = torch.full((batches,), m, dtype=torch.int32, device=X.device)
+            int4_decode_hopper.run(rows, W, scale, zero, out.view(batches * m, n), size, shuffled, sizes=sizes)
+            return out
     upcast_x = X.element_size() == 1 and not table
     scales_after = _scales_after(table, size)
     cfg = dict(_config(m, n, k, batches, _programs(X.device), upcast_x, shuffled, table, scales_after))
