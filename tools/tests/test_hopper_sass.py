@@ -82,13 +82,17 @@ def int4_calls():
                                                 w_scale=torch.rand(n)),
         "plain_m1024_gluon": lambda: g.int4_hopper.run(torch.randn(1024, k).bfloat16(), w, s, s,
                                                        torch.empty(1024, n).bfloat16(), 128),
-        # The decode kernel (its first kernel, the relabelled activations, runs first elsewhere: given here).
+        # The decode kernel's first kernel, the relabelled activations (dense: no work list), then the decode kernel
+        # itself (X' and the sums given).
+        "plain_m16_decode_activations": lambda: g.int4_decode_hopper.relabelled_activations(
+            torch.randn(16, k).bfloat16()
+        ),
         "plain_m16_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 16, 64).bfloat16(),
-                                                                       torch.randn(k // 64, 16), w, s, s,
+                                                                       torch.randn(k // 256, 16, 4), w, s, s,
                                                                        torch.empty(16, n).bfloat16(), 128),
         # Its grouped form: 8 groups of 4 rows, items of 8 (the work list the first kernel writes: given here).
         "grouped_gluon_decode": lambda: g.int4_decode_hopper.multiply(torch.randn(k // 64, 32, 64).bfloat16(),
-                                                                     torch.randn(k // 64, 32), w8, s8, s8,
+                                                                     torch.randn(k // 256, 32, 4), w8, s8, s8,
                                                                      torch.empty(32, n).bfloat16(), 128,
                                                                      torch.zeros(8, 3, dtype=torch.int32), 8),
         "grouped": lambda: g._run_grouped(x8, w8, s8, s8, sizes8, torch.empty(8 * 256, n).bfloat16()),
@@ -217,6 +221,7 @@ SUITES = {
             "plain_m64",
             "plain_m1024",
             "plain_m1024_gluon",
+            "plain_m16_decode_activations",
             "plain_m16_gluon_decode",
             "grouped_gluon_decode",
             "shuffled_m1024",
@@ -277,11 +282,16 @@ def compiled(tmp_path_factory):
     return get
 
 
-# Kernels on mma.sync (operands in registers are read when the instruction issues): no warpgroup MMA to race.
-MMA_SYNC = {("int4", "plain_m16_gluon_decode"), ("int4", "grouped_gluon_decode")}
+# Kernels on mma.sync (operands in registers are read when the instruction issues) or of no MMA: no warpgroup MMA to
+# race.
+NO_WARPGROUP_MMA = {
+    ("int4", "plain_m16_gluon_decode"),
+    ("int4", "grouped_gluon_decode"),
+    ("int4", "plain_m16_decode_activations"),
+}
 
 
-@pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in MMA_SYNC])
+@pytest.mark.parametrize(("suite", "kernel"), [pair for pair in KERNELS if pair not in NO_WARPGROUP_MMA])
 def test_no_register_race(compiled, suite, kernel):
     sass = compiled(suite) / f"{kernel}.sass"
     done = subprocess.run([sys.executable, str(TOOLS / "wgmma_hazards.py"), str(sass)], capture_output=True, text=True)

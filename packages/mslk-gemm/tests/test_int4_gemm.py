@@ -442,7 +442,8 @@ def test_decode_relabelling(m, k, shuffled):
     """int4_decode_hopper's two sides of the relabelled K agree: the weights' operand as its `_relabelled` builds it
     from a run's bytes (the nibbles (j, j + 4) of word b // 4 at byte b, then its join, reshape and permute, replayed
     here on the biased values 136 + q), times X' of the first kernel (interpreted on a CPU), is X · (136 + q)ᵀ with q
-    in the real k order of the plain or preshuffled layout; X' is zero past M, and the sums are X's per run."""
+    in the real k order of the plain or preshuffled layout; X' is zero past M and past K (its runs fill whole
+    stages), and the sums are X's per run."""
     d = g.int4_decode_hopper
     x = testing.randn(m, k, 2, dtype=torch.bfloat16, device=DEVICE)[..., 0]  # strided along K
     xp, sums = d.relabelled_activations(x, shuffled)
@@ -452,14 +453,16 @@ def test_decode_relabelling(m, k, shuffled):
     b = torch.arange(32, device=DEVICE)
     word_k = runs.flatten(-2)[..., 8 * (b // 4)[:, None] + (b % 4)[:, None] + torch.tensor([0, 4], device=DEVICE)]
     operand = word_k.reshape(24, -1, 2, 4, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(24, -1, 64)
-    bm = xp.shape[1]
-    assert xp.shape == (k // 64, bm, 64) and not xp[:, m:].any()
-    products = torch.einsum("nrt,rmt->mn", operand, xp[:, :m].double())
+    bm, runs = xp.shape[1], k // 64
+    assert xp.shape == (-(-k // 256) * 4, bm, 64) and not xp[:, m:].any() and not xp[runs:].any()
+    products = torch.einsum("nrt,rmt->mn", operand, xp[:runs, :m].double())
     biased = 136 + g.unpack_int4(w, shuffled=shuffled).double()  # in real k order
     torch.testing.assert_close(products, x.double() @ biased.T, rtol=1e-12, atol=1e-9)
+    assert sums.shape == (xp.shape[0] // 4, bm, 4)
+    run_sums = sums.transpose(1, 2).flatten(0, 1)  # [runs, bm]
     expected_sums = xp[:, :m].double().sum(-1)  # X' is checked above: its runs hold the k they should
-    torch.testing.assert_close(sums[:, :m].double(), expected_sums, rtol=1e-5, atol=1e-4)
-    assert not sums[:, m:].any()
+    torch.testing.assert_close(run_sums[:, :m].double(), expected_sums, rtol=1e-5, atol=1e-4)
+    assert not run_sums[:, m:].any()
 
 
 def _work_list(sizes, rows, chunk):
@@ -483,8 +486,8 @@ def _work_list(sizes, rows, chunk):
 def test_grouped_decode_work_list(sizes, rows, index_dtype):
     """The grouped decode kernel's first kernel (interpreted on a CPU): its work list holds each group's rows in runs
     of 8 or 16 (empty groups none, sizes past the rows clamped), then the rows past the sizes' sum, then items of no
-    rows, within the host's bound; X' holds every row (a multiple of 4 of them, at least a run) in the relabelled
-    order the dense form gives."""
+    rows, within the host's bound; X' and the sums hold every row (at least an item's) in the relabelled order the
+    dense form gives."""
     d = g.int4_decode_hopper
     x = testing.randn(rows, 320, dtype=torch.bfloat16, device=DEVICE)
     chunk = d.item_rows(rows, len(sizes))
@@ -496,7 +499,7 @@ def test_grouped_decode_work_list(sizes, rows, index_dtype):
     got = [tuple(item) for item in items.tolist()]
     assert got[: len(expected)] == expected
     assert all(count == 0 for _, _, count in got[len(expected) :])
-    assert xp.shape[1] >= max(rows, chunk) and xp.shape[1] % 4 == 0 and sums.shape == xp.shape[:2]
+    assert xp.shape[1] >= max(rows, chunk) and sums.shape == (xp.shape[0] // 4, xp.shape[1], 4)
     dense_xp, dense_sums = d.relabelled_activations(x[:5], False)
     torch.testing.assert_close(xp[:, :5], dense_xp[:, :5], rtol=0, atol=0)
     torch.testing.assert_close(sums[:, :5], dense_sums[:, :5])

@@ -125,17 +125,18 @@ def _activations_kernel(x_ptr, xp_ptr, sums_ptr, sizes_ptr, items_ptr, M, K, XRO
                         stride_xk, BM: tl.constexpr, SHUFFLED: tl.constexpr, DEPENDENT: tl.constexpr,
                         CHUNK: tl.constexpr, G_BLOCK: tl.constexpr):  # fmt: skip
     """One run of 64 k (32 bytes of each weight row) for BM of X' rows: X'[run, m, t] = X[m, k of t] (zero past M
-    and K) and sums[run, m] = Σ_k X[m, k] over the run's k (fp32), m < XROWS. Nibble R = run_nibble(t) of the
-    run's bytes is k = 64 run + R in the plain layout; in the preshuffled one (byte j of a 128-k block holds k = j
-    and j + 64) k = 128 (run // 2) + 32 (run % 2) + R // 2 + 64 (R % 2). Grouped (sizes_ptr not None), the
-    programs one run past the last build the multiplying kernel's work list (_work_items). DEPENDENT (launched as
-    a dependent of the kernel before it): wait for that kernel's writes, then let the multiplying kernel, this
-    one's dependent, take its places (it waits on the GPU for this kernel's writes)."""
+    and K) and sums[run // 4, m, run % 4] = Σ_k X[m, k] over the run's k (fp32), m < XROWS; the grid's runs fill
+    whole stages. Nibble R = run_nibble(t) of the run's bytes is k = 64 run + R in the plain layout; in the
+    preshuffled one (byte j of a 128-k block holds k = j and j + 64) k = 128 (run // 2) + 32 (run % 2) + R // 2 +
+    64 (R % 2). Grouped (sizes_ptr not None), the programs of the grid's last run build the multiplying kernel's
+    work list instead (_work_items). DEPENDENT (launched as a dependent of the kernel before it): wait for that
+    kernel's writes, then let the multiplying kernel, this one's dependent, take its places (it waits on the GPU
+    for this kernel's writes)."""
     if DEPENDENT:
         gdc_wait()
         gdc_launch_dependents()
     run = tl.program_id(0)
-    if run == tl.cdiv(K, 64):  # (grouped only: the grid has one more run)
+    if sizes_ptr is not None and run == tl.num_programs(0) - 1:
         if tl.program_id(1) == 0:
             _work_items(sizes_ptr, items_ptr, G, M, ITEMS, CHUNK, G_BLOCK, 32)
     else:
@@ -149,7 +150,9 @@ def _activations_kernel(x_ptr, xp_ptr, sums_ptr, sizes_ptr, items_ptr, M, K, XRO
         x = tl.load(x_ptr + rows * stride_xm + k * stride_xk, mask=(rows < M) & (k < K), other=0.0)
         tl.store(xp_ptr + (run * XROWS + rows) * 64 + t, x, mask=rows < XROWS)
         sum_rows = tl.program_id(1) * BM + tl.arange(0, BM)
-        tl.store(sums_ptr + run * XROWS + sum_rows, tl.sum(x.to(tl.float32), axis=1), mask=sum_rows < XROWS)
+        stage_runs: tl.constexpr = _STAGE_K // _RUN
+        sum_ptrs = sums_ptr + ((run // stage_runs) * XROWS + sum_rows) * stage_runs + run % stage_runs
+        tl.store(sum_ptrs, tl.sum(x.to(tl.float32), axis=1), mask=sum_rows < XROWS)
 
 
 @gluon.jit
@@ -205,11 +208,11 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
             mbarrier.expect(bar, NBYTES)
             _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, w_row, s_row, off_n, GROUP_SIZE)
         tma.async_copy_global_to_shared(x_desc, [k // _RUN, x_row, 0], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(sums_desc, [k // _RUN, x_row], bar, sums_bufs.index(slot))
+        tma.async_copy_global_to_shared(sums_desc, [k // _STAGE_K, x_row, 0], bar, sums_bufs.index(slot))
 
 
 @gluon.jit
-def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_tiles, ready, empty, partial, partial_ready, c_ptr,
                    first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE: gl.constexpr, SPLIT: gl.constexpr,
                    KGROUP: gl.constexpr):  # fmt: skip
     """A group of multiplying warps (KGROUP of KGROUPS): every KGROUPS-th stage from KGROUP on, each stage's four runs
@@ -230,24 +233,28 @@ def _mma_partition(w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, par
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     token_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    # A stage's sums of X [BM, RUNS], a token's runs in one thread and its tokens where the MMA's columns lie (so
+    # a scale block's sum over its runs lands in token_layout without moving).
+    sums_layout: gl.constexpr = gl.BlockedLayout([2, RUNS], [4, 8], [1, gl.num_warps()], [0, 1])
+    run_index = gl.arange(0, RUNS, layout=gl.SliceLayout(0, sums_layout))[None, :]
     acc = gl.zeros([BN, BM], gl.float32, mma_layout)
     for i in range(KGROUP, stages, _KGROUPS):
         slot = i % SLOTS
         mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
         product = gl.zeros([BN, BM], gl.float32, mma_layout)
-        sums = gl.zeros([BM], gl.float32, token_layout)
+        run_sums = sums_tiles.index(slot).load(sums_layout)
         for run in gl.static_range(RUNS):
             a = _relabelled(w_bufs.index(slot).slice(run * (_RUN // 2), _RUN // 2, dim=1).load(byte_layout), a_layout)
             b = x_tiles.index(slot * RUNS + run).permute((1, 0)).load(b_layout)
             product = mma_v2(a, b, product)
-            sums += sums_rows.index(slot * RUNS + run).load(token_layout)
             if (run + 1) * _RUN % SB == 0:  # the end of a scale block
                 group = ((run + 1) * _RUN - SB) // GROUP_SIZE
+                block = (run_index > run - SB // _RUN) & (run_index <= run)
+                sums = gl.convert_layout(gl.sum(gl.where(block, run_sums, 0.0), axis=1), token_layout)
                 s = s_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
                 z = z_rows.index(slot * GROUPS + group).load(row_layout).to(gl.float32)[:, None]
                 acc = acc + product * s + sums[None, :] * (z - 136.0 * s)
                 product = gl.zeros([BN, BM], gl.float32, mma_layout)
-                sums = gl.zeros([BM], gl.float32, token_layout)
         mbarrier.arrive(empty.index(slot))
     if KGROUP != 0:
         partial.index(KGROUP - 1).store(acc)
@@ -274,7 +281,8 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
     128-byte swizzled; a run is a 32-byte column slice of its stage's tile), scales and zeros [groups, N] (boxes of a
-    stage's groups and BN rows), and X's sums [K / 64, BM] (a stage's runs a box).
+    stage's groups and BN rows), and X's sums [K / 256, BM, 4] (a stage's runs a box: [1, BM, 4], so that a box at
+    any row starts 16-byte aligned, as TMA needs).
 
     Grouped (items_ptr not None: the work list of _work_items, item program_id(2)): X' and its sums hold all rows
     ([K / 64, rows, 64], [K / 64, rows]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
@@ -292,13 +300,15 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
     x_tiles = x_bufs._reinterpret(x_desc.dtype, [SLOTS * RUNS, BM, _RUN], x_tile_layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [SLOTS, S_ROWS, BN], s_desc.layout)
     z_bufs = gl.allocate_shared_memory(z_desc.dtype, [SLOTS, S_ROWS, BN], z_desc.layout)
-    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, RUNS, BM], sums_desc.layout)
-    # The same as rows of a stage's scales, zeros and sums after another, for the multiplying warps. Each TMA box
-    # is at least 128 bytes, so that each slot's box starts 128-byte aligned, as TMA needs.
+    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, 1, BM, RUNS], sums_desc.layout)
+    # The same as rows of a stage's scales and zeros after another, and a stage's sums as [BM, RUNS], for the
+    # multiplying warps. Each TMA box is at least 128 bytes, so that each slot's box starts 128-byte aligned, as TMA
+    # needs.
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     s_rows = s_bufs._reinterpret(s_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
     z_rows = z_bufs._reinterpret(z_desc.dtype, [SLOTS * S_ROWS, BN], rows_layout)
-    sums_rows = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS * RUNS, BM], rows_layout)
+    tiles_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    sums_tiles = sums_bufs._reinterpret(sums_desc.dtype, [SLOTS, BM, RUNS], tiles_layout)
     ready, empty = ring_barriers(SLOTS)
     # The K groups' sums but the first's, for it to add: [KGROUPS - 1, BN, BM] fp32 and their barriers.
     partial_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -326,9 +336,9 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
     gl.static_assert(_KGROUPS == 2 and SLOTS % _KGROUPS == 0, "two K groups below, each with its own slots")
     gl.warp_specialize(
         [
-            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_tiles, ready, empty, partial, partial_ready, c_ptr,
                               first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 0)),
-            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_rows, ready, empty, partial, partial_ready, c_ptr,
+            (_mma_partition, (w_bufs, x_tiles, s_rows, z_rows, sums_tiles, ready, empty, partial, partial_ready, c_ptr,
                               first_row, M, N, stride_cs, stride_cm, stages, GROUP_SIZE, SPLIT, 1)),
             (_load_partition, (w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s_bufs, z_bufs, sums_bufs,
                                ready, empty, first_stage, stages, w_row, s_row, first_row, GROUP_SIZE, DEPENDENT)),
@@ -383,8 +393,8 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzled: bool) -> 
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=len(block))
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    swizzled = t.dim() == 3 or t.dtype == torch.int8  # X' and W; scales, zeros and sums are read row by row
+def _descriptor(t: torch.Tensor, block: list[int], swizzled: bool = False) -> TensorDescriptor:
+    """swizzled: X' and W, read as MMA operands (scales, zeros and sums are read row by row)."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype, swizzled))
 
 
@@ -404,19 +414,21 @@ def relabelled_activations(
     X: torch.Tensor, shuffled: bool = False, sizes: torch.Tensor | None = None, items: torch.Tensor | None = None,
     chunk: int = MAX_M,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(X' [runs, BM, 64] bf16, sums [runs, BM] fp32) of X [M, K] (any strides) for plain or preshuffled weights:
-    the first kernel. Grouped (sizes [G] row counts on the device), X' and the sums of all rows (at least `chunk`,
-    a multiple of 4: rows of TMA boxes), and the work list of `chunk` rows an item written into items."""
+    """(X' [runs, BM, 64] bf16, sums [runs / 4, BM, 4] fp32) of X [M, K] (any strides) for plain or preshuffled
+    weights, runs filling whole stages (those past K zero): the first kernel. Grouped (sizes [G] row counts on the
+    device), X' and the sums of all rows (at least `chunk`: rows of TMA boxes), and the work list of `chunk` rows
+    an item written into items."""
     m, k = X.shape
-    runs = launch.cdiv(k, RUN)
+    stage_runs = STAGE_K // RUN
+    runs = launch.cdiv(k, STAGE_K) * stage_runs
     if sizes is None:
         rows = block = 8 if m <= 8 else 16
         groups, grid = 0, (runs, 1)
     else:
-        rows, block, groups = max(chunk, launch.cdiv(m, 4) * 4), 32, sizes.shape[0]
+        rows, block, groups = max(chunk, m), 32, sizes.shape[0]
         grid = (runs + 1, launch.cdiv(rows, block))  # (one more run: the work list's program)
     xp = torch.empty((runs, rows, RUN), dtype=torch.bfloat16, device=X.device)
-    sums = torch.empty((runs, rows), dtype=torch.float32, device=X.device)
+    sums = torch.empty((runs // stage_runs, rows, stage_runs), dtype=torch.float32, device=X.device)
     dependent = dependent_launch(X.device)
     launch.fast(_activations_kernel)[grid](
         X, xp, sums, sizes, items, m, k, rows, groups, 0 if items is None else items.shape[0], *X.stride(), BM=block,
@@ -437,11 +449,11 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int, items=None, chunk: 
         W, scale, zero = (_stacked(t) for t in (W, scale, zero))
     groups_per_stage = max(1, STAGE_K // group_size)
     descs = (
-        _descriptor(W, [BLOCK_N, STAGE_K // 2]),
-        _descriptor(xp, [STAGE_K // RUN, bm, RUN]),
+        _descriptor(W, [BLOCK_N, STAGE_K // 2], swizzled=True),
+        _descriptor(xp, [STAGE_K // RUN, bm, RUN], swizzled=True),
         _descriptor(scale, [groups_per_stage, BLOCK_N]),
         _descriptor(zero, [groups_per_stage, BLOCK_N]),
-        _descriptor(sums, [STAGE_K // RUN, bm]),
+        _descriptor(sums, [1, bm, STAGE_K // RUN]),
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
