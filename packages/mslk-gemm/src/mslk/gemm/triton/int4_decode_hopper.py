@@ -10,7 +10,8 @@ step moving the group scales between layouts through shared memory). Here:
 - K is relabelled within each run of 64 k, so that a thread's mma.sync operand pairs are the nibbles (j, j + 4) of
   the 32-bit words it reads (ldmatrix, as int8 operands): one LOP3 on the word shifted by 4j makes the bf16 pair
   128 + u of both (1.75 instructions a pair, no byte shuffles). `_activations_kernel` (Triton) first writes X in the
-  same order, X' [K / 64, BM, 64] (rows past M zero), and the sums of X over each run (S).
+  same order, X' [runs, BM, 64] (runs filling whole stages; rows past M and k past K zero), and the sums of X
+  over each run (S).
 - The products multiply the biased weights 136 + q (exact in bf16); each scale block's scale and zero apply to
   them in fp32 (acc += s · P + (z − 136 s) · S), so the dequantization is exact.
 - Warp-specialized: one warp loads each stage (256 k: W's 128 contiguous bytes of 64 weight rows in one box, X',
@@ -279,13 +280,13 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
                         SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr, MMA_REGISTERS: gl.constexpr,
                         LOAD_REGISTERS: gl.constexpr, DEPENDENT: gl.constexpr):  # fmt: skip
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
-    (x_desc: [K / 64, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
+    (x_desc: [runs, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
     128-byte swizzled; a run is a 32-byte column slice of its stage's tile), scales and zeros [groups, N] (boxes of a
-    stage's groups and BN rows), and X's sums [K / 256, BM, 4] (a stage's runs a box: [1, BM, 4], so that a box at
+    stage's groups and BN rows), and X's sums [runs / 4, BM, 4] (a stage's runs a box: [1, BM, 4], so that a box at
     any row starts 16-byte aligned, as TMA needs).
 
     Grouped (items_ptr not None: the work list of _work_items, item program_id(2)): X' and its sums hold all rows
-    ([K / 64, rows, 64], [K / 64, rows]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
+    ([runs, rows, 64], [runs / 4, rows, 4]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
     program multiplies its item's rows by its group's weights (rows of a tile past N read the next group's, never
     stored), writes zeros for an item of rows past the groups (group -1), and nothing for an item of no rows."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
