@@ -61,7 +61,7 @@ from mslk.core import arch, launch
 from mslk.core.gluon import ring_barriers
 from mslk.gemm.triton.fp8_gemm import tma_ready
 from mslk.gemm.triton.int4_ptx import WORD_PAIRS_PTX
-from mslk.gemm.triton.split_k import dependent_launch, splitk_reduce
+from mslk.gemm.triton.split_k import dependent_launch, dependent_launch_options, splitk_reduce
 
 MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
@@ -434,7 +434,7 @@ def relabelled_activations(
     launch.fast(_activations_kernel)[grid](
         X, xp, sums, sizes, items, m, k, rows, groups, 0 if items is None else items.shape[0], *X.stride(), BM=block,
         SHUFFLED=shuffled, DEPENDENT=dependent, CHUNK=chunk, G_BLOCK=triton.next_power_of_2(max(groups, 1)),
-        num_warps=4, launch_pdl=dependent,
+        num_warps=4, **dependent_launch_options(dependent),
     )  # fmt: skip
     return xp, sums
 
@@ -469,7 +469,7 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int, items=None, chunk: 
     launch.fast(_int4_decode_kernel)[(tiles, splits, work)](
         *descs, c, items, m, n, groups, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
         GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, NUM_WARPS=NUM_WARPS, MMA_REGISTERS=MMA_REGISTERS,
-        LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, launch_pdl=dependent,
+        LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, **dependent_launch_options(dependent),
     )  # fmt: skip
     if splits > 1:
         splitk_reduce(c, out)
