@@ -209,7 +209,8 @@ def _load_partition(w_desc, x_desc, s_desc, z_desc, sums_desc, w_bufs, x_bufs, s
             mbarrier.expect(bar, NBYTES)
             _load_weights(w_desc, s_desc, z_desc, w_bufs, s_bufs, z_bufs, bar, slot, k, w_row, s_row, off_n, GROUP_SIZE)
         tma.async_copy_global_to_shared(x_desc, [k // _RUN, x_row, 0], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(sums_desc, [k // _STAGE_K, x_row, 0], bar, sums_bufs.index(slot))
+        sums_column = x_row * (_STAGE_K // _RUN)  # a row's runs of a stage lie together
+        tma.async_copy_global_to_shared(sums_desc, [k // _STAGE_K, sums_column], bar, sums_bufs.index(slot))
 
 
 @gluon.jit
@@ -282,11 +283,11 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
     """C [M, N] (bf16; SPLIT: fp32 partials [splits, M, N], split = program_id(1)) of the relabelled activations X'
     (x_desc: [runs, BM, 64] in [4, BM, 64] boxes) and plain packed int4 W [N, K / 2] (w_desc: [BN, 128] boxes,
     128-byte swizzled; a run is a 32-byte column slice of its stage's tile), scales and zeros [groups, N] (boxes of a
-    stage's groups and BN rows), and X's sums [runs / 4, BM, 4] (a stage's runs a box: [1, BM, 4], so that a box at
-    any row starts 16-byte aligned, as TMA needs).
+    stage's groups and BN rows), and X's sums [runs / 4, BM · 4] (a stage's BM rows of 4 runs a box: [1, BM · 4],
+    which starts 16-byte aligned at any row, as TMA needs, and reads 256 contiguous bytes a stage).
 
     Grouped (items_ptr not None: the work list of _work_items, item program_id(2)): X' and its sums hold all rows
-    ([runs, rows, 64], [runs / 4, rows, 4]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
+    ([runs, rows, 64], [runs / 4, rows · 4]), W the groups' [G · N, K / 2] and the scales and zeros [G · groups, N]; the
     program multiplies its item's rows by its group's weights (rows of a tile past N read the next group's, never
     stored), writes zeros for an item of rows past the groups (group -1), and nothing for an item of no rows."""
     RUNS: gl.constexpr = _STAGE_K // _RUN
@@ -301,7 +302,7 @@ def _int4_decode_kernel(w_desc, x_desc, s_desc, z_desc, sums_desc, c_ptr, items_
     x_tiles = x_bufs._reinterpret(x_desc.dtype, [SLOTS * RUNS, BM, _RUN], x_tile_layout)
     s_bufs = gl.allocate_shared_memory(s_desc.dtype, [SLOTS, S_ROWS, BN], s_desc.layout)
     z_bufs = gl.allocate_shared_memory(z_desc.dtype, [SLOTS, S_ROWS, BN], z_desc.layout)
-    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, 1, BM, RUNS], sums_desc.layout)
+    sums_bufs = gl.allocate_shared_memory(sums_desc.dtype, [SLOTS, 1, BM * RUNS], sums_desc.layout)
     # The same as rows of a stage's scales and zeros after another, and a stage's sums as [BM, RUNS], for the
     # multiplying warps. Each TMA box is at least 128 bytes, so that each slot's box starts 128-byte aligned, as TMA
     # needs.
@@ -454,7 +455,7 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int, items=None, chunk: 
         _descriptor(xp, [STAGE_K // RUN, bm, RUN], swizzled=True),
         _descriptor(scale, [groups_per_stage, BLOCK_N]),
         _descriptor(zero, [groups_per_stage, BLOCK_N]),
-        _descriptor(sums, [1, bm, STAGE_K // RUN]),
+        _descriptor(sums.view(sums.shape[0], -1), [1, bm * (STAGE_K // RUN)]),
     )
     total_stages = launch.cdiv(k, STAGE_K)
     tiles = launch.cdiv(n, BLOCK_N)
