@@ -59,11 +59,16 @@ class FakeDriver:
 
 
 def install(gpu: str, compiled: list) -> None:
-    """The fake GPU: its driver, no-op launches that record (kernel name, shared bytes) or raise OutOfResources as
-    Triton's first launch would, CUDA tensors as the host code sees them, and arch's answers for the GPU."""
-    vendor, capability, sm_count, shared_limit, name = GPUS[gpu]
-    if vendor == "amd":
-        torch.version.hip = "7.1.0"
+    """The fake GPU: its driver and launches (install_driver), and the host code's view of it (install_host)."""
+    install_driver(gpu, compiled)
+    install_host(gpu)
+
+
+def install_driver(gpu: str, compiled: list) -> None:
+    """The GPU's driver as Triton's compiles and launches see it: the active driver reports its target, and each
+    compiled kernel's first launch records (kernel name, shared bytes) or raises OutOfResources as Triton's would;
+    launches do nothing."""
+    shared_limit = GPUS[gpu][3]
 
     def init_handles(kernel):
         if kernel.module is not None:
@@ -77,6 +82,14 @@ def install(gpu: str, compiled: list) -> None:
     CompiledKernel._init_handles = init_handles
     CompiledKernel.launch_metadata = lambda self, grid, stream, *args: None
     driver.set_active(FakeDriver(gpu))
+
+
+def install_host(gpu: str) -> None:
+    """The GPU as MSLK's host code sees it: CPU tensors report CUDA (`is_cuda`, which arch.on_hopper asks), and
+    arch answers with the GPU's vendor, compute capability and SM count."""
+    vendor, capability, sm_count, _, name = GPUS[gpu]
+    if vendor == "amd":
+        torch.version.hip = "7.1.0"
     torch.Tensor.is_cuda = property(lambda self: True)
     torch.cuda.current_device = lambda: 0
     from mslk.core import arch
