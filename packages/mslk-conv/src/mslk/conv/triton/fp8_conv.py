@@ -40,12 +40,16 @@ def _output_size(size: int, pad: int, taps: int, stride: int, dilation: int) -> 
     return (size + 2 * pad - ((taps - 1) * dilation + 1)) // stride + 1
 
 
-def _output_shape(activation, filter, padding, stride, dilation) -> tuple[int, ...]:
-    """[N, Z, P, Q, K] of the NDHWC views."""
-    x, _ = _ndhwc(activation)
-    w, _ = _ndhwc(filter)
-    spatial = (_output_size(*args) for args in zip(x.shape[1:4], padding, w.shape[1:4], stride, dilation, strict=True))
-    return (x.shape[0], *spatial, w.shape[0])
+def _output_shape(x, w, padding, stride, dilation) -> tuple[int, ...]:
+    """[N, Z, P, Q, K] of NDHWC x and KTRSC w (ints one by one: this runs on every call)."""
+    (n, d, h, width, _), (k, t, r, s, _) = x.shape, w.shape
+    return (
+        n,
+        _output_size(d, padding[0], t, stride[0], dilation[0]),
+        _output_size(h, padding[1], r, stride[1], dilation[1]),
+        _output_size(width, padding[2], s, stride[2], dilation[2]),
+        k,
+    )
 
 
 def _validate(activation, filter, scale, padding, stride, dilation):
@@ -66,7 +70,7 @@ def _validate(activation, filter, scale, padding, stride, dilation):
     for name, values, least in (("padding", padding, 0), ("stride", stride, 1), ("dilation", dilation, 1)):
         if len(values) != 3 or any(v < least for v in values):
             raise ValueError(f"{WHERE}: {name} must be 3 ints [d, h, w], each at least {least}, got {list(values)}")
-    out = _output_shape(activation, filter, padding, stride, dilation)
+    out = _output_shape(x, w, padding, stride, dilation)
     if any(size < 1 for size in out[1:4]):
         raise ValueError(
             f"{WHERE}: the output would have no positions ([Z, P, Q] = {list(out[1:4])}): input [D, H, W] = "
@@ -96,7 +100,7 @@ def _reference(activation, filter, scale, padding, stride, dilation):
 
 
 def _fake(activation, filter, scale, padding, stride, dilation):
-    shape = _output_shape(activation, filter, padding, stride, dilation)
+    shape = _output_shape(_ndhwc(activation)[0], _ndhwc(filter)[0], padding, stride, dilation)
     return _as_given(activation.new_empty(shape, dtype=torch.bfloat16), activation)
 
 
@@ -144,17 +148,18 @@ def _conv_kernel(
 
 def _config(k: int, c: int) -> dict:
     """128 output positions a tile by up to 128 channels; blocks of C up to 128 (at least 32: FP8 products take
-    32 deep)."""
+    32 deep). Three stages (96 KiB at 128 x 128 x 128), so that two programs share an SM: 0.98-1.25x the speed of
+    four on the bench shapes (H100, RESULTS.md)."""
     block_n = min(128, max(16, launch.next_power_of_2(k)))
     return {
         "BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_C": min(128, max(32, launch.next_power_of_2(c))),
-        "num_warps": 8 if block_n == 128 else 4, "num_stages": 4,
+        "num_warps": 8 if block_n == 128 else 4, "num_stages": 3,
     }  # fmt: skip
 
 
 def _run(activation, filter, scale, padding, stride, dilation) -> torch.Tensor:
     x, w = _ndhwc(activation)[0], _ndhwc(filter)[0]
-    shape = _output_shape(activation, filter, padding, stride, dilation)
+    shape = _output_shape(x, w, padding, stride, dilation)
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     m, k, c = math.prod(shape[:4]), shape[-1], x.shape[-1]
     if launch.no_products(out, c):
