@@ -1,7 +1,7 @@
 """FP8 3-D convolution (spec C-01): f8f8bf16_conv.
 
     out[n, z, p, q, k] = bf16(scale · Σ_{t, r, s, c} x[n, z·sd − pd + t·dd, p·sh − ph + r·dh, q·sw − pw + s·dw, c]
-                                                     · w[k, t, r, s, c])        (fp32 sums; x zero outside)
+                                                     · w[k, t, r, s, c])        (x zero outside)
 
 x is the FP8 e4m3 activation [N, D, H, W, C] (NDHWC) and w the filter [K, T, R, S, C] (KTRSC), both quantized
 tensorwise (`quantize_fp8_tensor`), `scale` the one-element fp32 product of their scales. Either may instead be
@@ -12,7 +12,9 @@ activation came as NCDHW.
 The reference library runs this on Blackwell only (CUTLASS, SM100). Here one Triton kernel runs it on any GPU with
 FP8 products (Ada, Hopper and newer): an implicit GEMM of [N·Z·P·Q, T·R·S·C] gathered activation rows by the
 [K, T·R·S·C] filter, a program a tile of output positions by output channels, stepping over the filter taps and
-blocks of C; a tap's rows outside the input (padding) load zeros. Any strides are read.
+blocks of C; a tap's rows outside the input (padding) load zeros. Any strides are read. The sums are fp32; on
+Hopper the FP8 products' accumulator keeps fewer bits between promotions, as in Triton's FP8 GEMMs (relative error
+3.1e-3 at C = 512 over 3 x 3 x 3 taps against bf16 rounding's 1.7e-3, RESULTS.md).
 """
 
 from __future__ import annotations
@@ -206,9 +208,7 @@ f8f8bf16_conv_op = registry.Op(
 )
 
 
-@f8f8bf16_conv_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)
-def _triton(activation, filter, scale, padding, stride, dilation):
-    return _run(activation, filter, scale, padding, stride, dilation)
+f8f8bf16_conv_op.backend("triton", available=registry.triton_missing, requires=arch.fp8_e4m3_missing)(_run)
 
 
 def f8f8bf16_conv(activation, filter, scale, padding, stride, dilation) -> torch.Tensor:
