@@ -102,6 +102,21 @@ def test_channels_last_3d_layouts():
     assert reference.shape == out.shape and reference.stride() == out.stride()
 
 
+def test_pointwise_filter_of_conv3d():
+    """A pointwise filter as torch.nn.Conv3d keeps it, [K, C, 1, 1, 1] (contiguous, and channels_last_3d as well):
+    read as KCTRS, whichever convention the activation takes."""
+    x, f, scale = inputs(2, 3, 4, 5, 40, 24, (1, 1, 1))
+    weight = f.permute(0, 4, 1, 2, 3).contiguous()  # [K, C, 1, 1, 1]
+    assert weight.is_contiguous() and weight.is_contiguous(memory_format=torch.channels_last_3d)
+    args = ([0, 0, 0], [1, 1, 1], [1, 1, 1])
+    expected = direct(x, f, scale, *args)
+    testing.assert_rel_close(kernel(x, weight, scale, *args), expected, TOL)
+    out = kernel(x.permute(0, 4, 1, 2, 3), weight, scale, *args)
+    testing.assert_rel_close(out.permute(0, 2, 3, 4, 1), expected, TOL)
+    reference = fc.f8f8bf16_conv_op.reference(x.permute(0, 4, 1, 2, 3), weight, scale, *args)
+    assert reference.shape == out.shape == (2, 24, 3, 4, 5)
+
+
 def test_strided_inputs():
     """Views with gaps between rows and channels (a slice of a wider tensor, every other channel)."""
     wide = fc.random_fp8(2, 4, 5, 9, 64, device=DEVICE)

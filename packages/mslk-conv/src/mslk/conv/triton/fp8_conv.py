@@ -6,8 +6,9 @@
 x is the FP8 e4m3 activation [N, D, H, W, C] (NDHWC) and w the filter [K, T, R, S, C] (KTRSC), both quantized
 tensorwise (`quantize_fp8_tensor`), `scale` the one-element fp32 product of their scales. Either may instead be
 given as an NCDHW (KCTRS) tensor in channels_last_3d memory, the layout PyTorch's Conv3d modules keep: the same
-bytes, read as NDHWC. The output is bf16 [N, Z, P, Q, K], or its NCDHW view (channels_last_3d memory) when the
-activation came as NCDHW.
+bytes, read as NDHWC (a tensor that fits both, such as a pointwise filter [K, C, 1, 1, 1], is read the way its
+channels agree with the other operand's). The output is bf16 [N, Z, P, Q, K], or its NCDHW view (channels_last_3d
+memory) when the activation came as NCDHW.
 
 The reference library runs this on Blackwell only (CUTLASS, SM100). Here one Triton kernel runs it on any GPU with
 FP8 products (Ada, Hopper and newer): an implicit GEMM of [N·Z·P·Q, T·R·S·C] gathered activation rows by the
@@ -30,12 +31,21 @@ from mslk.core import arch, formats, launch, registry, testing
 WHERE = "f8f8bf16_conv"
 
 
-def _ndhwc(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(t as [N, D, H, W, C], whether it came as NCDHW in channels_last_3d memory). A tensor contiguous in both
-    senses (C = 1, or D = H = W = 1) is read as given, NDHWC."""
-    if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return t.permute(0, 2, 3, 4, 1), True
-    return t, False
+def _readings(t: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+    """The ways to read t as [N, D, H, W, C]: (view, whether it came as NCDHW in channels_last_3d memory). A
+    tensor contiguous in both senses (a pointwise filter [K, C, 1, 1, 1], as torch.nn.Conv3d keeps it, or C = 1)
+    has both readings, NDHWC first."""
+    if not t.is_contiguous(memory_format=torch.channels_last_3d):
+        return [(t, False)]
+    as_ncdhw = (t.permute(0, 2, 3, 4, 1), True)
+    return [(t, False), as_ncdhw] if t.is_contiguous() else [as_ncdhw]
+
+
+def _views(activation: torch.Tensor, filter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(NDHWC activation, KTRSC filter, whether the activation came as NCDHW): the first readings of the two whose
+    channels agree (else the first ones, which validation then rejects)."""
+    pairs = [(x, w, ncdhw) for x, ncdhw in _readings(activation) for w, _ in _readings(filter)]
+    return next((pair for pair in pairs if pair[0].shape[-1] == pair[1].shape[-1]), pairs[0])
 
 
 def _output_size(size: int, pad: int, taps: int, stride: int, dilation: int) -> int:
@@ -63,7 +73,7 @@ def _validate(activation, filter, scale, padding, stride, dilation):
             f"[K, T, R, S, C] (or KCTRS in channels_last_3d memory), got {tuple(activation.shape)} and "
             f"{tuple(filter.shape)}"
         )
-    x, w = _ndhwc(activation)[0], _ndhwc(filter)[0]
+    x, w, _ = _views(activation, filter)
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(
             f"{WHERE}: the activation has {x.shape[-1]} channels and the filter {w.shape[-1]} (as NDHWC / KTRSC: "
@@ -88,22 +98,22 @@ def _validate(activation, filter, scale, padding, stride, dilation):
     registry.check_devices(WHERE, activation=activation, filter=filter, scale=scale)
 
 
-def _as_given(out: torch.Tensor, activation: torch.Tensor) -> torch.Tensor:
+def _as_given(out: torch.Tensor, ncdhw: bool) -> torch.Tensor:
     """out [N, Z, P, Q, K] as the activation came: NDHWC, or the NCDHW view."""
-    return out.permute(0, 4, 1, 2, 3) if _ndhwc(activation)[1] else out
+    return out.permute(0, 4, 1, 2, 3) if ncdhw else out
 
 
 def _reference(activation, filter, scale, padding, stride, dilation):
     """float64 convolution of the FP8 values (exact sums), times the scale, rounded once to bf16."""
-    x = _ndhwc(activation)[0].double().permute(0, 4, 1, 2, 3)
-    w = _ndhwc(filter)[0].double().permute(0, 4, 1, 2, 3)
+    x, w, ncdhw = _views(activation, filter)
+    x, w = x.double().permute(0, 4, 1, 2, 3), w.double().permute(0, 4, 1, 2, 3)
     out = torch.nn.functional.conv3d(x, w, stride=stride, padding=padding, dilation=dilation) * scale.double()
-    return _as_given(out.permute(0, 2, 3, 4, 1).to(torch.bfloat16).contiguous(), activation)
+    return _as_given(out.permute(0, 2, 3, 4, 1).to(torch.bfloat16).contiguous(), ncdhw)
 
 
 def _fake(activation, filter, scale, padding, stride, dilation):
-    shape = _output_shape(_ndhwc(activation)[0], _ndhwc(filter)[0], padding, stride, dilation)
-    return _as_given(activation.new_empty(shape, dtype=torch.bfloat16), activation)
+    x, w, ncdhw = _views(activation, filter)
+    return _as_given(activation.new_empty(_output_shape(x, w, padding, stride, dilation), dtype=torch.bfloat16), ncdhw)
 
 
 @triton.jit
@@ -160,12 +170,12 @@ def _config(k: int, c: int) -> dict:
 
 
 def _run(activation, filter, scale, padding, stride, dilation) -> torch.Tensor:
-    x, w = _ndhwc(activation)[0], _ndhwc(filter)[0]
+    x, w, ncdhw = _views(activation, filter)
     shape = _output_shape(x, w, padding, stride, dilation)
     out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
     m, k, c = math.prod(shape[:4]), shape[-1], x.shape[-1]
     if launch.no_products(out, c):
-        return _as_given(out, activation)
+        return _as_given(out, ncdhw)
     t, r, s = w.shape[1:4]
     cfg = _config(k, c)
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(k, cfg["BLOCK_N"]),)
@@ -173,7 +183,7 @@ def _run(activation, filter, scale, padding, stride, dilation) -> torch.Tensor:
         x, w, out, scale.reshape(()), m, k, c, *x.shape[1:4], *shape[1:4], *x.stride(), *w.stride(), *padding,
         *stride, *dilation, T=t, R=r, S=s, **cfg,
     )  # fmt: skip
-    return _as_given(out, activation)
+    return _as_given(out, ncdhw)
 
 
 def random_fp8(*shape: int, device="cpu") -> torch.Tensor:
