@@ -7,6 +7,8 @@ with padding 1, a strided 3 x 3 x 3, a pointwise 1 x 1 x 1, a 2 x 4 x 4 patch em
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mslk.conv.triton import fp8_conv
@@ -23,14 +25,8 @@ SHAPES = [
 
 
 def _output_positions(s: dict) -> int:
-    sizes = (
-        (size + 2 * pad - taps) // stride + 1
-        for size, pad, taps, stride in zip((s["D"], s["H"], s["W"]), s["pad"], s["taps"], s["stride"], strict=True)
-    )
-    positions = s["N"]
-    for size in sizes:
-        positions *= size
-    return positions
+    sizes = zip((s["D"], s["H"], s["W"]), s["pad"], s["taps"], s["stride"], strict=True)
+    return s["N"] * math.prod(fp8_conv._output_size(*size, 1) for size in sizes)
 
 
 def _inputs(s: dict, device: torch.device):
@@ -60,10 +56,10 @@ bench.register(
         make_inputs=_inputs,
         run=_conv,
         baselines={"torch conv3d bf16 (dequantized, cuDNN)": _cudnn_bf16},
-        flops=lambda s: 2 * _output_positions(s) * s["K"] * s["C"] * s["taps"][0] * s["taps"][1] * s["taps"][2],
+        flops=lambda s: 2 * _output_positions(s) * s["K"] * s["C"] * math.prod(s["taps"]),
         bytes=lambda s: (
             s["N"] * s["D"] * s["H"] * s["W"] * s["C"]
-            + s["K"] * s["C"] * s["taps"][0] * s["taps"][1] * s["taps"][2]
+            + s["K"] * s["C"] * math.prod(s["taps"])
             + 2 * _output_positions(s) * s["K"]
         ),
         cuda_graph=True,  # the shorter convolutions take less GPU time than a call's host time (eager)
