@@ -178,6 +178,7 @@ def test_gpu_strided_output_argument():
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_split_past_two_to_the_31():
     """parts [3, R, KP] with R·KP = 2**30: the lo part starts 2**31 elements in (its offset once wrapped in int32,
     writing 4 GiB before the parts)."""

@@ -198,6 +198,7 @@ def test_scaled_mm_backend_gpu(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_batched_batches_of_two_to_the_31_elements():
     """XQ [2, 65536, 32768]: a batch of 2**31 elements makes its stride an int64 argument, and the TMA coordinates
     built from it have to come back to int32 (Triton refused to compile the kernel). Rows of the second batch

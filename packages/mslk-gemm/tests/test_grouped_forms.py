@@ -236,6 +236,7 @@ def test_forms_gpu_and_cuda_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_grouped_mm_3d_2d_output_past_two_to_the_31():
     """3D x 2D runs the transposed problem on output.T, whose column stride is ΣN: rows m of [M, ΣN] = [65536,
     49152] start past 2**31 elements from m = 43691 on (their offsets once wrapped in int32)."""

@@ -202,6 +202,7 @@ def test_gpu_dispatch_and_use_triton_false():
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_transposed_rows_past_two_to_the_31():
     """Rows of x.t() for x [65536, 65536]: element k of a row is k · 65536 elements in, past 2**31 from k = 32768
     on (the column offset once wrapped in int32). Rows at both ends against the reference, bit for bit."""
