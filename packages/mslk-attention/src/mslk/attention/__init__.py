@@ -7,4 +7,4 @@ and its bench specs.
 """
 
 from mslk.attention import bench as _bench  # noqa: F401  (registers the bench specs)
-from mslk.attention import fmha  # noqa: F401  (registers the domain's ops)
+from mslk.attention import fmha, mla  # noqa: F401  (registers the domain's ops)

@@ -7,7 +7,8 @@ ratio's baseline) and FlexAttention with the same mask, compiled once per mask. 
 (varlen block-diagonal, sliding window, a tensor bias) FlexAttention is the only baseline; the `*_sparse_graph`
 specs time the varlen shapes in CUDA graphs as well, where the host time of a call would otherwise hide the
 kernels. FLOPs follow PERF.md: forward 4·B·H·Mq·Mkv·K, halved for causal, scaled by the visible fraction for
-windows and varlen; forward+backward 3.5x.
+windows and varlen; forward+backward 3.5x. `mla_decode` and `mla_prefill` time MLA over a paged latent cache
+against SDPA on the same keys gathered beforehand (see MLA_DECODE).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import functools
 
 import torch
 
-from mslk.attention import fmha
+from mslk.attention import fmha, mla
 from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha import triton_flash
-from mslk.core import bench, testing
+from mslk.core import arch, bench, testing
 
 DENSE = [
     {"B": 4, "M": 4096, "H": 16, "K": 128, "mask": "causal"},
@@ -199,4 +200,70 @@ def _register():
             )
 
 
+# MLA over a paged latent cache (DeepSeek-V3: 128 heads, 576 / 512 dims; pages of 64 rows): decode steps of B
+# sequences of L keys, and prefills of Q new tokens a sequence after L − Q keys of context (bf16 queries; the cache
+# bf16 or FP8). Baseline: PyTorch's SDPA over the same keys gathered into a contiguous tensor beforehand (not
+# timed), each sequence's tokens' heads as the query rows of its one KV head (MQA folded, as MLA kernels do).
+MLA_DECODE = [
+    {"B": 32, "Q": 1, "L": 4096, "cache": "bf16"},
+    {"B": 128, "Q": 1, "L": 4096, "cache": "bf16"},
+    {"B": 64, "Q": 1, "L": 8192, "cache": "fp8"},
+    {"B": 4, "Q": 2, "L": 16384, "cache": "bf16"},  # speculative steps of two tokens
+]
+MLA_PREFILL = [
+    {"B": 2, "Q": 1024, "L": 4096, "cache": "bf16"},
+    {"B": 1, "Q": 4096, "L": 4096, "cache": "bf16"},
+]
+
+
+def _mla_inputs(s: dict, device: torch.device):
+    """(the op's arguments, the baseline's: query rows [B, 1, Q·H, 576], keys [B, 1, L, 576], the causal mask)."""
+    heads, dims = mla.MLA_NUM_HEADS, mla.MLA_QK_HEAD_DIM
+    cache = arch.fp8_dtype(device) if s["cache"] == "fp8" else torch.bfloat16
+    kv, tables, used = mla.random_cache([s["L"]] * s["B"], 64, cache, device)
+    query = testing.randn(s["B"] * s["Q"], heads, dims, dtype=torch.bfloat16, device=device)
+    starts = torch.arange(0, s["B"] * s["Q"] + 1, s["Q"], dtype=torch.int32, device=device)
+    keys = kv[tables.long()].reshape(s["B"], -1, dims)[:, None, : s["L"]].to(torch.bfloat16)
+    rows = query.view(s["B"], 1, s["Q"] * heads, dims)
+    position = torch.arange(s["L"] - s["Q"], s["L"], device=device).repeat_interleave(heads)
+    mask = torch.arange(s["L"], device=device)[None, :] <= position[:, None] if s["Q"] > 1 else None
+    return (query, kv, tables, starts, used), (rows, keys, mask)
+
+
+def _mla_sdpa(i):
+    rows, keys, mask = i[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        rows, keys, keys[..., : mla.MLA_V_HEAD_DIM], attn_mask=mask, scale=mla.MLA_QK_HEAD_DIM**-0.5
+    )
+
+
+def _mla_visible(s: dict) -> int:
+    """(query token, key) pairs a sequence: the tokens' causal rows after L − Q keys of context."""
+    return s["Q"] * (s["L"] - s["Q"]) + s["Q"] * (s["Q"] + 1) // 2
+
+
+def _register_mla():
+    for op, shapes in ((mla.mla_decode_fwd, MLA_DECODE), (mla.mla_prefill_fwd, MLA_PREFILL)):
+        bench.register(
+            bench.BenchSpec(
+                name=op.__name__.removesuffix("_fwd"),
+                op=f"mslk::{op.__name__}",
+                shapes=shapes,
+                make_inputs=_mla_inputs,
+                run=lambda i, op=op: op(*i[0]),
+                baselines={"SDPA (gathered cache, heads as rows)": _mla_sdpa},
+                flops=lambda s: (
+                    2 * s["B"] * _mla_visible(s) * mla.MLA_NUM_HEADS * (mla.MLA_QK_HEAD_DIM + mla.MLA_V_HEAD_DIM)
+                ),
+                bytes=lambda s: (
+                    s["B"]
+                    * mla.MLA_QK_HEAD_DIM
+                    * (s["L"] * (1 if s["cache"] == "fp8" else 2) + s["Q"] * mla.MLA_NUM_HEADS * 2)
+                    + 2 * s["B"] * s["Q"] * mla.MLA_NUM_HEADS * mla.MLA_V_HEAD_DIM
+                ),
+            )
+        )
+
+
 _register()
+_register_mla()
