@@ -86,8 +86,8 @@ def install_driver(gpu: str, compiled: list) -> None:
 
 def install_host(gpu: str) -> None:
     """The GPU as MSLK's host code sees it: CPU tensors report CUDA (`is_cuda`, which arch.on_hopper asks), and
-    arch answers with the GPU's vendor, compute capability and SM count."""
-    vendor, capability, sm_count, _, name = GPUS[gpu]
+    arch answers with the GPU's vendor, compute capability, SM count and shared memory."""
+    vendor, capability, sm_count, shared_memory, name = GPUS[gpu]
     if vendor == "amd":
         torch.version.hip = "7.1.0"
     torch.Tensor.is_cuda = property(lambda self: True)
@@ -95,7 +95,8 @@ def install_host(gpu: str) -> None:
     from mslk.core import arch
 
     arch._gpu_visible["any"] = True
-    arch._device_infos[0] = arch.DeviceInfo(0, vendor, name, capability, sm_count, gpu if vendor == "amd" else None)
+    gfx = gpu if vendor == "amd" else None
+    arch._device_infos[0] = arch.DeviceInfo(0, vendor, name, capability, sm_count, gfx, shared_memory)
 
 
 def op_calls(only: list[str]):

@@ -92,9 +92,8 @@ def test_kernel(case, monkeypatch):
 
 def test_key_splits_are_taken():
     """The last case's one token runs as 4 programs over parts of its keys, merged (on the GPU: the SM count's)."""
-    tokens, heads = 1, 16
-    programs = tokens * heads // mla._config(heads)["BLOCK_H"]
-    assert mla._splits(programs, 18 * 64, torch.device("cpu")) == 4
+    query = torch.empty(1, 16, D)
+    assert mla._config(query)["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query) == 4
 
 
 def test_scale_and_strided_inputs():

@@ -219,17 +219,23 @@ def _products_dtype(query: torch.Tensor, kv_buffer: torch.Tensor) -> str:
     return "bf16" if query.is_cuda else "fp32"
 
 
-def _config(heads: int) -> dict:
+def _config(query: torch.Tensor) -> dict:
     """Up to 64 heads a program (its products 64 rows deep), at least 16 (the products' least M); cache rows 64 at
-    a time, two blocks in flight: 1.3-1.5x the speed of 32 rows at DeepSeek-V3's shapes (H100, RESULTS.md)."""
+    a time, two blocks in flight: 1.25-1.43x the speed of 32 rows at DeepSeek-V3's shapes (H100, RESULTS.md). NVIDIA
+    GPUs of about 100 KiB of shared memory a block (RTX 4090, 5090) hold 1024 heads x rows (the products' layout
+    changes pass through shared memory there)."""
+    heads = query.shape[1]
     block_h = min(64, max(16, launch.next_power_of_2(heads)))
-    return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
+    block_n = 64
+    if query.is_cuda and arch.is_cuda() and (arch.device_info(query.device).shared_memory or 0) < 160 * 1024:
+        block_n = 1024 // block_h
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 
-def _splits(programs: int, key_rows: int, device: torch.device) -> int:
+def _splits(programs: int, key_rows: int, query: torch.Tensor) -> int:
     """Key splits a token: enough programs for one an SM (a program holds most of an SM's shared memory), parts of
-    at least 256 of the table's key rows. One program an SM measured 1.00-1.07x the speed of two (H100, RESULTS.md)."""
-    sms = arch.sm_count(device) if device.type == "cuda" else 4  # 4: a few programs under the interpreter
+    at least 256 of the table's key rows. One program an SM measured 0.99-1.07x the speed of two (H100, RESULTS.md)."""
+    sms = arch.sm_count(query.device) if query.is_cuda else 4  # 4: a few programs under the interpreter
     return max(1, min(launch.cdiv(sms, programs), key_rows // 256))
 
 
@@ -238,9 +244,9 @@ def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=
     out = torch.empty(tokens, heads, MLA_V_HEAD_DIM, dtype=torch.bfloat16, device=query.device)
     if out.numel() == 0:
         return out
-    cfg = _config(heads)
+    cfg = _config(query)
     programs = tokens * launch.cdiv(heads, cfg["BLOCK_H"])
-    splits = _splits(programs, block_tables.shape[1] * kv_buffer.shape[1], query.device)
+    splits = _splits(programs, block_tables.shape[1] * kv_buffer.shape[1], query)
     sequences = block_tables.shape[0]
     if splits == 1:
         partial, lse = out[None], out.new_empty((1, 1, 1), dtype=torch.float32)  # lse: not written
@@ -285,7 +291,7 @@ def _samples(device):
     # (query tokens a sequence, keys a sequence, heads, page size, query dtype, cache dtype)
     fp8 = arch.fp8_dtype(device)
     cases = (
-        ([1, 1, 1], [5, 40, 1], 16, 16, torch.bfloat16, torch.bfloat16),  # decode
+        ([1, 1, 1], [5, 40, 1], 72, 16, torch.bfloat16, torch.bfloat16),  # decode; two head blocks
         ([3, 0, 5], [7, 4, 5], 20, 8, torch.float16, torch.float16),  # prefill with context, an empty sequence
         ([2, 1], [9, 33], 4, 32, torch.bfloat16, fp8),  # an FP8 cache
     )

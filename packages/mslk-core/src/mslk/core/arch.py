@@ -31,6 +31,7 @@ class DeviceInfo:
     capability: tuple[int, int]
     sm_count: int
     gfx_arch: str | None  # ROCm only, e.g. "gfx942" (without the ":sramecc+:xnack-" feature suffix)
+    shared_memory: int | None = None  # bytes of shared memory a block may use (opted in); None: not reported
 
     @classmethod
     def from_properties(cls, props: Any, *, index: int, hip: bool) -> DeviceInfo:
@@ -43,6 +44,7 @@ class DeviceInfo:
             capability=(props.major, props.minor),
             sm_count=props.multi_processor_count,
             gfx_arch=gfx.split(":")[0] if gfx else None,
+            shared_memory=getattr(props, "shared_memory_per_block_optin", None),
         )
 
     def fp8_dtype(self) -> torch.dtype:
