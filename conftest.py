@@ -16,15 +16,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     testing.vectorize_interpreter_reductions()
 
 
-@pytest.fixture(autouse=True)
-def _give_back_cached_gpu_memory():
-    """ci/gpu.sh's pytest-xdist workers share one GPU: each gives its allocator's cached blocks back after a test,
-    so that what one test needed at its peak is not held from the others for the rest of the run."""
-    yield
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
