@@ -149,6 +149,7 @@ def _bad_inputs():
         ("mixed halves", with_(1, kv.half()), "expected bf16 or fp16 query and kv_buffer"),
         ("FP8 query, bf16 cache", with_(0, q.to(fp8)), "expected bf16 or fp16 query and kv_buffer"),
         ("1-D tables", with_(2, tables[0]), "block_tables must be \\[B, max_blocks\\]"),
+        ("no sequence", (q, kv, tables[:0], starts[:1], used[:0]), "query has 3 tokens and block_tables no sequence"),
         ("starts", with_(3, starts[:2]), "cu_seqlens_q must be \\[3\\]"),
         ("int64 lengths", with_(4, used.long()), "seqused_k must be int32"),
         ("scale", (*ok, float("nan")), "softmax_scale must be finite"),

@@ -74,6 +74,8 @@ def _validate(where, query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, so
     if block_tables.dim() != 2:
         raise ValueError(f"{where}: block_tables must be [B, max_blocks], got {tuple(block_tables.shape)}")
     b = block_tables.shape[0]
+    if b == 0 and query.shape[0]:
+        raise ValueError(f"{where}: query has {query.shape[0]} tokens and block_tables no sequence")
     for name, t, shape in (("cu_seqlens_q", cu_seqlens_q, (b + 1,)), ("seqused_k", seqused_k, (b,))):
         if tuple(t.shape) != shape:
             raise ValueError(
