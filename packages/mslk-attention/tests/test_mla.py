@@ -91,7 +91,8 @@ def test_kernel(case, monkeypatch):
 
 
 def test_key_splits_are_taken():
-    """The last case's one token runs as 4 programs over parts of its keys, merged (on the GPU: the SM count's)."""
+    """CASES' token of 1100 keys (18 pages of 64) runs as 4 programs over parts of its keys, merged (on the GPU:
+    enough for one program an SM)."""
     query = torch.empty(1, 16, D)
     assert mla._config(query)["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query) == 4
 
