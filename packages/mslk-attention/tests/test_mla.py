@@ -23,8 +23,15 @@ TOL = 1e-2
 
 
 def inputs(queries, keys, heads, page_size, q_dtype=torch.bfloat16, kv_dtype=None, device=DEVICE):
-    """(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k) of sequences with the given query and key counts."""
+    """(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k) of sequences with the given query and key counts;
+    the cache rows no sequence uses (spare pages, the ends of last pages) are NaN: a kernel that lets one into its
+    products gives NaN."""
     kv, tables, used = mla.random_cache(keys, page_size, kv_dtype or q_dtype, device)
+    used_rows = torch.zeros(kv.shape[:2], dtype=torch.bool, device=device)
+    for b, n in enumerate(keys):
+        for first in range(0, n, page_size):
+            used_rows[tables[b, first // page_size], : n - first] = True
+    kv.copy_(kv.float().masked_fill(~used_rows[..., None, None], float("nan")))
     query = testing.randn(sum(queries), heads, D, device=device).to(q_dtype)
     starts = torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device)
     return query, kv, tables, starts, used
@@ -90,6 +97,23 @@ def test_kernel(case, monkeypatch):
     testing.assert_rel_close(out, mla.mla_prefill_fwd_op.reference(*args), TOL)
 
 
+@pytest.mark.parametrize(
+    "queries, keys, page_size",
+    [([1, 1, 1], [70, 200, 3], 64), ([3, 0, 2], [130, 1, 64], 128)],  # decode; prefill, an empty sequence
+    ids=str,
+)
+def test_tma_key_tiles(queries, keys, page_size, monkeypatch):
+    """The key tiles by TMA (Hopper, 64+ heads, pages of whole blocks; here under the interpreter on any machine):
+    the pointer path's output bit for bit, though TMA reads the unused (NaN) rows of last pages."""
+    args = inputs(queries, keys, 72, page_size, device="cpu")
+    pointers = kernel(*args)
+    monkeypatch.setattr(arch, "on_hopper", lambda t: True)
+    assert mla._key_descriptors(args[1], mla._config(args[0])) is not None
+    out = kernel(*args)
+    assert torch.equal(out, pointers)
+    testing.assert_rel_close(out, mla.mla_prefill_fwd_op.reference(*args), TOL)
+
+
 def test_key_splits_are_taken():
     """CASES' token of 1100 keys (18 pages of 64) runs as 4 programs over parts of its keys, merged (on the GPU:
     enough for one program an SM)."""
@@ -117,6 +141,18 @@ def test_empty():
     for queries, heads in (([0, 0], 8), ([1, 2], 0)):
         args = inputs(queries, [3, 5], heads, 4)
         assert kernel(*args).shape == (sum(queries), heads, 512)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_bench_baseline_computes_the_op(cache):
+    """The bench's SDPA baseline (keys gathered beforehand, a sequence's tokens' heads as query rows) gives the
+    op's output, so that the two are timed on the same work."""
+    from mslk.attention import bench
+
+    s = {"B": 2, "Q": 3, "L": 70, "H": 16, "cache": cache}
+    inputs = bench._mla_inputs(s, torch.device("cpu"))
+    baseline = bench._mla_sdpa(inputs).reshape(s["B"] * s["Q"], s["H"], 512)
+    testing.assert_rel_close(baseline, mla.mla_prefill_fwd_op.reference(*inputs[0]), TOL)
 
 
 def test_fake_kernel_matches():
@@ -201,5 +237,6 @@ def test_cuda_graph_replays_new_lengths():
         used.copy_(torch.tensor(lengths, dtype=torch.int32))
         tables.copy_(torch.randint(0, kv.shape[0], tables.shape, dtype=torch.int32))
         query.copy_(testing.randn(*query.shape, device="cuda"))
+        kv.copy_(testing.randn(*kv.shape, device="cuda"))  # rows inputs() poisoned are now used
         graph.replay()
         testing.assert_rel_close(out, mla.mla_prefill_fwd_op.reference(query, kv, tables, starts, used), TOL)

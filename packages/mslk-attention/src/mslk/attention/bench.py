@@ -200,25 +200,27 @@ def _register():
             )
 
 
-# MLA over a paged latent cache (DeepSeek-V3: 128 heads, 576 / 512 dims; pages of 64 rows): decode steps of B
-# sequences of L keys, and prefills of Q new tokens a sequence after L − Q keys of context (bf16 queries; the cache
-# bf16 or FP8). Baseline: PyTorch's SDPA over the same keys gathered into a contiguous tensor beforehand (not
-# timed), each sequence's tokens' heads as the query rows of its one KV head (MQA folded, as MLA kernels do).
+# MLA over a paged latent cache (DeepSeek-V3: 576 / 512 dims; pages of 64 rows): decode steps of B sequences of L
+# keys, and prefills of Q new tokens a sequence after L − Q keys of context, with H query heads (128: DeepSeek-V3
+# unsharded; 16: a shard of eight-way tensor parallelism); bf16 queries, the cache bf16 or FP8. Baseline: PyTorch's
+# SDPA over the same keys gathered into a contiguous tensor beforehand (not timed), each sequence's tokens' heads as
+# the query rows of its one KV head (MQA folded, as MLA kernels do).
 MLA_DECODE = [
-    {"B": 32, "Q": 1, "L": 4096, "cache": "bf16"},
-    {"B": 128, "Q": 1, "L": 4096, "cache": "bf16"},
-    {"B": 64, "Q": 1, "L": 8192, "cache": "fp8"},
-    {"B": 4, "Q": 2, "L": 16384, "cache": "bf16"},  # speculative steps of two tokens
+    {"B": 32, "Q": 1, "L": 4096, "H": 128, "cache": "bf16"},
+    {"B": 128, "Q": 1, "L": 4096, "H": 128, "cache": "bf16"},
+    {"B": 64, "Q": 1, "L": 8192, "H": 128, "cache": "fp8"},
+    {"B": 4, "Q": 2, "L": 16384, "H": 128, "cache": "bf16"},  # speculative steps of two tokens
+    {"B": 128, "Q": 1, "L": 8192, "H": 16, "cache": "bf16"},
 ]
 MLA_PREFILL = [
-    {"B": 2, "Q": 1024, "L": 4096, "cache": "bf16"},
-    {"B": 1, "Q": 4096, "L": 4096, "cache": "bf16"},
+    {"B": 2, "Q": 1024, "L": 4096, "H": 128, "cache": "bf16"},
+    {"B": 1, "Q": 4096, "L": 4096, "H": 128, "cache": "bf16"},
 ]
 
 
 def _mla_inputs(s: dict, device: torch.device):
     """(the op's arguments, the baseline's: query rows [B, 1, Q·H, 576], keys [B, 1, L, 576], the causal mask)."""
-    heads, dims = mla.MLA_NUM_HEADS, mla.MLA_QK_HEAD_DIM
+    heads, dims = s["H"], mla.MLA_QK_HEAD_DIM
     cache = arch.fp8_dtype(device) if s["cache"] == "fp8" else torch.bfloat16
     kv, tables, used = mla.random_cache([s["L"]] * s["B"], 64, cache, device)
     query = testing.randn(s["B"] * s["Q"], heads, dims, dtype=torch.bfloat16, device=device)
@@ -252,14 +254,10 @@ def _register_mla():
                 make_inputs=_mla_inputs,
                 run=lambda i, op=op: op(*i[0]),
                 baselines={"SDPA (gathered cache, heads as rows)": _mla_sdpa},
-                flops=lambda s: (
-                    2 * s["B"] * _mla_visible(s) * mla.MLA_NUM_HEADS * (mla.MLA_QK_HEAD_DIM + mla.MLA_V_HEAD_DIM)
-                ),
+                flops=lambda s: 2 * s["B"] * _mla_visible(s) * s["H"] * (mla.MLA_QK_HEAD_DIM + mla.MLA_V_HEAD_DIM),
                 bytes=lambda s: (
-                    s["B"]
-                    * mla.MLA_QK_HEAD_DIM
-                    * (s["L"] * (1 if s["cache"] == "fp8" else 2) + s["Q"] * mla.MLA_NUM_HEADS * 2)
-                    + 2 * s["B"] * s["Q"] * mla.MLA_NUM_HEADS * mla.MLA_V_HEAD_DIM
+                    s["B"] * mla.MLA_QK_HEAD_DIM * (s["L"] * (1 if s["cache"] == "fp8" else 2) + s["Q"] * s["H"] * 2)
+                    + 2 * s["B"] * s["Q"] * s["H"] * mla.MLA_V_HEAD_DIM
                 ),
             )
         )

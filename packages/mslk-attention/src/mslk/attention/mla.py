@@ -18,10 +18,11 @@ and any strides.
 
 One Triton kernel serves both ops, which differ only in their usual inputs (a decode step is a prefill of one
 token a sequence). A program takes one query token's heads in blocks of up to 64 and walks its visible keys in
-blocks, gathering cache rows through the block table: the 512 latent dims of a loaded row serve both products
-(scores against Kᵀ, then the weights times V), so the cache is read once per head block. Where the (token, head
-block) programs are too few to fill the GPU (decode), each token's visible keys are split in equal parts over
-more programs, whose partial outputs and log-sum-exps `merge.triton_merge_attentions_stacked` combines.
+blocks, reading cache rows through the block table (on Hopper by TMA where the pages allow, else gathered by
+pointers): the 512 latent dims of a loaded row serve both products (scores against Kᵀ, then the weights times V),
+so the cache is read once per head block. Where the (token, head block) programs are too few to fill the GPU
+(decode), each token's visible keys are split in equal parts over more programs, whose partial outputs and
+log-sum-exps `merge.triton_merge_attentions_stacked` combines.
 
 The metadata's values (cu_seqlens_q monotone from 0 to T, seqused_k[b] within the table's pages and at least
 the sequence's query tokens, page ids below num_pages) are checked by the reference (the CPU kernel); on the GPU
@@ -152,16 +153,61 @@ def _load_rows(rows, dims, stride, ok, PRODUCTS: tl.constexpr):
 
 
 @triton.jit
+def _key_tiles(kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, first_key, end, stride_ti, stride_kvp,
+               stride_kvs, stride_kvd, PRODUCTS: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+               BLOCK_N: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The sequence's keys first_key ... first_key + BLOCK_N − 1 as (latent dims 0-255, 256-511, rotary dims) of
+    their cache rows in the products' dtype; with MASKED, keys from `end` on are zeros. TMA: by the descriptors of
+    the cache as [pages · rows, 576] (the block lies in one page: page_size is a multiple of BLOCK_N); else rows
+    gathered through the block table."""
+    HALF: tl.constexpr = D_V // 2
+    key = first_key + tl.arange(0, BLOCK_N)
+    key_ok = key < end
+    if TMA:
+        row = tl.load(table + (first_key // page_size) * stride_ti) * page_size + first_key % page_size
+        k_lo, k_hi, k_rope = k_lo_desc.load([row, 0]), k_hi_desc.load([row, HALF]), k_rope_desc.load([row, D_V])
+        if MASKED:  # rows past the sequence's keys hold whatever the page holds (the scores of all are masked)
+            k_lo = tl.where(key_ok[:, None], k_lo, 0.0)
+            k_hi = tl.where(key_ok[:, None], k_hi, 0.0)
+        return _compute(k_lo, PRODUCTS), _compute(k_hi, PRODUCTS), _compute(k_rope, PRODUCTS)
+    else:
+        page = tl.load(table + (key // page_size) * stride_ti, mask=key_ok, other=0)
+        rows = kv_ptr + page.to(tl.int64) * stride_kvp + (key % page_size).to(tl.int64) * stride_kvs
+        dims = tl.arange(0, HALF)
+        k_lo = _load_rows(rows, dims, stride_kvd, key_ok, PRODUCTS)
+        k_hi = _load_rows(rows, HALF + dims, stride_kvd, key_ok, PRODUCTS)
+        return k_lo, k_hi, _load_rows(rows, D_V + tl.arange(0, D_ROPE), stride_kvd, key_ok, PRODUCTS)
+
+
+@triton.jit
+def _attend(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, first_key, end, scale_log2,
+            PRODUCTS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The online softmax's step over one block of keys (MASKED: the last, keys from `end` on left out)."""
+    s = tl.dot(q_rope, tl.trans(k_rope), tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))) * scale_log2
+    if MASKED:
+        s = tl.where((first_key + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    p_products = _compute(p, PRODUCTS)
+    acc_lo = tl.dot(p_products, k_lo, acc_lo * alpha[:, None])
+    acc_hi = tl.dot(p_products, k_hi, acc_hi * alpha[:, None])
+    return acc_lo, acc_hi, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _mla_kernel(
-    q_ptr, kv_ptr, tables_ptr, starts_ptr, used_ptr, out_ptr, lse_ptr, sequences, search_steps, H, page_size,
-    splits, scale_log2, stride_qt, stride_qh, stride_qd, stride_kvp, stride_kvs, stride_kvd, stride_tb, stride_ti,
-    stride_starts, stride_used, stride_os, stride_ot, stride_oh, stride_od, stride_ls, stride_lt, stride_lh,
-    PRODUCTS: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    q_ptr, kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, tables_ptr, starts_ptr, used_ptr, out_ptr, lse_ptr, sequences,
+    search_steps, H, page_size, splits, scale_log2, stride_qt, stride_qh, stride_qd, stride_kvp, stride_kvs,
+    stride_kvd, stride_tb, stride_ti, stride_starts, stride_used, stride_os, stride_ot, stride_oh, stride_od,
+    stride_ls, stride_lt, stride_lh, PRODUCTS: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """One query token's heads hb·BLOCK_H ... (program id 0: token · head blocks + hb, so that a token's head blocks
     run together and share its cache rows in L2) over part `split` (program id 1) of its visible keys: the output
-    normalized over that part, and with WRITE_LSE its log-sum-exp (natural log; −inf over no key)."""
+    normalized over that part, and with WRITE_LSE its log-sum-exp (natural log; −inf over no key). The latent dims
+    go in halves of 256 (a TMA box's widest; fewer registers live at once)."""
+    HALF: tl.constexpr = D_V // 2
     head_blocks = tl.cdiv(H, BLOCK_H)
     token, hb, split = tl.program_id(0) // head_blocks, tl.program_id(0) % head_blocks, tl.program_id(1)
     # The token's sequence: the last b with starts[b] <= token (binary search over the B + 1 starts).
@@ -177,40 +223,67 @@ def _mla_kernel(
     per_split = tl.cdiv(tl.cdiv(visible, splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(visible, start + per_split)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # the blocks of keys all visible
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
-    dims_v, dims_rope = tl.arange(0, D_V), D_V + tl.arange(0, D_ROPE)
+    dims = tl.arange(0, HALF)
     q_rows = q_ptr + token.to(tl.int64) * stride_qt + heads * stride_qh
-    q_latent = _load_rows(q_rows, dims_v, stride_qd, head_ok, PRODUCTS)
-    q_rope = _load_rows(q_rows, dims_rope, stride_qd, head_ok, PRODUCTS)
+    q_lo = _load_rows(q_rows, dims, stride_qd, head_ok, PRODUCTS)
+    q_hi = _load_rows(q_rows, HALF + dims, stride_qd, head_ok, PRODUCTS)
+    q_rope = _load_rows(q_rows, D_V + tl.arange(0, D_ROPE), stride_qd, head_ok, PRODUCTS)
     table = tables_ptr + lo.to(tl.int64) * stride_tb
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    for first_key in range(start, end, BLOCK_N):
-        key = first_key + tl.arange(0, BLOCK_N)
-        key_ok = key < end
-        page = tl.load(table + (key // page_size) * stride_ti, mask=key_ok, other=0)
-        rows = kv_ptr + page.to(tl.int64) * stride_kvp + (key % page_size).to(tl.int64) * stride_kvs
-        k_latent = _load_rows(rows, dims_v, stride_kvd, key_ok, PRODUCTS)
-        k_rope = _load_rows(rows, dims_rope, stride_kvd, key_ok, PRODUCTS)
-        s = tl.dot(q_rope, tl.trans(k_rope), tl.dot(q_latent, tl.trans(k_latent)))
-        s = tl.where(key_ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(_compute(p, PRODUCTS), k_latent, acc * alpha[:, None])
-        m_i = m_new
+    acc_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for first_key in range(start, full_end, BLOCK_N):
+        k_lo, k_hi, k_rope = _key_tiles(
+            kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, first_key, end, stride_ti, stride_kvp,
+            stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N, TMA, False,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, first_key, end, scale_log2, PRODUCTS,
+            BLOCK_N, False,
+        )  # fmt: skip
+    if full_end < end:
+        k_lo, k_hi, k_rope = _key_tiles(
+            kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, full_end, end, stride_ti, stride_kvp,
+            stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N, TMA, True,
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = _attend(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, full_end, end, scale_log2, PRODUCTS,
+            BLOCK_N, True,
+        )  # fmt: skip
 
-    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # over no key: zeros (weight 0 in the merge)
-    out_ptrs = out_ptr + split * stride_os + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-    tl.store(out_ptrs + dims_v[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    inverse = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]  # over no key: zeros (weight 0 in the merge)
+    out_rows = out_ptr + split * stride_os + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    out_lo, out_hi = (acc_lo * inverse).to(out_ptr.dtype.element_ty), (acc_hi * inverse).to(out_ptr.dtype.element_ty)
+    tl.store(out_rows + dims[None, :] * stride_od, out_lo, mask=head_ok[:, None])
+    tl.store(out_rows + (HALF + dims[None, :]) * stride_od, out_hi, mask=head_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + split * stride_ls + token.to(tl.int64) * stride_lt + heads * stride_lh, lse, mask=head_ok)
+
+
+def _key_descriptors(kv_buffer: torch.Tensor, cfg: dict) -> tuple | None:
+    """TMA descriptors of the cache as [pages · rows, 576] (latent halves, rotary dims), BLOCK_N rows a box, where
+    they beat gathering rows by pointers (H100, RESULTS.md, fifty-ninth session): 1.16-1.19x at 64 heads a program
+    on a bf16 / fp16 cache. None elsewhere: off Hopper; an FP8 cache (its tiles pass through registers to become
+    bf16 anyway: 0.95x, ptxas spills 800 bytes); 16 or 32 heads (0.64-0.84x: their products take no wgmma, which
+    reads tiles from shared memory); pages not whole blocks, rows not 16-byte aligned or pages apart."""
+    page_size, block_n = kv_buffer.shape[1], cfg["BLOCK_N"]
+    if cfg["BLOCK_H"] != 64 or kv_buffer.element_size() != 2 or page_size % block_n or not arch.on_hopper(kv_buffer):
+        return None
+    strides = kv_buffer.stride()
+    if strides[3] != 1 or strides[0] != page_size * strides[1] or strides[1] % 8 or kv_buffer.data_ptr() % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    shape, flat = [kv_buffer.shape[0] * page_size, MLA_QK_HEAD_DIM], [strides[1], 1]
+    half = MLA_V_HEAD_DIM // 2
+    return tuple(TensorDescriptor(kv_buffer, shape, flat, [block_n, w]) for w in (half, half, MLA_QK_ROPE_HEAD_DIM))
 
 
 def _products_dtype(query: torch.Tensor, kv_buffer: torch.Tensor) -> str:
@@ -255,13 +328,14 @@ def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=
     else:
         partial = query.new_empty(splits, tokens, heads, MLA_V_HEAD_DIM, dtype=torch.float32)
         lse = query.new_empty(splits, tokens, heads, dtype=torch.float32)
+    descriptors = _key_descriptors(kv_buffer, cfg)
     launch.fast(_mla_kernel)[(programs, splits)](
-        query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, partial, lse, sequences,
-        (sequences - 1).bit_length(), heads, kv_buffer.shape[1], splits, _scale(softmax_scale) * math.log2(math.e),
-        *query.stride(), kv_buffer.stride(0), kv_buffer.stride(1), kv_buffer.stride(3), *block_tables.stride(),
-        cu_seqlens_q.stride(0), seqused_k.stride(0), *partial.stride(), *lse.stride(),
-        PRODUCTS=_products_dtype(query, kv_buffer), D_V=MLA_V_HEAD_DIM, D_ROPE=MLA_QK_ROPE_HEAD_DIM,
-        WRITE_LSE=splits > 1, **cfg,
+        query, kv_buffer, *(descriptors or (None, None, None)), block_tables, cu_seqlens_q, seqused_k, partial, lse,
+        sequences, (sequences - 1).bit_length(), heads, kv_buffer.shape[1], splits,
+        _scale(softmax_scale) * math.log2(math.e), *query.stride(), kv_buffer.stride(0), kv_buffer.stride(1),
+        kv_buffer.stride(3), *block_tables.stride(), cu_seqlens_q.stride(0), seqused_k.stride(0), *partial.stride(),
+        *lse.stride(), PRODUCTS=_products_dtype(query, kv_buffer), D_V=MLA_V_HEAD_DIM, D_ROPE=MLA_QK_ROPE_HEAD_DIM,
+        TMA=descriptors is not None, WRITE_LSE=splits > 1, **cfg,
     )  # fmt: skip
     if splits == 1:
         return out
