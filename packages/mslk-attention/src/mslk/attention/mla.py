@@ -296,14 +296,15 @@ def _products_dtype(query: torch.Tensor, kv_buffer: torch.Tensor) -> str:
 
 def _config(query: torch.Tensor) -> dict:
     """Up to 64 heads a program (its products 64 rows deep), at least 16 (the products' least M); cache rows 64 at
-    a time, two blocks in flight: 1.25-1.43x the speed of 32 rows at DeepSeek-V3's shapes (H100, RESULTS.md). NVIDIA
-    GPUs of about 100 KiB of shared memory a block (RTX 4090, 5090) hold 1024 heads x rows (the products' layout
-    changes pass through shared memory there)."""
+    a time, two blocks in flight: 1.25-1.43x the speed of 32 rows at DeepSeek-V3's shapes (H100, RESULTS.md). GPUs
+    of less shared memory a block, where the products' layout changes pass through it, take 1024 heads x rows (RTX
+    4090 and 5090: about 100 KiB), and at most 32 heads below 96 KiB (MI300's 64 KiB: a 64-head query's change of
+    layout alone asks 64 KiB)."""
     heads = query.shape[1]
-    block_h = min(64, max(16, launch.next_power_of_2(heads)))
-    block_n = 64
-    if query.is_cuda and arch.is_cuda() and (arch.device_info(query.device).shared_memory or 0) < 160 * 1024:
-        block_n = 1024 // block_h
+    shared_memory = (arch.device_info(query.device).shared_memory or 0) if query.is_cuda else None
+    block_h = min(64 if shared_memory is None or shared_memory >= 96 * 1024 else 32, launch.next_power_of_2(heads))
+    block_h = max(16, block_h)
+    block_n = 64 if shared_memory is None or shared_memory >= 160 * 1024 else 1024 // block_h
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 
