@@ -114,6 +114,26 @@ def test_tma_key_tiles(queries, keys, page_size, monkeypatch):
     testing.assert_rel_close(out, mla.mla_prefill_fwd_op.reference(*args), TOL)
 
 
+@pytest.mark.parametrize(
+    ("shared_memory", "heads", "block_h", "block_n"),
+    [
+        (232448, 128, 64, 64),  # H100 / H200
+        (101376, 128, 64, 16),  # RTX 4090 / 5090
+        (65536, 128, 32, 32),  # MI300X
+        (163840, 16, 16, 64),  # MI355X
+        (None, 128, 64, 64),  # not reported
+    ],
+)
+def test_config_fits_shared_memory(shared_memory, heads, block_h, block_n, monkeypatch):
+    """The program's heads and key rows by the GPU's shared memory a block (tools/other_gpus.py compiles them)."""
+    info = arch.DeviceInfo(0, "nvidia", "a GPU", (9, 0), 132, None, shared_memory)
+    monkeypatch.setattr(arch, "device_info", lambda device=None: info)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cfg = mla._config(torch.empty(1, heads, D))
+    monkeypatch.undo()
+    assert (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (block_h, block_n)
+
+
 def test_key_splits_are_taken():
     """CASES' token of 1100 keys (18 pages of 64) runs as 4 programs over parts of its keys, merged (on the GPU:
     enough for one program an SM)."""

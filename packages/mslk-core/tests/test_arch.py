@@ -138,6 +138,24 @@ def test_gfx950_uses_ocp_unless_forced(mock_gpu, monkeypatch):
     assert arch.fp8_dtype() == torch.float8_e4m3fnuz
 
 
+@pytest.mark.parametrize(
+    ("props", "hip", "shared_memory"),
+    [
+        (
+            SimpleNamespace(**vars(H200), shared_memory_per_block=49152, shared_memory_per_block_optin=232448),
+            None,
+            232448,
+        ),
+        (SimpleNamespace(**vars(MI300X), shared_memory_per_block=65536), "7.1.0", 65536),  # ROCm: no opt-in figure
+        (H200, None, None),  # not reported
+    ],
+    ids=["nvidia-opt-in", "rocm-per-block", "none"],
+)
+def test_shared_memory(mock_gpu, props, hip, shared_memory):
+    mock_gpu(props, hip=hip)
+    assert arch.device_info().shared_memory == shared_memory
+
+
 def test_old_rocm_has_no_fp8(mock_gpu):
     mock_gpu(MI250, hip="7.1.0")
     with pytest.raises(RuntimeError, match="Unsupported GPU arch gfx90a for FP8"):

@@ -300,11 +300,11 @@ def _config(query: torch.Tensor) -> dict:
     of less shared memory a block, where the products' layout changes pass through it, take 1024 heads x rows (RTX
     4090 and 5090: about 100 KiB), and at most 32 heads below 96 KiB (MI300's 64 KiB: a 64-head query's change of
     layout alone asks 64 KiB)."""
-    heads = query.shape[1]
-    shared_memory = (arch.device_info(query.device).shared_memory or 0) if query.is_cuda else None
-    block_h = min(64 if shared_memory is None or shared_memory >= 96 * 1024 else 32, launch.next_power_of_2(heads))
-    block_h = max(16, block_h)
-    block_n = 64 if shared_memory is None or shared_memory >= 160 * 1024 else 1024 // block_h
+    shared_memory = arch.device_info(query.device).shared_memory if query.is_cuda else None
+    if shared_memory is None:  # the interpreter, or a GPU that does not say: the configuration tuned on Hopper
+        shared_memory = 160 * 1024
+    block_h = max(16, min(64 if shared_memory >= 96 * 1024 else 32, launch.next_power_of_2(query.shape[1])))
+    block_n = 64 if shared_memory >= 160 * 1024 else 1024 // block_h
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 

@@ -44,7 +44,9 @@ class DeviceInfo:
             capability=(props.major, props.minor),
             sm_count=props.multi_processor_count,
             gfx_arch=gfx.split(":")[0] if gfx else None,
-            shared_memory=getattr(props, "shared_memory_per_block_optin", None),
+            # ROCm builds of torch lack the opt-in figure; their per-block one is the LDS a block may use
+            shared_memory=getattr(props, "shared_memory_per_block_optin", None)
+            or getattr(props, "shared_memory_per_block", None),
         )
 
     def fp8_dtype(self) -> torch.dtype:
