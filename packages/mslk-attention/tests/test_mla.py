@@ -156,6 +156,16 @@ def test_scale_and_strided_inputs():
     testing.assert_rel_close(out, sdpa64(query, kv, tables, starts, used, softmax_scale=0.02), TOL)
 
 
+def test_fp8_cache_scale_recipe():
+    """The module docstring's recipe for a cache quantized with one scale s (softmax_scale times s, the output
+    times s) gives attention over the dequantized cache."""
+    query, kv, tables, starts, used = inputs([1, 2], [30, 50], 8, 16)
+    s = 0.05
+    kv_fp8 = (kv.float() / s).to(FP8)
+    out = kernel(query, kv_fp8, tables, starts, used, softmax_scale=D**-0.5 * s).double() * s
+    testing.assert_rel_close(out, sdpa64(query, kv_fp8.double() * s, tables, starts, used), TOL)
+
+
 def test_empty():
     """No query tokens, or no heads: an empty output without a launch."""
     for queries, heads in (([0, 0], 8), ([1, 2], 0)):

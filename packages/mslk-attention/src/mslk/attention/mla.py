@@ -12,9 +12,9 @@ sequence b's n query tokens sees keys j < seqused_k[b] − n + i + 1 (causal, bo
 step's one token sees them all). The scale defaults to 576**−0.5. Output bf16 [T, H, 512].
 
 Dtypes: bf16 or fp16 queries and cache, or an FP8 e4m3 cache (this platform's flavour) with FP8, bf16 or fp16
-queries; FP8 values are read as they are (a scale folds into softmax_scale). Any number of query heads (the
-reference library takes 128, DeepSeek-V3 unsharded, and runs on ROCm only; tensor-parallel shards have 16-64)
-and any strides.
+queries; FP8 values are read as they are (a cache quantized with one scale s: pass softmax_scale times s, and
+multiply the output by s, as the values are the keys' bytes too). Any number of query heads (the reference library
+takes 128, DeepSeek-V3 unsharded, and runs on ROCm only; tensor-parallel shards have 16-64) and any strides.
 
 One Triton kernel serves both ops, which differ only in their usual inputs (a decode step is a prefill of one
 token a sequence). A program takes one query token's heads in blocks of up to 64 and walks its visible keys in
