@@ -180,9 +180,16 @@ def _key_tiles(kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, firs
 
 
 @triton.jit
-def _attend(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, first_key, end, scale_log2,
-            PRODUCTS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """The online softmax's step over one block of keys (MASKED: the last, keys from `end` on left out)."""
+def _attend_block(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table,
+                  page_size, first_key, end, scale_log2, stride_ti, stride_kvp, stride_kvs, stride_kvd,
+                  PRODUCTS: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TMA: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The online softmax's step over the block of keys from first_key (MASKED: the last, keys from `end` on left
+    out)."""
+    k_lo, k_hi, k_rope = _key_tiles(
+        kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, first_key, end, stride_ti, stride_kvp,
+        stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N, TMA, MASKED,
+    )  # fmt: skip
     s = tl.dot(q_rope, tl.trans(k_rope), tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))) * scale_log2
     if MASKED:
         s = tl.where((first_key + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
@@ -239,22 +246,16 @@ def _mla_kernel(
     acc_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
     for first_key in range(start, full_end, BLOCK_N):
-        k_lo, k_hi, k_rope = _key_tiles(
-            kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, first_key, end, stride_ti, stride_kvp,
-            stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N, TMA, False,
+        acc_lo, acc_hi, m_i, l_i = _attend_block(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size,
+            first_key, end, scale_log2, stride_ti, stride_kvp, stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N,
+            TMA, False,
         )  # fmt: skip
-        acc_lo, acc_hi, m_i, l_i = _attend(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, first_key, end, scale_log2, PRODUCTS,
-            BLOCK_N, False,
-        )  # fmt: skip
-    if full_end < end:
-        k_lo, k_hi, k_rope = _key_tiles(
-            kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size, full_end, end, stride_ti, stride_kvp,
-            stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N, TMA, True,
-        )  # fmt: skip
-        acc_lo, acc_hi, m_i, l_i = _attend(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, full_end, end, scale_log2, PRODUCTS,
-            BLOCK_N, True,
+    if full_end < end:  # the last block, in part visible
+        acc_lo, acc_hi, m_i, l_i = _attend_block(
+            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, q_rope, kv_ptr, k_lo_desc, k_hi_desc, k_rope_desc, table, page_size,
+            full_end, end, scale_log2, stride_ti, stride_kvp, stride_kvs, stride_kvd, PRODUCTS, D_V, D_ROPE, BLOCK_N,
+            TMA, True,
         )  # fmt: skip
 
     inverse = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]  # over no key: zeros (weight 0 in the merge)
