@@ -103,8 +103,8 @@ def test_kernel(case, monkeypatch):
     ids=str,
 )
 def test_tma_key_tiles(queries, keys, page_size, monkeypatch):
-    """The key tiles by TMA (Hopper, 64+ heads, pages of whole blocks; here under the interpreter on any machine):
-    the pointer path's output bit for bit, though TMA reads the unused (NaN) rows of last pages."""
+    """The key tiles by TMA (Hopper, programs of 64 heads, pages of whole blocks; here under the interpreter on any
+    machine): the pointer path's output bit for bit, though TMA reads the unused (NaN) rows of last pages."""
     args = inputs(queries, keys, 72, page_size, device="cpu")
     pointers = kernel(*args)
     monkeypatch.setattr(arch, "on_hopper", lambda t: True)

@@ -272,8 +272,8 @@ def _key_descriptors(kv_buffer: torch.Tensor, cfg: dict) -> tuple | None:
     """TMA descriptors of the cache as [pages · rows, 576] (latent halves, rotary dims), BLOCK_N rows a box, where
     they beat gathering rows by pointers (H100, RESULTS.md, fifty-ninth session): 1.16-1.19x at 64 heads a program
     on a bf16 / fp16 cache. None elsewhere: off Hopper; an FP8 cache (its tiles pass through registers to become
-    bf16 anyway: 0.95x, ptxas spills 800 bytes); 16 or 32 heads (0.64-0.84x: their products take no wgmma, which
-    reads tiles from shared memory); pages not whole blocks, rows not 16-byte aligned or pages apart."""
+    bf16 anyway: 0.95x, ptxas spills 800 bytes); programs of 16 or 32 heads (0.64-0.84x: their products take no
+    wgmma, which reads tiles from shared memory); pages not whole blocks, rows not 16-byte aligned or pages apart."""
     page_size, block_n = kv_buffer.shape[1], cfg["BLOCK_N"]
     if cfg["BLOCK_H"] != 64 or kv_buffer.element_size() != 2 or page_size % block_n or not arch.on_hopper(kv_buffer):
         return None
