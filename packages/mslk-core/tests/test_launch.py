@@ -1,5 +1,8 @@
 """mslk.core.launch: host-side launch arithmetic against Triton's own helpers, and the Launcher's kept kernels."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import triton
@@ -48,6 +51,8 @@ def _specialization_samples():
             element = gl.float32 if t.dtype == torch.float32 else gl.bfloat16
             layout = gl.NVMMASharedLayout.get_default_for(block, element)
             samples.append(GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+    aligned, misaligned = samples[0], samples[1]
+    samples += [(aligned, aligned), (aligned, misaligned), (1, 16, 17), (16, 1, 17), ((1, 2), aligned), ((1,), 2), ()]
     return samples
 
 
@@ -124,6 +129,27 @@ def test_launcher_calls_the_kept_kernel_directly(fake_launch):
     assert len(slow) == 1
     # every parameter in the kernel's order, constexprs and defaults included, after Triton's launch arguments
     assert compiled.calls == [(5, 1, 1, 7, "function", "metadata", None, None, None, y, 48, 2.0, 128, True)]
+
+
+def test_launcher_keeps_kernels_of_tuple_arguments_without_their_tensors(fake_launch):
+    """A tuple of tensors (the merge kernels' chunks) keys by its items' properties: new tensors of the same dtypes
+    and alignment take the kept kernel, and no key holds a tensor (keyed as themselves, every launch missed and the
+    kept keys held up to 64 launches' tensors)."""
+    kernel, slow, compiled, _ = fake_launch
+    launcher = launch.Launcher(kernel)
+    tensors = []
+    for _ in range(3):
+        chunks = (torch.empty(64), torch.empty(64, dtype=torch.float16))
+        tensors.append(weakref.ref(chunks[0]))
+        launcher[(1,)](chunks, 32, 0.5, BLOCK=128)
+    assert len(slow) == 1 and len(compiled.calls) == 2 and compiled.calls[-1][9] is chunks
+    del chunks
+    slow.clear()
+    compiled.calls.clear()
+    gc.collect()
+    assert all(ref() is None for ref in tensors)
+    launcher[(1,)]((torch.empty(64), torch.empty(64)), 32, 0.5, BLOCK=128)  # another dtype: another kernel
+    assert len(slow) == 1
 
 
 @pytest.mark.parametrize(

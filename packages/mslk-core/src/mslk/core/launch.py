@@ -161,7 +161,8 @@ def fast(kernel) -> Launcher:
 def specialization(value):
     """What Triton may specialize a kernel on in a non-constexpr argument (Triton 3.6 and 3.7: a tensor's dtype and
     16-byte alignment; an int's width, whether it is 1 and whether 16 divides it; a TMA descriptor's dtype, block
-    and layout; only the type of a bool or float), or the value itself for anything else."""
+    and layout; only the type of a bool or float; a tuple's items one by one), or the value itself for anything
+    else."""
     return (_specializers.get(type(value)) or _specializer(value))(value)
 
 
@@ -178,6 +179,12 @@ def _descriptor_specialization(value):
     return type(value), value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None)
 
 
+def _tuple_specialization(value: tuple):
+    """Element by element, as Triton specializes a tuple: a tuple of tensors keyed as itself would hold the tensors
+    in the kept kernels' keys, and miss at every launch of new ones."""
+    return type(value), tuple(specialization(item) for item in value)
+
+
 def _specializer(value):
     """specialization's function for values of value's type, kept for the type (_specializers), so that the
     isinstance tests run once a type: a launch's key over the 27 arguments of the attention backward's kernel took
@@ -192,6 +199,8 @@ def _specializer(value):
         function = _same_for_all(float)
     elif getattr(value, "block_shape", None) is not None and hasattr(value, "base"):
         function = _descriptor_specialization  # a TMA descriptor, triton.tools' or Gluon's
+    elif isinstance(value, tuple):
+        function = _tuple_specialization
     else:
         function = _itself
     _specializers[type(value)] = function
