@@ -6,8 +6,9 @@ The host code decides as on that GPU (its compute capability, SM count, vendor) 
 its target: every op's Triton backends run on their samples (CPU tensors), attention's Triton kernels on a matrix
 of dtypes, head dims and masks (--attention), and each launch stops after its compile. A kernel asking more shared
 memory than the GPU's blocks have raises OutOfResources as Triton's first launch would (launch.Launcher then tries
-fewer stages). A call fails on an error (a compile error included) or a kernel that still does not fit; the exit
-status is the number of failures. Speed and results need the GPU itself: this finds what would not run at all.
+fewer stages). A call fails on an error (a compile error included), a kernel that still does not fit, or a kept
+compile's key that holds a tensor (launch.fast); the exit status is the number of failures. Speed and results need
+the GPU itself: this finds what would not run at all.
 """
 
 from __future__ import annotations
@@ -155,6 +156,22 @@ def _forward_backward(tf, inp, grad):
         tf.BwOp.apply(ctx, inp, grad)
 
 
+def keys_holding_tensors() -> list[str]:
+    """The kernels whose compiles launch.fast keeps under a key holding a tensor: keyed by the tensor itself, a
+    launch on new tensors misses, and the key keeps the old ones alive (a tuple of tensors did, for the merge
+    kernels, until tuples were keyed item by item)."""
+    from mslk.core import launch
+
+    def holds(value) -> bool:
+        return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(map(holds, value)))
+
+    return [
+        getattr(launcher.kernel, "__name__", repr(launcher.kernel))
+        for launcher in launch._launchers.values()
+        if any(holds(key) for key in launcher._kept)
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gpu", choices=sorted(GPUS))
@@ -184,6 +201,11 @@ def main() -> int:
         start = len(compiled)
         try:
             call()
+            holding = keys_holding_tensors()
+            if holding:
+                raise AssertionError(
+                    f"launch.fast keys {', '.join(holding)} by tensors themselves (kept alive; new ones miss)"
+                )
         except Exception as exc:
             failures += 1
             print(f"FAILED    {name}: {type(exc).__name__}: {str(exc).strip()[:300]}")

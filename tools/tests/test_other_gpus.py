@@ -4,7 +4,8 @@ asked up to 144 KiB there (OutOfResources at the first launch) until launch.Laun
 The MI300X (gfx942, 64 KiB): the split-K GEMMs passed Triton a `launch_pdl` option it has no use for on ROCm
 (KeyError), and the grouped GEMM's scatter epilogue asked 128 KiB (the ops named here). MLA's products of 64 heads
 by 64 key rows asked 200 KiB on the RTX 5090 (its layout changes pass through shared memory there), and 64 heads
-80 KiB on the MI300X with the latent dims in halves."""
+80 KiB on the MI300X with the latent dims in halves. launch.fast kept the merge kernels' compiles under keys holding
+their tensors (a tuple keyed as itself)."""
 
 import os
 import subprocess
@@ -27,6 +28,11 @@ TOOL = Path(__file__).resolve().parents[1] / "other_gpus.py"
         ("sm120", ["mla_decode_fwd"]),  # key blocks of 1024 / heads rows (64 x 64 asked 200 KiB)
         ("gfx942", ["grouped_gemm_scatter_add", "i8i8bf16", "bf16i4bf16_rowwise", "f8i4bf16_shuffled"]),
         ("gfx942", ["mla_decode_fwd"]),  # at most 32 heads a program (64 asked 80 KiB)
+        # tuples of tensors (the merge kernels' chunks) were keyed as themselves: kept alive, every launch a miss
+        (
+            "sm90",
+            ["fmha_merge_attentions_stacked", "fmha_merge_attentions_varargs", "merge_attentions_varargs_backward"],
+        ),
     ],
 )
 def test_triton_backends_compile_and_fit(gpu, only):
