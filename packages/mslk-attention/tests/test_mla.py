@@ -98,14 +98,17 @@ def test_kernel(case, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "queries, keys, page_size",
-    [([1, 1, 1], [70, 200, 3], 64), ([3, 0, 2], [130, 1, 64], 128)],  # decode; prefill, an empty sequence
+    "queries, keys, page_size, dtype",
+    [
+        ([1, 1, 1], [70, 200, 3], 64, torch.bfloat16),  # decode
+        ([3, 0, 2], [130, 1, 64], 128, torch.float16),  # prefill, an empty sequence
+    ],
     ids=str,
 )
-def test_tma_key_tiles(queries, keys, page_size, monkeypatch):
+def test_tma_key_tiles(queries, keys, page_size, dtype, monkeypatch):
     """The key tiles by TMA (Hopper, programs of 64 heads, pages of whole blocks; here under the interpreter on any
     machine): the pointer path's output bit for bit, though TMA reads the unused (NaN) rows of last pages."""
-    args = inputs(queries, keys, 72, page_size, device="cpu")
+    args = inputs(queries, keys, 72, page_size, dtype, device="cpu")
     pointers = kernel(*args)
     monkeypatch.setattr(arch, "on_hopper", lambda t: True)
     assert mla._key_descriptors(args[1], mla._config(args[0])) is not None
