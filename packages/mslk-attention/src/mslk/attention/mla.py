@@ -310,10 +310,23 @@ def _config(query: torch.Tensor) -> dict:
 
 
 def _splits(programs: int, key_rows: int, query: torch.Tensor) -> int:
-    """Key splits a token: enough programs for one an SM (a program holds most of an SM's shared memory), parts of
-    at least 256 of the table's key rows. One program an SM measured 0.99-1.07x the speed of two (H100, RESULTS.md)."""
+    """Key splits a token: the fewest that give the shortest time, as the programs run in waves of one an SM (a
+    program holds most of an SM's shared memory). EXPERIMENT (branch mla-waves): main's cdiv(SMs, programs) ran 64
+    programs of B=32 decode steps as 192 in 1.45 waves, at 0.72x B=128's throughput (H100, RESULTS.md)."""
     sms = arch.sm_count(query.device) if query.is_cuda else 4  # 4: a few programs under the interpreter
-    return max(1, min(launch.cdiv(sms, programs), key_rows // 256))
+    return _fewest_waves(programs, key_rows, sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _fewest_waves(programs: int, key_rows: int, sms: int) -> int:
+    """The split count s (parts of at least 256 key rows, at most one an SM) whose programs' waves take the least
+    time: ceil(programs · s / sms) waves of key_rows / s rows, plus about two blocks' worth a program (loading the
+    query, storing the output)."""
+
+    def time(s: int) -> float:
+        return launch.cdiv(programs * s, sms) * (key_rows / s + 128)
+
+    return min(range(1, max(1, min(key_rows // 256, sms)) + 1), key=time)
 
 
 def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=None):
