@@ -312,7 +312,7 @@ def _config(query: torch.Tensor) -> dict:
 def _splits(programs: int, key_rows: int, query: torch.Tensor) -> int:
     """Key splits a token: the fewest that give the shortest time, as the programs run in waves of one an SM (a
     program holds most of an SM's shared memory). EXPERIMENT (branch mla-waves): main's cdiv(SMs, programs) ran 64
-    programs of B=32 decode steps as 192 in 1.45 waves, at 0.72x B=128's throughput (H100, RESULTS.md)."""
+    programs of B=32 decode steps as 192 in 1.45 waves, at 0.69x B=128's throughput (H100, RESULTS.md)."""
     sms = arch.sm_count(query.device) if query.is_cuda else 4  # 4: a few programs under the interpreter
     return _fewest_waves(programs, key_rows, sms)
 
