@@ -25,11 +25,13 @@ SHAPES = [
     (35, 1, 8192, 128),
     (64, 1, 4096, 16),
     (128, 1, 8192, 16),
+    (64, 1, 4096, 32),
+    (8, 1, 16384, 16),
 ]
 fewest_waves = mla._splits
 
 
-def cdiv_sms(programs, key_rows, query):
+def cdiv_sms(programs, key_rows, query, cfg):
     return max(1, min(launch.cdiv(arch.sm_count(query.device), programs), key_rows // 256))
 
 
@@ -45,7 +47,7 @@ for B, Q, L, H in SHAPES:
     for _ in range(2):
         for name, rule in (("main", cdiv_sms), ("waves", fewest_waves)):
             mla._splits = rule
-            splits = rule(programs, tables.shape[1] * 64, query)
+            splits = rule(programs, tables.shape[1] * 64, query, cfg)
             out = mla._run(*args)
             err = testing.rel_error(out, ref) if ref is not None else float("nan")
             ms = triton.testing.do_bench_cudagraph(lambda args=args: mla._run(*args), rep=100)

@@ -138,7 +138,8 @@ def test_key_splits_are_taken():
     """CASES' token of 1100 keys (18 pages of 64) runs as 4 programs over parts of its keys, merged (on the GPU:
     enough for one program an SM)."""
     query = torch.empty(1, 16, D)
-    assert mla._config(query)["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query) == 4
+    cfg = mla._config(query)
+    assert cfg["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query, cfg) == 4
 
 
 @pytest.mark.parametrize(
