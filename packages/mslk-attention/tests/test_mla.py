@@ -139,9 +139,19 @@ def test_config_fits_shared_memory(shared_memory, heads, block_h, block_n, monke
 
 def test_key_splits_are_taken():
     """CASES' token of 1100 keys (18 pages of 64) runs as 4 programs over parts of its keys, merged (on the GPU:
-    enough for one program an SM)."""
+    as many as the fewest waves of programs allow)."""
     query = torch.empty(1, 16, D)
-    assert mla._config(query)["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query) == 4
+    cfg = mla._config(query)
+    assert cfg["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query, cfg) == 4
+
+
+@pytest.mark.parametrize(
+    ("programs", "key_rows", "splits"),
+    [(64, 4096, 2), (256, 4096, 1), (16, 16384, 8), (70, 4096, 5), (2, 32768, 66), (1, 300, 1)],
+)
+def test_splits_take_the_fewest_waves(programs, key_rows, splits):
+    """On 132 SMs: B=32 decode steps' 64 programs split in 2 (128 programs, one wave), not 3 (192: 1.45 waves)."""
+    assert mla._fewest_waves(programs, key_rows, 132) == splits
 
 
 def test_scale_and_strided_inputs():

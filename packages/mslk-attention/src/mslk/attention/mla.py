@@ -309,11 +309,24 @@ def _config(query: torch.Tensor) -> dict:
     return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": 8 if block_h == 64 else 4, "num_stages": 2}
 
 
-def _splits(programs: int, key_rows: int, query: torch.Tensor) -> int:
-    """Key splits a token: enough programs for one an SM (a program holds most of an SM's shared memory), parts of
-    at least 256 of the table's key rows. One program an SM measured 0.99-1.07x the speed of two (H100, RESULTS.md)."""
+def _splits(programs: int, key_rows: int, query: torch.Tensor, cfg: dict) -> int:
+    """Key splits a token: the fewest that give the shortest time, as the programs run in waves, one an SM at 8 warps
+    (255 registers a thread take an SM's 64 K) and two at 4. Against cdiv(SMs, programs), which ran B=32 decode
+    steps' 64 programs as 192 in 1.45 waves: 1.0-1.7x as fast on 11 decode shapes, never slower (H200, RESULTS.md)."""
     sms = arch.sm_count(query.device) if query.is_cuda else 4  # 4: a few programs under the interpreter
-    return max(1, min(launch.cdiv(sms, programs), key_rows // 256))
+    return _fewest_waves(programs, key_rows, sms * (1 if cfg["num_warps"] == 8 else 2))
+
+
+@functools.lru_cache(maxsize=256)
+def _fewest_waves(programs: int, key_rows: int, slots: int) -> int:
+    """The split count s (parts of at least 256 key rows, at most one a slot) whose programs' waves take the least
+    time: ceil(programs · s / slots) waves of key_rows / s rows, plus about two blocks' worth a program (loading
+    the query, storing the output)."""
+
+    def time(s: int) -> float:
+        return launch.cdiv(programs * s, slots) * (key_rows / s + 128)
+
+    return min(range(1, max(1, min(key_rows // 256, slots)) + 1), key=time)
 
 
 def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=None):
@@ -323,7 +336,7 @@ def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=
         return out
     cfg = _config(query)
     programs = tokens * launch.cdiv(heads, cfg["BLOCK_H"])
-    splits = _splits(programs, block_tables.shape[1] * kv_buffer.shape[1], query)
+    splits = _splits(programs, block_tables.shape[1] * kv_buffer.shape[1], query, cfg)
     sequences = block_tables.shape[0]
     if splits == 1:
         partial, lse = out[None], out.new_empty((1, 1, 1), dtype=torch.float32)  # lse: not written
