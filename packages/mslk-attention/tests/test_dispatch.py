@@ -772,6 +772,18 @@ def test_inputs_helpers():
     assert common.causal_window(local) == ("top-left", 1, 0)
     gappy = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens([1, 1], [0, 5, 9], [3, 4], device="cpu")
     assert common.causal_window(gappy) == ("bottom-right", -1, 0)
+    # Paged masks: their unpaged kind's rule (before, every paged mask read as no causality)
+    tables = torch.arange(4, dtype=torch.int32).view(2, 2)
+    paged = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3, 1], [2, 5], tables, 4)
+    assert common.causal_window(paged) == ("bottom-right", -1, 0)
+    assert common.queries_without_keys(fmha.Inputs(*(torch.randn(1, 4, 1, 8) for _ in "qkv"), paged))  # 3 on 2 keys
+    assert common.causal_window(ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([3, 1], [2, 5], tables, 4)) == (
+        None, -1, -1,
+    )  # fmt: skip
+    window = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens_local([1, 1], [2, 5], tables, 4, 3)
+    assert common.causal_window(window) == ("bottom-right", 2, 0)
+    gappy_paged = ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens([1, 1], [1, 0], [3, 4], tables, 4)
+    assert common.causal_window(gappy_paged) == ("bottom-right", -1, 0)
     args = common.varlen_args(gappy)
     assert args.seqstart_k.tolist() == [0, 5, 9] and args.seqlen_k.tolist() == [3, 4] and args.max_seqlen_k == 4
     assert common.varlen_args(ab.LowerTriangularMask()) is None

@@ -145,15 +145,6 @@ def test_key_splits_are_taken():
     assert cfg["BLOCK_H"] == 16 and mla._splits(1, 18 * 64, query, cfg) == 4
 
 
-@pytest.mark.parametrize(
-    ("programs", "key_rows", "splits"),
-    [(64, 4096, 2), (256, 4096, 1), (16, 16384, 8), (70, 4096, 5), (2, 32768, 66), (1, 300, 1)],
-)
-def test_splits_take_the_fewest_waves(programs, key_rows, splits):
-    """On 132 SMs: B=32 decode steps' 64 programs split in 2 (128 programs, one wave), not 3 (192: 1.45 waves)."""
-    assert mla._fewest_waves(programs, key_rows, 132) == splits
-
-
 def test_scale_and_strided_inputs():
     """A given softmax_scale; a query of every other head of a wider tensor, a cache slice of wider rows and a
     column-major block table give the contiguous inputs' output bit for bit."""

@@ -24,6 +24,16 @@ def test_next_power_of_2(n):
     assert p == triton.next_power_of_2(n) and p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
 
 
+@pytest.mark.parametrize(
+    ("programs", "work", "splits"),
+    [(64, 4096, 2), (256, 4096, 1), (16, 16384, 8), (70, 4096, 5), (2, 32768, 66), (1, 300, 1), (3, 100, 1)],
+)
+def test_fewest_waves(programs, work, splits):
+    """On 132 slots: B=32 MLA decode steps' 64 programs split in 2 (128 parts, one wave), not 3 (192: 1.45 waves);
+    parts keep at least 256 rows (1 x 300: one part) and at most one a slot (2 x 32768: 66 each)."""
+    assert launch.fewest_waves(programs, work, 132) == splits
+
+
 # -- Launcher: Triton's compiled kernels kept by the arguments' specialization ------------------------------------
 
 

@@ -310,23 +310,11 @@ def _config(query: torch.Tensor) -> dict:
 
 
 def _splits(programs: int, key_rows: int, query: torch.Tensor, cfg: dict) -> int:
-    """Key splits a token: the fewest that give the shortest time, as the programs run in waves, one an SM at 8 warps
-    (255 registers a thread take an SM's 64 K) and two at 4. Against cdiv(SMs, programs), which ran B=32 decode
-    steps' 64 programs as 192 in 1.45 waves: 1.0-1.7x as fast on 11 decode shapes, never slower (H200, RESULTS.md)."""
+    """Key splits a token: the fewest that give the shortest time (launch.fewest_waves), as the programs run one an
+    SM at 8 warps (255 registers a thread take an SM's 64 K) and two at 4. Against cdiv(SMs, programs), which ran
+    B=32 decode steps' 64 programs as 192 in 1.45 waves: 1.0-1.7x as fast on 11 decode shapes (H200, RESULTS.md)."""
     sms = arch.sm_count(query.device) if query.is_cuda else 4  # 4: a few programs under the interpreter
-    return _fewest_waves(programs, key_rows, sms * (1 if cfg["num_warps"] == 8 else 2))
-
-
-@functools.lru_cache(maxsize=256)
-def _fewest_waves(programs: int, key_rows: int, slots: int) -> int:
-    """The split count s (parts of at least 256 key rows, at most one a slot) whose programs' waves take the least
-    time: ceil(programs · s / slots) waves of key_rows / s rows, plus about two blocks' worth a program (loading
-    the query, storing the output)."""
-
-    def time(s: int) -> float:
-        return launch.cdiv(programs * s, slots) * (key_rows / s + 128)
-
-    return min(range(1, max(1, min(key_rows // 256, slots)) + 1), key=time)
+    return launch.fewest_waves(programs, key_rows, sms * (1 if cfg["num_warps"] == 8 else 2))
 
 
 def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=None):

@@ -111,16 +111,18 @@ def varlen_lse_packed(lse: torch.Tensor, inp: Inputs) -> bool | None:
 def causal_window(attn_bias: Any) -> tuple[str | None, int, int]:
     """How a kernel with causal and sliding-window support expresses a mask: (causal alignment "top-left",
     "bottom-right" or None, window_left, window_right), the window bounding d = j − i − s to
-    [−window_left, window_right] (−1: unbounded; s = 0 for top-left, nk − nq for bottom-right)."""
-    if isinstance(attn_bias, ab._WindowFromBottomRight):  # B04, B10, B14: s − w < j − i <= s
+    [−window_left, window_right] (−1: unbounded; s = 0 for top-left, nk − nq for bottom-right). A paged mask
+    (B15-B17, B21, B22) is its unpaged kind's rule over the logical keys (its fields hold the window)."""
+    kind = attn_bias._UNPAGED if isinstance(attn_bias, ab._Paged) else type(attn_bias)
+    if issubclass(kind, ab._WindowFromBottomRight):  # B04, B10, B14, B17: s − w < j − i <= s
         return "bottom-right", attn_bias._window_size - 1, 0
-    if isinstance(attn_bias, ab._CausalFromBottomRight):  # B03, B08, B12, B19
+    if issubclass(kind, ab._CausalFromBottomRight):  # B03, B08, B12, B16, B19, B22
         return "bottom-right", -1, 0
-    if isinstance(attn_bias, ab._LocalFromBottomRight):  # B05, B13, B20
+    if issubclass(kind, ab._LocalFromBottomRight):  # B05, B13, B20
         return None, attn_bias.window_left, attn_bias.window_right
-    if isinstance(attn_bias, ab.BlockDiagonalCausalLocalAttentionMask):  # B09: i − w < j <= i
+    if issubclass(kind, ab.BlockDiagonalCausalLocalAttentionMask):  # B09: i − w < j <= i
         return "top-left", attn_bias._window_size - 1, 0
-    if isinstance(attn_bias, (ab.LowerTriangularMask, ab.BlockDiagonalCausalMask)):  # B01, B02, B07
+    if issubclass(kind, (ab.LowerTriangularMask, ab.BlockDiagonalCausalMask)):  # B01, B02, B07
         return "top-left", -1, 0
     return None, -1, -1
 
