@@ -119,6 +119,8 @@ def test_empty_and_k_zero():
     bias = testing.randn(8, device=DEVICE)
     out = kernel(g.f8f8bf16_rowwise_op)(xk0, w[:, :0], torch.ones(4, device=DEVICE), ws, bias)
     assert torch.equal(out, bias.to(torch.bfloat16).expand(4, 8)), "K = 0: the bias alone"
+    out = kernel(g.f8f8bf16_rowwise_op)(xk0.view(2, 2, 0), w[:, :0], torch.ones(2, 2, device=DEVICE), ws, bias)
+    assert torch.equal(out, bias.to(torch.bfloat16).expand(2, 2, 8)), "3-D activations, K = 0"
     xq, xs = g.quantize_rows(testing.randn(0, 5, 32, device=DEVICE))
     for batched in (kernel(g.f8f8bf16_rowwise_batched_op), g.f8f8bf16_rowwise_batched_op):  # no batch
         assert batched(xq, w[None].expand(0, 8, 32), xs, ws[None].expand(0, 8)).shape == (0, 5, 8)

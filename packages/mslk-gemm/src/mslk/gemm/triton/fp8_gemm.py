@@ -363,7 +363,7 @@ def _rowwise_into(XQ, WQ, x_scale, w_scale, bias, use_fast_accum, out):
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """t [..., K] as one [rows, K] matrix (t itself when 2-D: no view to pay for)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.flatten(0, -2)  # (reshape(-1, K) is ambiguous when K = 0)
 
 
 def _flat(scale: torch.Tensor) -> torch.Tensor:
