@@ -58,7 +58,7 @@ def naive_moe(x: torch.Tensor, full: dict[str, torch.Tensor], top_k: int) -> tor
     out = torch.empty_like(x)
     for n in range(x.shape[0]):
         out[n] = swiglu(x[n], w["w_in_shared_FD"].T, w["w_swiglu_FD"].T, w["w_out_shared_DF"].T)
-        for e in torch.topk(scores[n], top_k).indices.tolist():
+        for e in torch.sort(scores[n], descending=True, stable=True).indices[:top_k].tolist():  # ties: lower e
             v = x[n] * scores[n, e]
             out[n] += swiglu(v, w["moe_w_in_eDF"][e], w["moe_w_swiglu_eDF"][e], w["moe_w_out_eFD"][e])
     return out
@@ -98,6 +98,20 @@ def check_against_naive(precision: str, experts: int, top_k: int, batch: int, se
 @pytest.mark.parametrize(("batch", "seq"), [(1, 1), (3, 13), (1, 37)])
 def test_layers_match_naive_loop(precision, experts, top_k, batch, seq):
     check_against_naive(precision, experts, top_k, batch, seq, "cpu")
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_tied_scores_route_to_the_lower_experts(top_k):
+    """A saturated router (every score 1.0): both layers route as index_shuffling breaks ties, to the experts of
+    the lowest numbers (BaselineMoE's torch.topk picked others: 3.3x the output's norm apart)."""
+    args = MoEArgs("bf16", D, HIDDEN, 4, top_k)
+    full = full_weights(args)
+    full["router_DE"] = torch.full_like(full["router_DE"], 10.0)
+    x = testing.randn(2, 3, D, dtype=torch.bfloat16).abs() + 1  # scores sigmoid(10 · Σx) = 1 in fp32 and fp64
+    ref = naive_moe(x.view(-1, D), full, top_k).view(x.shape)
+    for cls in (BaselineMoE, MetaShufflingMoE):
+        with torch.no_grad():
+            testing.assert_rel_close(build(cls, args, full)(x, use_static_shape=False), ref, BF16_TOL, what=cls.__name__)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from mslk.moe import (
     index_shuffling,
     scatter_add_along_first_dim,
     scatter_add_dense_tokens,
+    scatter_add_padded_tokens,
     silu_mul,
     silu_mul_quant,
 )
@@ -189,6 +190,18 @@ def test_quantized_variants_quantize_rowwise():
             ),
             "Index on meta",
         ),
+        *[  # summed in fp32: float64 or integer rows would come back rounded through it
+            (
+                lambda op=op, dtype=dtype: op(torch.ones(4, 8, dtype=dtype), torch.ones(3, 8, dtype=dtype)),
+                f"rows are added in fp32: bfloat16, float16 or float32 only, got {dtype}",
+            )
+            for dtype in (torch.float64, torch.int64)
+            for op in (
+                lambda out, rows: scatter_add_dense_tokens(out, rows, torch.zeros(3).int()),
+                lambda out, rows: scatter_add_along_first_dim(out, rows, torch.zeros(3).long()),
+                lambda out, rows: scatter_add_padded_tokens(rows[None], torch.ones(1).int(), torch.zeros(3).int(), out),
+            )
+        ],
     ],
 )
 def test_bad_input(call, message):

@@ -190,6 +190,12 @@ def gather_scale_quant_dense_tokens(
 # --------------------------------------------------------------------------------------- scatter-add
 
 
+def _check_added_dtype(where: str, dtype: torch.dtype) -> None:
+    """The scatter-adds sum in fp32: wider or integer rows would come back rounded through it."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{where}: rows are added in fp32: bfloat16, float16 or float32 only, got {dtype}")
+
+
 def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=None):
     where = "scatter_add_dense_tokens"
     if out_tokens.dim() != 2 or in_tokens.dim() != 2 or out_tokens.shape[1] != in_tokens.shape[1]:
@@ -199,6 +205,7 @@ def _validate_scatter(out_tokens, in_tokens, token_indices, valid_token_count=No
         )
     if out_tokens.dtype != in_tokens.dtype:
         raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
+    _check_added_dtype(where, out_tokens.dtype)
     _check_indices(where, "token_indices", token_indices, in_tokens.shape[0])
     check_valid_token_count(where, valid_token_count)
     registry.check_devices(
@@ -374,6 +381,7 @@ def _validate_scatter_padded(in_tokens, token_counts, token_indices, out_tokens)
         )
     if in_tokens.dtype != out_tokens.dtype:
         raise ValueError(f"{where}: out_tokens is {out_tokens.dtype} but in_tokens is {in_tokens.dtype}")
+    _check_added_dtype(where, out_tokens.dtype)
     ranks = in_tokens.shape[0]
     if ranks == 0:
         raise ValueError(f"{where}: in_tokens [EP, T_K, D] needs at least one rank, got {tuple(in_tokens.shape)}")
@@ -463,6 +471,7 @@ def _validate_scatter_first_dim(Dst, Src, Index):
             f"{where}: expected Dst [T, D] and Src [a, D] of one dtype, got {tuple(Dst.shape)} {Dst.dtype} and "
             f"{tuple(Src.shape)} {Src.dtype}"
         )
+    _check_added_dtype(where, Dst.dtype)
     _check_indices(where, "Index", Index, Src.shape[0])
     registry.check_devices(where, Dst=Dst, Src=Src, Index=Index)
 

@@ -46,7 +46,7 @@ from mslk.moe.gather_scatter import (
     scatter_add_dense_tokens,
     scatter_add_padded_tokens,
 )
-from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling
+from mslk.moe.shuffling import combine_shuffling, index_shuffling, split_shuffling, top_experts
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 __all__ = [
@@ -435,7 +435,7 @@ class BaselineMoE(torch.nn.Module):
         """tokens [N, D] -> this rank's share of the output [N, D] (summed over ep_mp_group by forward)."""
         n, d = tokens.shape
         scores = self._router_scores(tokens)
-        chosen = torch.topk(scores, self.top_k, dim=1).indices
+        chosen = top_experts(scores, self.top_k)  # (ties as index_shuffling breaks them)
         gates = torch.zeros_like(scores).scatter_(1, chosen, scores.gather(1, chosen))  # [N, E], 0: not routed
         masked = (tokens.float()[None] * gates.t()[:, :, None]).to(tokens.dtype)  # [E, N, D]
         # EP: the rows of expert e go to its owner, which runs its experts on the rows of every rank.

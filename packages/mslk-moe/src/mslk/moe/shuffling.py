@@ -44,12 +44,17 @@ def _validate(routing_scores, expert_index_start=None, expert_index_end=None, va
     registry.check_devices(where, routing_scores=routing_scores, valid_token_count=valid_token_count)
 
 
+def top_experts(routing_scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, top_k]: each token's experts by descending score, a stable sort that puts NaN first and keeps equal
+    scores in expert order (index_shuffling's routing, which BaselineMoE follows to route as MetaShufflingMoE)."""
+    return torch.sort(routing_scores.float(), dim=1, descending=True, stable=True).indices[:, :top_k]
+
+
 def _index_shuffling(routing_scores, expert_index_start=None, expert_index_end=None, valid_token_count=None, top_k=1):
     tokens, experts = routing_scores.shape
     device = routing_scores.device
     start, end = _bounds(routing_scores, expert_index_start, expert_index_end)
-    # [T, k]: a stable descending sort puts NaN first and keeps equal scores in expert order.
-    chosen = torch.sort(routing_scores.float(), dim=1, descending=True, stable=True).indices[:, :top_k]
+    chosen = top_experts(routing_scores, top_k)  # [T, k]
     token = torch.arange(tokens, device=device)[:, None].expand(tokens, top_k)
     valid = (chosen >= start) & (chosen < end)
     valid_tokens = valid_rows(tokens, valid_token_count, device)

@@ -585,7 +585,7 @@ def _group_max_triton(x, m_sizes):
 
 def calculate_group_max(input: torch.Tensor, m_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-segment NVFP4 global scales of a stacked input (spec Q-14): (global_scale [G] fp32 = 448 · 6 /
-    amax of the segment (an all-zero segment counts amax 1e-8; an empty one gets the largest fp32), the
+    max(amax of the segment, 1e-8) (an empty segment gets the largest fp32), the
     segment of each row [M] int64 (G past sum(m_sizes))). No host sync."""
     return torch.ops.mslk.calculate_group_max(input, m_sizes)
 

@@ -282,13 +282,14 @@ def calculate_group_max(
     x: torch.Tensor, m_sizes: torch.Tensor, row_amax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-segment NVFP4 global scales of stacked x [..., K] (reference of fp4_quantize.calculate_group_max),
-    from the rows' max |x| when given: (448 · 6 / segment amax, 1e-8 for an all-zero segment, the largest
-    fp32 for an empty one; segment of each row, int64). Device-side ops, no host sync."""
+    from the rows' max |x| when given: (448 · 6 / max(segment amax, 1e-8) (as token_scale_inv_nvfp4: an amax
+    below 2.4e-35 would make it inf), the largest fp32 for an empty segment; segment of each row, int64).
+    Device-side ops, no host sync."""
     x2 = x.reshape(-1, x.shape[-1])
     row_amax = abs_max(x2, -1) if row_amax is None else row_amax
     segment = row_segments(m_sizes, x2.shape[0])
     amax = row_amax.new_zeros(m_sizes.numel() + 1).scatter_reduce_(0, segment, row_amax, "amax")[:-1]
-    amax = torch.where(amax == 0, 1e-8, amax)
+    amax = amax.clamp(min=1e-8)
     global_scale = amax.new_full((), FP8_E4M3_MAX * FP4_E2M1_MAX) / amax
     return torch.where(m_sizes == 0, torch.finfo(torch.float32).max, global_scale), segment
 
