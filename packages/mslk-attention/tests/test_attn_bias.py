@@ -4,6 +4,7 @@ derivations, split/pack round trips and errors."""
 import math
 import random
 
+import numpy
 import pytest
 import torch
 
@@ -182,6 +183,13 @@ def test_pack_and_split_round_trip():
             r"batch size >= 1 .*\[1, 0\]",
         ),
         (lambda: ab.BlockDiagonalMask.from_tensor_list([]), ValueError, r"batch size >= 1 .*\[\]"),
+        # lengths that are no integers: refused, not truncated (blocks of 1 and 2 rows, max_seqlen 2.5)
+        (lambda: ab.BlockDiagonalMask.from_seqlens([1.5, 2.5]), TypeError, r"lengths must be integers, got \[1.5"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([True, 2]), TypeError, "lengths must be integers"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([2]).q_seqinfo.from_seqlens_inplace([1.5]), TypeError, "integers"),
+        (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4.0, [2]), TypeError, "padding must be an integer"),
+        (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([], -1, []), ValueError, "padding=-1"),
+        (lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [0, 4], [2.0]), TypeError, "kv_seqlen must be"),
     ],
 )
 def test_errors(call, error, message):
@@ -294,6 +302,19 @@ def test_paged_mask_errors():
         padded.make_paged(tables[:, :1], 4, ab.PagedBlockDiagonalPaddedKeysMask)
     with pytest.raises(ValueError, match="inside its lane of 12 keys"):
         ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 11], [2, 2], tables, 4)
+    with pytest.raises(TypeError, match="kv_seqstarts must be integers"):
+        ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 1.0], [2, 2], tables, 4)
+    for window in (0, -3):  # B14's rule: common.causal_window read 0 as no window at all
+        with pytest.raises(ValueError, match=f"window_size must be >= 1, got {window}"):
+            ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens_local([1, 1], [2, 2], tables, 4, window)
+    with pytest.raises(TypeError, match="_window_size"):  # (it defaulted to 0)
+        ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens([1, 1], [2, 2], tables, 4)
+
+
+def test_lengths_of_integer_types_become_ints():
+    mask = ab.BlockDiagonalMask.from_seqlens(torch.tensor([2, 3]), [numpy.int64(4), 5], device="cpu")
+    assert mask.q_seqinfo.seqstart_py == [0, 2, 5] and mask.k_seqinfo.seqstart_py == [0, 4, 9]
+    assert all(type(n) is int for n in (mask.q_seqinfo.max_seqlen, mask.k_seqinfo.min_seqlen))
 
 
 def test_make_paged_lays_the_keys_out_in_pages():

@@ -14,6 +14,7 @@ lives in physical page block_tables[b, j // page_size] of a shared pool.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
@@ -23,6 +24,25 @@ import torch
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _int(name: str, value) -> int:
+    """value as a Python int (a Python or NumPy integer, an integer tensor of one element); a float or a bool is
+    refused rather than truncated, before any metadata holds it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer, got {value!r}")
+
+
+def _ints(name: str, values: Iterable) -> list[int]:
+    values = list(values)
+    try:
+        return [_int(name, v) for v in values]
+    except TypeError:
+        raise TypeError(f"{name} must be integers, got {values}") from None
 
 
 def _int_tensor(values: Sequence[int], device) -> torch.Tensor:
@@ -205,7 +225,7 @@ class _SeqLenInfo:
 
     @classmethod
     def from_seqlens(cls, seqlens: Iterable[int], *, device=None) -> _SeqLenInfo:
-        lengths = list(seqlens)
+        lengths = _ints("sequence lengths", seqlens)
         if any(n < 0 for n in lengths):
             raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
         starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
@@ -229,7 +249,7 @@ class _SeqLenInfo:
 
     def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
         """Packed sequences of new lengths (at most the captured max_seqlen) in this metadata's tensors."""
-        lengths = list(seqlens)
+        lengths = _ints("sequence lengths", seqlens)
         starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
         self._update(lengths, starts, self.max_seqlen, "max_seqlen")
 
@@ -250,8 +270,8 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
 
     @classmethod
     def from_seqlens_padded(cls, seqlens: Iterable[int], padding: int, *, device=None) -> _PaddedSeqLenInfo:
-        lengths = list(seqlens)
-        if any(not 0 <= n <= padding for n in lengths):
+        lengths, padding = _ints("key lengths", seqlens), _int("padding", padding)
+        if padding < 0 or any(not 0 <= n <= padding for n in lengths):
             raise ValueError(f"key lengths must be in [0, padding={padding}], got {lengths}")
         starts = [b * padding for b in range(len(lengths) + 1)]
         return cls(
@@ -268,7 +288,7 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
 
     def from_seqlens_padded_inplace(self, seqlens: Iterable[int]) -> None:
         """New key lengths (each at most padding) in this metadata's tensors, for a captured CUDA graph."""
-        lengths = list(seqlens)
+        lengths = _ints("key lengths", seqlens)
         self._update(lengths, list(self.seqstart_py), self.padding, "padding")
         self.max_seqlen = max([self.max_seqlen, *lengths])
         _write(self.seqlen, lengths)
@@ -295,7 +315,7 @@ class _GappySeqInfo(_SeqLenInfo):
     ) -> _GappySeqInfo:
         """seqstarts: B + 1 entries (the last the number of key rows), or paged, B (where each sequence starts
         inside its lane)."""
-        starts, lengths = list(seqstarts), list(seqlens)
+        starts, lengths = _ints("kv_seqstarts", seqstarts), _ints("kv_seqlen", seqlens)
         if paged:
             if len(starts) != len(lengths) or any(s < 0 or n < 0 for s, n in zip(starts, lengths, strict=True)):
                 raise ValueError(
@@ -725,8 +745,12 @@ class PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(PagedBlockDiagonalPaddedK
 class PagedBlockDiagonalCausalLocalPaddedKeysMask(PagedBlockDiagonalPaddedKeysMask):
     """B17: B14 (bottom-right causal over a window of `_window_size` keys), paged."""
 
-    _window_size: int = 0
+    _window_size: int
     _UNPAGED: ClassVar[type] = BlockDiagonalCausalLocalAttentionPaddedKeysMask
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window("window_size", self._window_size, 1)  # (B14's check: a kernel would read 0 as no window)
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_seqlen, block_tables, page_size, window_size, *, device=None):
@@ -769,7 +793,7 @@ def _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device) ->
     """The keys of paged gappy masks (upstream's paged _GappySeqInfo): kv_seqstarts[b] is where sequence b's keys
     start inside lane b, and they must end inside it."""
     lane = block_tables.shape[1] * page_size
-    starts, lengths = list(kv_seqstarts), list(kv_seqlen)
+    starts, lengths = _ints("kv_seqstarts", kv_seqstarts), _ints("kv_seqlen", kv_seqlen)
     if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
         raise ValueError(
             f"{cls.__name__}: kv_seqstarts (one per lane) and kv_seqlen must keep each sequence inside its lane "
