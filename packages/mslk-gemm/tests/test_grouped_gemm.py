@@ -7,6 +7,8 @@ and empty groups (G from 1 to 128), sizes summing short of the rows (those rows 
 M_sizes, N and K off the tile sizes, poisoned outputs; errors; CUDA-graph capture (GPU).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -242,6 +244,23 @@ def test_wgrad_into_outputs():
     kernel(g.bf16bf16bf16_grouped_wgrad_op)(dy, x, m_sizes, accumulated, True)
     testing.assert_rel_close(accumulated, start.double() + expected, 1e-2)
     assert torch.equal(accumulated[0], start[0])
+
+
+def test_inductor_compiles_the_grouped_ops_with_and_without_outputs():
+    """The ops that return their output argument when given (out / output=None): Inductor failed on the argument
+    left None ("getitem is not an OpOverload"); the reference path on the CPU."""
+    x, w = testing.randn(10, 32, dtype=torch.bfloat16), testing.randn(3, 8, 32, dtype=torch.bfloat16)
+    m_sizes = torch.tensor([3, 0, 7])
+    expected = g.bf16bf16bf16_grouped_stacked(x, w, m_sizes)
+    out = testing.empty_poisoned(10, 8, dtype=torch.bfloat16)
+    for given in (None, out):
+        call = functools.partial(g.bf16bf16bf16_grouped_stacked, x, w, m_sizes, given)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(call, fullgraph=True, backend="inductor")(), expected)
+    dy = testing.randn(10, 8, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    wgrad = torch.compile(lambda: g.bf16bf16bf16_grouped_wgrad(dy, x, m_sizes), fullgraph=True, backend="inductor")
+    assert torch.equal(wgrad(), g.bf16bf16bf16_grouped_wgrad(dy, x, m_sizes))
 
 
 # ------------------------------------------------------------------------------------ groupwise (G-17)

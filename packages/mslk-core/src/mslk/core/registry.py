@@ -7,6 +7,11 @@ An op is one `torch.library` schema (namespace `mslk` or the one spec/API.md giv
 - a fake kernel, so torch.compile and torch.export trace it without running it;
 - samples (small random inputs) that `mslk check` and the opcheck conformance test run.
 
+An op that returns its output argument when one is given (upstream's `Tensor(a!)? output=None) -> Tensor`)
+names it `out_arg`: a returned alias of an input is outside what torch.library allows (opcheck fails, Inductor
+cannot lower the optional mutated argument), so the schema is registered as a composite of two hidden ops,
+`_NAME_functional` without the argument and `_NAME_out`, which writes it and returns nothing.
+
 The torch op (`torch.ops.mslk.NAME`) dispatches to the first backend that supports the inputs. When none
 does, NotSupportedError lists the inputs, every backend's reasons and a next step. A backend can be pinned
 with MSLK_BACKEND or with `op(..., backend=NAME)`; a pinned backend that cannot serve the inputs raises
@@ -142,6 +147,7 @@ class Op:
         reference_devices: Sequence[str] = ("cpu",),
         next_step: str | None = None,
         tolerance: float | None = None,
+        out_arg: str | None = None,
     ):
         parsed = torch._C.parse_schema(schema)
         self.qualname: str = parsed.name  # "mslk::name"
@@ -165,6 +171,10 @@ class Op:
 
         lib = _library(self.namespace)
         lib.define(schema.split("::", 1)[1])
+        if out_arg is not None:
+            self._define_with_output(lib, schema, parsed, out_arg, fake)
+            OPS[self.qualname] = self
+            return
         for key in ("CPU", "CUDA"):
             lib.impl(self.name, self._dispatch, key)
         if not any(arg.type.kind() == "TensorType" for arg in parsed.arguments):
@@ -174,6 +184,66 @@ class Op:
         if fake is not None:
             torch.library.register_fake(self.qualname, self._validated(fake), lib=lib)
         OPS[self.qualname] = self
+
+    def _define_with_output(self, lib, schema: str, parsed, out_arg: str, fake: Callable[..., Any] | None) -> None:
+        """The op as a composite of `_NAME_functional` (no out_arg; returns a new tensor; only where out_arg is
+        optional) and `_NAME_out` (out_arg first and written; returns nothing), both served by the backends and the
+        fake with out_arg None or given."""
+        arguments = _schema_arguments(schema)
+        position = self.arg_names.index(out_arg)
+        others = self.arg_names[:position] + self.arg_names[position + 1 :]
+        declared = ", ".join(arguments[:position] + arguments[position + 1 :])
+        returns = schema.rsplit("->", 1)[1].strip()
+        functional, written = f"_{self.name}_functional", f"_{self.name}_out"
+        optional = arguments[position].split()[0].endswith("?")
+        if optional:
+            lib.define(f"{functional}({declared}) -> {returns}")
+        lib.define(f"{written}(Tensor(a!) {out_arg}, {declared}) -> ()")
+
+        defaults = {arg.name: arg.default_value for arg in parsed.arguments if arg.has_default_value()}
+
+        def public_args(output, args, kwargs) -> list:
+            """A hidden op's arguments (the dispatcher leaves defaults out) as the public op's, in schema order,
+            out_arg = output."""
+            values = [*args, *(kwargs.get(name, defaults.get(name)) for name in others[len(args) :])]
+            return [*values[:position], output, *values[position:]]
+
+        def composite(*args, **kwargs):
+            values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+            output = values.pop(out_arg, None)
+            if output is None:
+                return getattr(self._namespace_ops, functional)(**values)
+            getattr(self._namespace_ops, written)(output, **values)
+            return output
+
+        def new(*args, **kwargs):
+            return self._dispatch(*public_args(None, args, kwargs))
+
+        def write(output, *args, **kwargs) -> None:
+            self._dispatch(*public_args(output, args, kwargs))
+
+        lib.impl(self.name, composite, "CompositeImplicitAutograd")
+        for key in ("CPU", "CUDA"):
+            if optional:
+                lib.impl(functional, new, key)
+            lib.impl(written, write, key)
+        if fake is None:
+            return
+        checked = self._validated(fake)
+
+        def new_fake(*args, **kwargs):
+            return checked(*public_args(None, args, kwargs))
+
+        def write_fake(output, *args, **kwargs) -> None:
+            checked(*public_args(output, args, kwargs))
+
+        if optional:
+            torch.library.register_fake(f"{self.namespace}::{functional}", new_fake, lib=lib)
+        torch.library.register_fake(f"{self.namespace}::{written}", write_fake, lib=lib)
+
+    @property
+    def _namespace_ops(self):
+        return getattr(torch.ops, self.namespace)
 
     # -- declaring backends -------------------------------------------------------------------------
     def backend(
@@ -284,6 +354,18 @@ class Op:
     def usable_backends(self, device_type: str) -> list[Backend]:
         """Backends that could run on this device type here (inputs aside)."""
         return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
+
+
+def _schema_arguments(schema: str) -> list[str]:
+    """The arguments of a schema string as written ("Tensor(a!)? out=None", "int[2] stride=[1, 1]", ...)."""
+    text = schema.rsplit("->", 1)[0].split("(", 1)[1].strip()[:-1]  # (what lies between the name's parentheses)
+    arguments, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([") - (char in ")]")
+        if char == "," and depth == 0:
+            arguments.append(text[start:i].strip())
+            start = i + 1
+    return [*arguments, text[start:].strip()] if text.strip() else arguments
 
 
 @functools.lru_cache(maxsize=16)

@@ -97,6 +97,7 @@ def _samples(device):
 f8f8bf16_cublas_op = registry.Op(
     "mslk::f8f8bf16_cublas(Tensor A, Tensor B, Tensor? Ainvs=None, Tensor? Binvs=None, bool use_fast_accum=True, "
     "Tensor(a!)? output=None) -> Tensor",
+    out_arg="output",
     domain="gemm",
     reference=_reference,
     fake=lambda A, B, *args, **kwargs: A.new_empty((*A.shape[:-1], B.shape[0]), dtype=torch.bfloat16),

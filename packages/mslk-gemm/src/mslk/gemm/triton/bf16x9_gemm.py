@@ -181,6 +181,7 @@ def _samples(device):
 
 bf16x9_gemm_op = registry.Op(
     "mslk::bf16x9_gemm(Tensor A, Tensor B, Tensor(a!)? output=None) -> Tensor",
+    out_arg="output",
     domain="gemm",
     reference=_reference,
     fake=lambda A, B, output=None: A.new_empty((A.shape[0], B.shape[0])),

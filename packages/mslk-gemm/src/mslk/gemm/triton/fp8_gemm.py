@@ -531,6 +531,7 @@ def _batched_samples(device):
 f8f8bf16_rowwise_batched_op = registry.Op(
     "mslk::f8f8bf16_rowwise_batched(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor? bias=None, "
     "bool use_fast_accum=True, Tensor(a!)? output=None) -> Tensor",
+    out_arg="output",
     domain="gemm",
     reference=_batched_reference,
     fake=lambda XQ, WQ, *args, **kwargs: XQ.new_empty((*XQ.shape[:-1], WQ.shape[1]), dtype=torch.bfloat16),

@@ -409,6 +409,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
 
     op = registry.Op(
         f"mslk::{name}(Tensor X, Tensor W, Tensor M_sizes, Tensor(a!)? out=None, int? num_sms=None) -> Tensor",
+        out_arg="out",
         domain="gemm",
         reference=reference,
         fake=lambda X, W, M_sizes, out=None, num_sms=None: (
@@ -495,6 +496,7 @@ def _wgrad_samples(device):
 bf16bf16bf16_grouped_wgrad_op = registry.Op(
     "mslk::bf16bf16bf16_grouped_wgrad(Tensor X, Tensor W, Tensor M_sizes, Tensor(a!)? output=None, "
     "bool output_accum=False, int? num_sms=None) -> Tensor",
+    out_arg="output",
     domain="gemm",
     reference=_wgrad_reference,
     fake=lambda X, W, M_sizes, output=None, *args, **kwargs: (

@@ -349,6 +349,7 @@ def _grouped_mm_samples(device):
 f8f8bf16_rowwise_grouped_mm_op = registry.Op(
     "mslk::f8f8bf16_rowwise_grouped_mm(Tensor XQ, Tensor WQ, Tensor x_scale, Tensor w_scale, Tensor? offsets, "
     "Tensor(a!) output) -> Tensor",
+    out_arg="output",
     domain="gemm",
     reference=_grouped_mm_reference,
     fake=lambda XQ, WQ, x_scale, w_scale, offsets, output: output,
