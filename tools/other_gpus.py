@@ -148,6 +148,45 @@ def attention_calls():
                         yield name, None, "; ".join(reasons)
                         continue
                     yield name + " fwd+bwd", (lambda inp=inp, q=q: _forward_backward(tf, inp, q)), None
+    yield from splitk_calls()
+
+
+def splitk_calls():
+    """(name, call, why declined) of the split-K decoding forward: dense GQA decoding and a paged cache, over dtypes
+    and head dims (its FwOp takes CUDA inputs only; the calls go to apply, as the tests do)."""
+    from mslk.attention.fmha import attn_bias
+    from mslk.attention.fmha import triton_splitk as sk
+    from mslk.attention.fmha.common import Inputs
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for dim in (64, 128, 256):
+            q = torch.randn(4, 1, 2, 4, dim, dtype=dtype)
+            kv = torch.randn(4, 1000, 2, 1, dim, dtype=dtype).expand(4, 1000, 2, 4, dim)
+            yield (
+                f"split-K {dtype} K={dim} GQA decode",
+                lambda q=q, kv=kv: sk.FwOp.apply(Inputs(q, kv, kv), False),
+                None,
+            )
+            tables = torch.randperm(16).to(torch.int32).view(4, 4)
+            mask = attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                [1] * 4, [200] * 4, tables, 64
+            )
+            pool = torch.randn(1, 1024, 2, 1, dim, dtype=dtype).expand(1, 1024, 2, 4, dim)
+            inp = Inputs(q.view(1, 4, 2, 4, dim), pool, pool, mask)
+            yield f"split-K {dtype} K={dim} paged", lambda inp=inp: sk.FwOp.apply(inp, False), None
+            packed = sk.quantize_kv_int4(kv[..., :1, :], 2).expand(4, 1000, 2, 4, -1)
+            yield (
+                f"split-K {dtype} K={dim} int4 K/V",
+                lambda q=q, p=packed: _int4_op().apply(Inputs(q, p, p), False),
+                None,
+            )
+
+
+def _int4_op():
+    """triton_splitk with int4-packed K/V in two scale groups a row."""
+    from mslk.attention.fmha import triton_splitk as sk
+
+    return type("Int4", (sk.FwOp,), {"NUM_GROUPS": 2})
 
 
 def _forward_backward(tf, inp, grad):

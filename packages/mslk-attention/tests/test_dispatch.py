@@ -52,7 +52,7 @@ BACKEND_MODULES = [
     flash_mtia,
     torch_reference,
 ]
-KERNEL_MODULES = [cutlass, flash, torch_reference]  # the others declare kernels this release does not have
+KERNEL_MODULES = [cutlass, flash, triton_splitk, torch_reference]  # the others declare kernels this release lacks
 STUB_MODULES = [module for module in BACKEND_MODULES if module not in KERNEL_MODULES]
 
 
@@ -116,7 +116,7 @@ def test_spec_table_rows():
     assert not flash.BwOp.IS_DETERMINISTIC and not flash.FwOp.SUPPORTS_DIFFERENT_VALUE_EMBED
     assert flash3.FwOp.SUPPORTED_ATTN_BIAS_TYPES == common.bias_types("None B01 B03-B22")
     assert torch.float8_e4m3fn in flash3.FwOp.SUPPORTED_DTYPES and flash3.FwOp.SUPPORTED_MIN_K == 64
-    assert triton_splitk.FwOp.SUPPORTS_OUTPUT_DTYPE and triton_splitk.FwOp.SUPPORTS_QUANTIZED_INPUTS
+    assert triton_splitk.FwOp.SUPPORTS_OUTPUT_DTYPE and triton_splitk.FwOp.SUPPORTS_QUANTIZED_INPUTS  # int4 K/V
     assert triton_splitk.FwOp_S8.SPLIT_K == 8 and issubclass(triton_splitk.FwOp_S8, triton_splitk.FwOp)
     assert triton_splitk.FwOp.get_operator(8) is triton_splitk.FwOp_S8
     assert ck_splitk.FwOp_S128.SPLIT_K == 128 and ck.BwOp.SUPPORTS_ATTN_BIAS_GRAD
@@ -196,8 +196,8 @@ def test_generic_reasons_on_cpu():
     ]
     q5 = q[:, :, None]
     assert "operator does not support BMGHK format" in flash.BwOp.not_supported_reasons(fmha.Inputs(q5, q5, q5))
-    not_built = triton_splitk.FwOp.not_supported_reasons(fmha.Inputs(q, k, v))
-    assert not_built[-2:] == ["operator wasn't built", "Triton split-K kernel is not built into this release yet"]
+    not_built = ck.FwOp.not_supported_reasons(fmha.Inputs(q, k, v))
+    assert not_built[-2:] == ["operator wasn't built", ck.FwOp.NOT_BUILT_REASON]
 
     class MyMask(ab.LowerTriangularMask):
         pass

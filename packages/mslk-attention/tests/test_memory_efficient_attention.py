@@ -346,7 +346,10 @@ def test_no_operator_error_text():
         f"`{fmha.triton_splitk.FwOp.NAME}` is not supported because:\n"
     ) in text
     assert "\n`mslkF-reference` is not supported because:\n    dropout > 0.0\nNext step: " in text
-    assert "    operator wasn't built\n    Triton split-K kernel is not built into this release yet\n" in text
+    assert (
+        f"`{fmha.triton_splitk.FwOp.NAME}` is not supported because:\n    device=cpu (supported: {{'cuda'}})\n"
+        "    dtype=torch.float32 (supported: {torch.bfloat16, torch.float16})\n    dropout > 0.0\n"
+    ) in text
 
 
 def test_pinned_operator_error_text():

@@ -8,7 +8,8 @@ ratio's baseline) and FlexAttention with the same mask, compiled once per mask. 
 specs time the varlen shapes in CUDA graphs as well, where the host time of a call would otherwise hide the
 kernels. FLOPs follow PERF.md: forward 4·B·H·Mq·Mkv·K, halved for causal, scaled by the visible fraction for
 windows and varlen; forward+backward 3.5x. `mla_decode` and `mla_prefill` time MLA over a paged latent cache
-against SDPA on the same keys gathered beforehand (see MLA_DECODE).
+against SDPA on the same keys gathered beforehand (see MLA_DECODE); `attention_decode` and `triton_splitk_decode`
+decoding over a dense or paged KV cache (see DECODE).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from mslk.attention import fmha, mla
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import triton_flash
+from mslk.attention.fmha import triton_flash, triton_splitk
 from mslk.core import arch, bench, testing
 
 DENSE = [
@@ -266,5 +267,74 @@ def _register_mla():
         )
 
 
+# Decoding over a KV cache (PERF.md's decode row: B=16, one query, 8192 keys, 32 query heads over 8 KV heads, K=128),
+# the cache dense ([B, L, 8, 4 expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
+# PaddedKeysMask). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
+# kernel pinned. Baseline: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
+# an int4 cache's dequantized values, in bf16). CUDA graphs, as serving engines replay decode steps. Bytes: the K and
+# V read once (int4: K / 8 + 1 int32 a row).
+DECODE = [
+    {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "bf16"},
+    {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 256, "kv": "bf16"},
+    {"B": 64, "L": 4096, "Hq": 32, "Hkv": 8, "K": 128, "page": 64, "kv": "bf16"},
+    {"B": 4, "L": 32768, "Hq": 64, "Hkv": 8, "K": 128, "page": 64, "kv": "bf16"},
+    {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "int4"},
+]
+
+
+def _kv_row_bytes(s: dict) -> int:
+    return (s["K"] // 8 + 1) * 4 if s["kv"] == "int4" else s["K"] * 2
+
+
+def _decode_inputs(s: dict, device: torch.device):
+    """((q, k, v, mask) of the op, (q, k, v) of SDPA)."""
+    batch, keys, kv_heads, dim, page = s["B"], s["L"], s["Hkv"], s["K"], s["page"]
+    shared = s["Hq"] // kv_heads
+    q = testing.randn(batch, 1, kv_heads, shared, dim, dtype=torch.bfloat16, device=device)
+    if page:
+        pages = keys // page
+        tables = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
+        k, v = (testing.randn(1, batch * keys, kv_heads, 1, dim, dtype=torch.bfloat16, device=device) for _ in "kv")
+        mask = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+            [1] * batch, [keys] * batch, tables, page, device=device
+        )
+        rows = mask.pool_rows(device).view(batch, keys)
+        gathered = [t[0, rows, :, 0].transpose(1, 2) for t in (k, v)]
+        q = q.view(1, batch, kv_heads, shared, dim)
+    else:
+        k, v = (testing.randn(batch, keys, kv_heads, 1, dim, dtype=torch.bfloat16, device=device) for _ in "kv")
+        mask, gathered = None, [t[:, :, :, 0].transpose(1, 2).contiguous() for t in (k, v)]
+    sdpa_q = q.reshape(batch, s["Hq"], 1, dim)
+    if s["kv"] == "int4":
+        k, v = (triton_splitk.quantize_kv_int4(t) for t in (k, v))
+        gathered = [triton_splitk.dequantize_kv_int4(triton_splitk.quantize_kv_int4(t)).to(t.dtype) for t in gathered]
+    expand = (*k.shape[:3], shared, k.shape[-1])
+    return (q, k.expand(expand), v.expand(expand), mask), (sdpa_q, *gathered)
+
+
+def _decode_sdpa(i):
+    q, k, v = i[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _register_decode():
+    for name, op in (("attention_decode", None), ("triton_splitk_decode", triton_splitk.FwOp)):
+        bench.register(
+            bench.BenchSpec(
+                name=name,
+                op="mslk::memory_efficient_attention_forward",
+                shapes=DECODE,
+                make_inputs=_decode_inputs,
+                run=lambda i, op=op: fmha.memory_efficient_attention_forward(*i[0], op=op),
+                baselines={"SDPA (gathered cache, enable_gqa)": _decode_sdpa},
+                cuda_graph=True,
+                flops=lambda s: 4 * s["B"] * s["Hq"] * s["L"] * s["K"],
+                bytes=lambda s: 2 * s["B"] * s["L"] * s["Hkv"] * _kv_row_bytes(s),
+                domain="attention",
+            )
+        )
+
+
 _register()
 _register_mla()
+_register_decode()

@@ -148,7 +148,7 @@ def _apply_fw(op: type[AttentionFwOpBase], inp: Inputs, needs_gradient: bool) ->
         return op.apply(inp, needs_gradient)
     q = inp.query
     dtype = inp.get_output_dtype() if op.SUPPORTS_OUTPUT_DTYPE else q.dtype
-    out = q.new_zeros((*q.shape[:-1], inp.value.shape[-1]), dtype=dtype)
+    out = q.new_zeros((*q.shape[:-1], inp.value_head_dim), dtype=dtype)
     lse = torch.full((q.shape[0], *q.shape[2:-1], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
     return out, Context(lse=lse, out=out) if needs_gradient else None
 

@@ -238,10 +238,15 @@ class Inputs:
             or self.quantize_qk_to_fp8
         )
 
+    @property
+    def value_head_dim(self) -> int:
+        """The values' head dim: value's last dim, or query's where K/V come packed in int32 (int4 / FP8 rows)."""
+        return self.query.shape[-1] if self.value.dtype == torch.int32 else self.value.shape[-1]
+
     def normalize_bmhk(self) -> tuple[int, ...]:
         """BMK [B, M, K] -> BMHK [B, M, 1, K] (a 3-D tensor bias [B, Mq, Mk] -> [B, 1, Mq, Mk]), in place.
-        Returns the output shape in the caller's layout (query's shape with value's last dim)."""
-        output_shape = (*self.query.shape[:-1], self.value.shape[-1])
+        Returns the output shape in the caller's layout (query's shape with the values' head dim)."""
+        output_shape = (*self.query.shape[:-1], self.value_head_dim)
         if self.query.dim() == 3:
             self.query, self.key, self.value = (t.unsqueeze(2) for t in (self.query, self.key, self.value))
             if isinstance(self.attn_bias, torch.Tensor):
@@ -543,8 +548,7 @@ class AttentionOpBase:
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
         """Why this operator cannot serve `d` (empty: it can). The texts are the ones users search for."""
         q = d.query
-        value_dim = q.shape[-1] if d.value.dtype == torch.int32 else d.value.shape[-1]  # int32 = packed K/V
-        reasons = cls.shape_not_supported_reasons(Mq=q.shape[1], Mkv=d.key.shape[1], K=q.shape[-1], Kv=value_dim)
+        reasons = cls.shape_not_supported_reasons(Mq=q.shape[1], Mkv=d.key.shape[1], K=q.shape[-1], Kv=d.value_head_dim)
         device_type = q.device.type
         if device_type not in cls.SUPPORTED_DEVICES:
             reasons.append(f"device={device_type} (supported: {_set_text(cls.SUPPORTED_DEVICES)})")

@@ -1,43 +1,366 @@
-"""`triton_splitk`: MSLK's Triton split-K attention forward for decoding (spec §2.3 row `triton_splitKF`, §7.7):
-the keys are split into chunks attended in parallel, then merged. q f16/bf16/FP8, K/V possibly int32-packed
-int4 or FP8 rows, head dims 16-512 (powers of two), padded / gappy / paged varlen masks and a dense tensor bias,
-output in any dtype (partial attention), SM80+ or ROCm.
+"""`triton_splitk`: MSLK's Triton split-K attention forward for decoding (spec §2.3 row `triton_splitKF`, §7.7): a
+few queries a sequence over a long KV cache, the keys split into parts attended in parallel, then merged.
 
-The kernel is not part of this release yet: the operators exist with their attributes so that code pinning them
-(`FwOp`, `FwOp_S<n>`, `FwOp.get_operator(...)`) keeps importing, and report why they are not available.
+A program takes one sequence's queries of one (group, KV head) as the rows of its products: with K/V expanded over
+the heads (MQA / GQA, stride 0) the query heads of a KV head share each K and V tile it loads, so the cache is read
+once a KV head, not once a query head. It walks its part of the keys the queries' mask lets them see, BLOCK_N at
+a time, with the online softmax in fp32; keys come from their rows (dense, padded or gappy caches) or through the
+page table (paged masks: key j of lane b is row block_tables[b, j // page_size] · page_size + j % page_size of the
+pool). The part count fills the GPU in the fewest waves (launch.fewest_waves); the parts' outputs and log-sum-exps
+are combined by the merge kernel (merge.triton_merge_attentions_stacked). Masks: none, padded keys (B11-B14),
+gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the bottom right and local windows
+included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more programs);
+output in any dtype and the LSE for partial attention (varlen: packed).
+
+K/V may come int4-packed (int32 rows of quantize_kv_int4, spec §7.7; NUM_GROUPS scale groups a row, set in a
+subclass as upstream's tests do), dequantized in the kernel as their tiles load: a quarter of the bytes of bf16
+(plus 4 a group). Not yet: FP8 K/V rows (InputsFp8), a tensor bias, head dims past 256; the not-supported reasons
+say so, and the dispatcher goes on to the next backend.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import triton
+import triton.language as tl
 
-from mslk.attention.fmha.common import AttentionFwOpBase, bias_types
+from mslk.attention.fmha import attn_bias as ab
+from mslk.attention.fmha import merge
+from mslk.attention.fmha.common import (
+    AttentionFwOpBase,
+    Context,
+    Inputs,
+    InputsFp8,
+    InputsMXFp8,
+    bias_types,
+    varlen_args,
+)
+from mslk.attention.fmha.triton_flash import (
+    _alignment,
+    _bmghk,
+    _key_range,
+    _launches,
+    _sequence,
+    _switch_reasons,
+    _visible,
+)
+from mslk.core import arch, launch, registry
+
+_LOG2E = 1.4426950408889634
+_MAX_ROWS = 64  # query rows (queries x heads) a program: its accumulator 64 x 256 fp32 at most
+
+
+@triton.jit
+def _kv_tile(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
+             BLOCK_N: tl.constexpr):  # fmt: skip
+    """The [BLOCK_N, D or more] tile of K or V rows (`rows`: their starts). INT4 (spec §7.7, quantize_kv_int4's
+    layout; D a power of two): element 8w + j is nibble j of int32 GROUPS + w, times its group's fp16 scale plus
+    its shift, both packed in int32 g = (8w + j) // (D / GROUPS) (the scale in the low half); in fp32. The packed
+    words are loaded once each, then spread to their elements in registers."""
+    if INT4:
+        words = tl.load(rows + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None], other=0)
+        codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        codes = tl.reshape(codes, [BLOCK_N, D]).to(tl.float32)
+        packed = tl.load(rows + tl.arange(0, GROUPS)[None, :] * stride_d, mask=key_ok[:, None], other=0)
+        scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
+        shift = tl.reshape(tl.broadcast_to(shift[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
+        return codes * scale + shift
+    else:
+        return tl.load(rows + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _splitk_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, tables_ptr, groups, heads,
+    row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
+    stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
+    stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_os, stride_ob, stride_om, stride_og, stride_oh,
+    stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
+    VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    UPCAST: tl.constexpr, INT4: tl.constexpr, GROUPS: tl.constexpr, HEADS: tl.constexpr, QUERIES: tl.constexpr,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, group, head block, row block) (id 0) over part `split` (id 1) of the keys its queries
+    see: rows r = (query q0 + r // HEADS, head h0 + r % HEADS), HEADS query heads that share one KV head (1 when K/V
+    are not expanded over the heads). Writes the rows' output normalized over the part and their log-sum-exp
+    (natural log; −inf over no key, output zeros)."""
+    BLOCK_M: tl.constexpr = HEADS * QUERIES
+    head_blocks = tl.cdiv(heads, HEADS)
+    pid = tl.program_id(0)
+    row_block, head_block = pid % row_blocks, (pid // row_blocks) % head_blocks
+    g, b = (pid // (row_blocks * head_blocks)) % groups, pid // (row_blocks * head_blocks * groups)
+    split = tl.program_id(1)
+    q_start, q_len, k_start, k_len, batch = _sequence(
+        b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
+    )
+    batch = batch + tl.zeros([], tl.int64)  # (0 when varlen) in 64 bits: batch offsets may pass 2**31
+    shift = k_len - q_len if BOTTOM_RIGHT else 0
+    first_query = row_block * QUERIES
+    lo, hi = _key_range(first_query, q_len, k_len, shift, window_left, window_right, QUERIES, BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(hi, start + per_split)
+
+    rows = tl.arange(0, BLOCK_M)
+    query = first_query + rows // HEADS
+    head = head_block * HEADS + rows % HEADS
+    row_ok = (query < q_len) & (head < heads)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D  # (constant where D is a power of two: loads stay whole vectors)
+    q_rows = q_ptr + batch * stride_qb + (q_start + query).to(tl.int64) * stride_qm + g * stride_qg
+    q = tl.load(q_rows[:, None] + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    kv_head = head_block * HEADS  # the rows' shared KV head (HEADS > 1: K/V's head stride is 0)
+    k_base = k_ptr + batch * stride_kb + g * stride_kg + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + g * stride_vg + kv_head * stride_vh
+    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for first_key in range(start, end, BLOCK_N):
+        keys = first_key + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        if PAGED:  # the key's place in lane b, then its page
+            place = k_start - b * lane + keys
+            page = tl.load(tables_ptr + b.to(tl.int64) * stride_tb + (place // page_size) * stride_tp, mask=key_ok,
+                           other=0)  # fmt: skip
+            key_rows = page.to(tl.int64) * page_size + place % page_size
+        else:
+            key_rows = (k_start + keys).to(tl.int64)
+        k = _kv_tile(k_base + key_rows[:, None] * stride_km, key_ok, dims, dim_ok, stride_kd, INT4, GROUPS, D, BLOCK_N)
+        v = _kv_tile(v_base + key_rows[:, None] * stride_vm, key_ok, dims, dim_ok, stride_vd, INT4, GROUPS, D, BLOCK_N)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & key_ok[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0, no NaN
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    out = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
+    out_rows = (out_ptr + split * stride_os + batch * stride_ob
+                + (q_start + query).to(tl.int64) * stride_om + g * stride_og + head * stride_oh)  # fmt: skip
+    tl.store(out_rows[:, None] + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) / 1.4426950408889634, float("-inf"))
+    lse_rows = (lse_ptr + split * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
+                + (q_start + query).to(tl.int64) * stride_lm)  # fmt: skip
+    tl.store(lse_rows, lse, mask=row_ok)
+
+
+def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
+    """(the mask over keys laid out lane after lane, block_tables, lane, page_size) of a paged mask; the mask itself
+    and (None, 0, 1) otherwise."""
+    if isinstance(attn_bias, ab._Paged):
+        tables = attn_bias.block_tables
+        return attn_bias._unpaged(), tables, tables.shape[1] * attn_bias.page_size, attn_bias.page_size
+    return attn_bias, None, 0, 1
+
+
+def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 of the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def quantize_kv_int4(x: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """x [..., D] (D a multiple of 8 · num_groups) as int4-packed int32 [..., num_groups + D / 8] (spec §7.7): for
+    each group of D / num_groups elements, an int32 holding the fp16 scale (max − min) / 15 in its low half and the
+    fp16 shift (min) in its high half; then the codes round((x − shift) / scale) in [0, 15], element 8w + j in bits
+    4j of code word w. dequantize_kv_int4 inverts it (to half a scale step, plus fp16 rounding)."""
+    *lead, dim = x.shape
+    if dim % (8 * num_groups):
+        raise ValueError(
+            f"quantize_kv_int4: the head dim {dim} must be a multiple of 8 · num_groups = {8 * num_groups}"
+        )
+    groups = x.float().reshape(*lead, num_groups, dim // num_groups)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale, shift = ((high - low) / 15).to(torch.float16), low.to(torch.float16)
+    steps = (groups - shift.float()) / scale.float()
+    codes = torch.where(scale > 0, steps, 0.0).round().clamp(0, 15).to(torch.int64).reshape(*lead, dim // 8, 8)
+    words = (codes << (4 * torch.arange(8, device=x.device))).sum(-1)
+    bits = [t.view(torch.int16).to(torch.int64) & 0xFFFF for t in (scale, shift)]
+    scale_shift = (bits[0] | bits[1] << 16).squeeze(-1)
+    return _wrap_int32(torch.cat([scale_shift, words], dim=-1))
+
+
+def dequantize_kv_int4(packed: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """The fp32 [..., D] values of quantize_kv_int4's int32 [..., num_groups + D / 8]."""
+    *lead, width = packed.shape
+    dim = (width - num_groups) * 8
+    unsigned = packed.to(torch.int64) & 0xFFFFFFFF
+    halves = [((unsigned[..., :num_groups] >> s) & 0xFFFF) for s in (0, 16)]
+    scale, shift = (torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.float16).float() for h in halves)
+    codes = (unsigned[..., num_groups:, None] >> (4 * torch.arange(8, device=packed.device))) & 0xF
+    per_group = dim // num_groups
+    values = codes.reshape(*lead, num_groups, per_group).float()
+    return (values * scale[..., None] + shift[..., None]).reshape(*lead, dim)
+
+
+def _config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, fixed: list[int]) -> dict:
+    """Rows of a program: the query heads that share a KV head (up to 64), times as many queries as fit in 64 rows
+    (at least 16 rows: the products' least M). Keys 64 a block (32 at head dims past 128), 4 warps, 2 stages;
+    fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed configuration (FwOp.get_operator), 0 for these."""
+    block_n, warps, stages = fixed
+    heads = q.shape[3]
+    shared = heads > 1 and k.stride(3) == 0 and v.stride(3) == 0
+    per_program = min(launch.next_power_of_2(heads), _MAX_ROWS) if shared else 1
+    queries = max(16 // per_program, min(launch.next_power_of_2(max(max_q, 1)), _MAX_ROWS // per_program))
+    block_d = launch.next_power_of_2(max(q.shape[-1], 16))
+    return {
+        "HEADS": per_program,
+        "QUERIES": queries,
+        "BLOCK_N": block_n or (64 if block_d <= 128 else 32),
+        "BLOCK_D": block_d,
+        "num_warps": warps or 4,
+        "num_stages": stages or 2,
+    }
+
+
+def _splitk_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seqstart_q: torch.Tensor | None,
+    seqstart_k: torch.Tensor | None,
+    seqlen_k: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    lane: int,
+    page_size: int,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    output_dtype: torch.dtype,
+    split_k: int,
+    int4_groups: int,
+    config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] (fp32) of [B, M, (G,) H, K] inputs. split_k: the key parts (0:
+    the fewest waves); int4_groups: K/V's scale groups a row when they are int4-packed (int32), else 0; config:
+    (BLOCK_N, num_warps, num_stages), 0 for the default."""
+    q, k, v = (_bmghk(t) for t in (query, key, value))
+    batch, mq, groups, heads, dim = q.shape
+    varlen = seqstart_q is not None
+    sequences = seqstart_q.numel() - 1 if varlen else batch
+    max_q, max_k = (max_seqlen_q, max_seqlen_k) if varlen else (mq, k.shape[1])
+    out = torch.empty((batch, mq, groups, heads, dim), dtype=output_dtype, device=q.device)
+    lse = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or max_q == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    cfg = _config(q, k, v, max_q, config)
+    programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
+    if not split_k:
+        sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
+        split_k = launch.fewest_waves(programs, max_k, 2 * sms, least=4 * cfg["BLOCK_N"])
+    if split_k == 1:
+        partial, partial_lse = out[None], lse[None]
+    else:
+        partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
+        partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
+    tables = block_tables if block_tables is not None else seqstart_q
+    launch.fast(_splitk_kernel)[(programs, split_k)](
+        q, k, v, partial, partial_lse, seqstart_q, seqstart_k, seqlen_k, tables, groups, heads,
+        launch.cdiv(max_q, cfg["QUERIES"]), mq, k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left,
+        window_right, *q.stride(), *k.stride(), *v.stride(), *partial.stride(), *partial_lse.stride(),
+        *(block_tables.stride() if block_tables is not None else (0, 0)),
+        VARLEN=varlen, HAS_SEQLEN_K=seqlen_k is not None, PAGED=block_tables is not None, BOTTOM_RIGHT=bottom_right,
+        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0, GROUPS=max(int4_groups, 1), D=dim,
+        **cfg,
+    )  # fmt: skip
+    if split_k > 1:
+        out, lse = merge.triton_merge_attentions_stacked(partial, partial_lse, True, output_dtype)
+    return out, lse
+
+
+_splitk_forward_op = torch.library.custom_op("mslk_triton::splitk_attention_forward", _splitk_forward,
+                                             mutates_args=())  # fmt: skip
+
+
+@_splitk_forward_op.register_fake
+def _splitk_forward_fake(query, key, value, *args):
+    output_dtype = args[-4]  # (output_dtype, split_k, int4_groups, config) end the arguments
+    q = _bmghk(query)
+    batch, mq, groups, heads, dim = q.shape
+    return q.new_empty((batch, mq, groups, heads, dim), dtype=output_dtype), q.new_empty(
+        (batch, groups, heads, mq), dtype=torch.float32
+    )
 
 
 class FwOp(AttentionFwOpBase):
+    """MSLK's Triton split-K decoding forward (see the module docstring)."""
+
+    OPERATOR = _splitk_forward_op if registry.triton_missing() is None else None
+    NOT_BUILT_REASON = registry.triton_missing() or ""
     NAME = "triton_splitKF"
-    NOT_BUILT_REASON = "Triton split-K kernel is not built into this release yet"
-    SUPPORTED_DEVICES = frozenset({"cuda"})
+    SUPPORTED_DEVICES = frozenset({"cuda"})  # the interpreter's CPU path is for tests, which call apply directly
     CUDA_MINIMUM_COMPUTE_CAPABILITY = (8, 0)
-    SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn})
-    SUPPORTED_MIN_K = 16  # 16, 32, 64, 128, 256 or 512
-    SUPPORTED_MAX_K = 512
-    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None T B11 B12 B13 B14 B15 B16 B18 B19 B21 B22")
+    SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16})
+    SUPPORTED_MIN_K = 1  # head dims pad to a power of two of at least 16 in the kernel
+    SUPPORTED_MAX_K = 256
+    SUPPORTED_ATTN_BIAS_TYPES = bias_types("None B11-B19 B21 B22")
     SUPPORTS_CUSTOM_SCALE = True
     SUPPORTS_BMGHK = True
     SUPPORTS_PARTIAL = True
     SUPPORTS_OUTPUT_DTYPE = True
-    SUPPORTS_QUANTIZED_INPUTS = True
-    # Kernel configuration: None lets the heuristics (or autotuning) choose.
+    SUPPORTS_QUANTIZED_INPUTS = True  # int4-packed K/V (quantize_kv_int4); FP8 rows (InputsFp8): not yet
+    VARLEN_LSE_PACKED = True
+    # Kernel configuration: None lets the heuristics choose (AUTOTUNE, upstream's autotuning, takes them too).
     SPLIT_K: int | None = None
-    BLOCK_M: int | None = None
+    BLOCK_M: int | None = None  # rows come from the heads and queries (_config): kept for code that sets it
     BLOCK_N: int | None = None
     NUM_WARPS: int | None = None
     NUM_STAGES: int | None = None
-    SPLIT_K_EARLY_EXIT: bool | None = None
+    SPLIT_K_EARLY_EXIT: bool | None = None  # parts past a sequence's keys stop at once anyway
     AUTOTUNE: bool = False
+    NUM_GROUPS: int = 1  # scale groups a row of int4-packed K/V (1, 2, 4 or 8; set it in a subclass)
+
+    @classmethod
+    def not_supported_reasons(cls, d: Inputs) -> list[str]:
+        reasons = super().not_supported_reasons(d)
+        if isinstance(d, (InputsFp8, InputsMXFp8)) or d.quantize_qk_to_fp8 or d.quantize_pv_to_fp8:
+            reasons.append("FP8 K/V (InputsFp8, quantize_*_to_fp8) not supported yet: int4-packed K/V only")
+        elif d.key.dtype == torch.int32:
+            dim, packed = d.query.shape[-1], d.key.shape[-1]
+            least = max(16, 8 * cls.NUM_GROUPS)  # (16: the kernel's narrowest tile)
+            if dim & (dim - 1) or dim < least or packed != dim // 8 + cls.NUM_GROUPS:
+                reasons.append(
+                    f"int4-packed K/V of head dim {dim} in {cls.NUM_GROUPS} scale group(s) need a power of two of at "
+                    f"least {least} and {dim // 8 + cls.NUM_GROUPS} int32 a row (quantize_kv_int4), got {packed}"
+                )
+        return _switch_reasons(reasons, d)
+
+    @classmethod
+    def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
+        mask, block_tables, lane, page_size = _paging(inp.attn_bias)
+        varlen = varlen_args(mask)
+        alignment, window_left, window_right = _alignment(inp)
+        sequences = (None, None, None, 0, 0) if varlen is None else (
+            varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, varlen.max_seqlen_q, varlen.max_seqlen_k
+        )  # fmt: skip
+        out, lse = _launches(_splitk_forward_op, _splitk_forward)(
+            inp.query, inp.key, inp.value, *sequences[:3], block_tables, *sequences[3:], lane, page_size,
+            inp.scale_float, window_left, window_right, alignment == "bottom-right", inp.get_output_dtype(),
+            cls.SPLIT_K or 0, cls.NUM_GROUPS if inp.key.dtype == torch.int32 else 0,
+            [cls.BLOCK_N or 0, cls.NUM_WARPS or 0, cls.NUM_STAGES or 0],
+        )  # fmt: skip
+        if inp.query.dim() == 4:
+            out, lse = out[:, :, 0], lse[:, 0]
+        return out, Context(lse=lse, out=out) if needs_gradient else None
 
     @classmethod
     @functools.cache

@@ -1,0 +1,244 @@
+"""MSLK's Triton split-K decoding forward (`triton_splitk.FwOp`) against the float64 oracle: every mask it takes
+(padded, gappy and paged keys, causal, windows), MQA / GQA heads expanded with stride 0 and separate heads, BMHK
+and BMGHK, key splits forced from 1 to more than the keys, queries past one program's rows, custom scale, output
+dtype, sequences without keys, the LSE. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
+
+import pytest
+import torch
+
+from mslk.attention import fmha
+from mslk.attention.fmha import attn_bias_utils, common, dispatch, triton_splitk
+from mslk.attention.fmha.common import _BIAS_BY_ID
+from mslk.attention.fmha.reference import attention_reference
+from mslk.core import testing
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SUPPORTED_IDS = ["None", *[f"B{i}" for i in range(11, 20)], "B21", "B22"]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _inputs(bias_id, sizes, dtype, shared_heads, fmt="BMHK", device=DEVICE, page_size=16):
+    """Random q, k, v and the mask (attn_bias_utils' layouts); K/V expanded over the heads when shared_heads."""
+    batch, mq, mk, groups, heads, dim = sizes
+    cls = None if bias_id == "None" else _BIAS_BY_ID[bias_id]
+    bias = attn_bias_utils.create_attn_bias(
+        cls, batch, heads, groups, mq, mk, device, dtype, False, fmt, page_size=page_size
+    )
+    lead_q, lead_k = (batch, mq), (batch, mk)
+    if isinstance(bias, fmha.attn_bias._Paged):  # a pool of the tables' pages
+        lead_q, lead_k = (1, bias.q_seqinfo.seqstart_py[-1]), (1, bias.block_tables.numel() * page_size)
+    elif bias is not None:
+        lead_q, lead_k = (1, bias.q_seqinfo.seqstart_py[-1]), (1, bias.k_seqinfo.seqstart_py[-1])
+    heads_shape = (groups, heads) if fmt == "BMGHK" else (heads,)
+    q = testing.randn(*lead_q, *heads_shape, dim, dtype=dtype, device=device)
+    kv_heads = (*heads_shape[:-1], 1) if shared_heads else heads_shape
+    k, v = (testing.randn(*lead_k, *kv_heads, dim, dtype=dtype, device=device) for _ in range(2))
+    if shared_heads:
+        k, v = k.expand(*lead_k, *heads_shape, dim), v.expand(*lead_k, *heads_shape, dim)
+    return q, k, v, bias
+
+
+def _check(q, k, v, bias, dtype, op=triton_splitk.FwOp, scale=None, output_dtype=None):
+    inp = common.Inputs(q, k, v, bias, scale=scale, output_dtype=output_dtype)
+    out, ctx = op.apply(inp, needs_gradient=True)
+    ref, lse = attention_reference(q.double(), k, v, bias, scale)
+    assert out.dtype == (output_dtype or dtype) and out.shape == ref.shape
+    testing.assert_rel_close(out, ref, TOLERANCE[dtype])
+    assert ctx.lse.shape == lse.shape
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(ctx.lse))  # queries without keys: -inf in both, output zeros
+    torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("bias_id", SUPPORTED_IDS)
+@pytest.mark.parametrize(
+    ("fmt", "sizes", "shared_heads"),
+    [
+        ("BMHK", (3, 2, 70, 1, 4, 64), True),
+        ("BMGHK", (2, 1, 45, 2, 3, 32), True),
+        ("BMHK", (2, 3, 37, 1, 2, 40), False),
+    ],
+)
+def test_masks_and_layouts(bias_id, fmt, sizes, shared_heads):
+    """Every mask, heads sharing their K/V (the rows of one program) or not, a head dim that is no power of two."""
+    q, k, v, bias = _inputs(bias_id, sizes, torch.bfloat16, shared_heads, fmt)
+    inp = common.Inputs(q, k, v, bias)
+    assert [r for r in triton_splitk.FwOp.not_supported_reasons(inp) if not r.startswith("device=")] == []
+    _check(q, k, v, bias, torch.bfloat16)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 5, 64])
+@pytest.mark.parametrize("bias_id", ["None", "B16", "B22"])
+def test_fixed_splits(split_k, bias_id):
+    """Forced part counts (FwOp_S<n>), more parts than key blocks included (empty parts: LSE -inf, weight 0)."""
+    q, k, v, bias = _inputs(bias_id, (2, 2, 90, 1, 4, 16), torch.float16, True)
+    _check(q, k, v, bias, torch.float16, op=triton_splitk.FwOp.get_operator(split_k))
+
+
+def test_queries_past_one_program():
+    """40 queries x 4 heads = 160 rows: three programs of rows a (sequence, KV head), causal from the bottom right."""
+    q, k, v, bias = _inputs("B12", (2, 40, 100, 1, 4, 32), torch.bfloat16, True)
+    _check(q, k, v, bias, torch.bfloat16, op=triton_splitk.FwOp.get_operator(3))
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_windows_where_a_query_sees_no_key_of_a_block(split_k):
+    """A window of 3 keys over 8 queries: the last query sees none of the first key block its program walks (its
+    running max stays -inf there, which must not turn into NaN)."""
+    mask = fmha.attn_bias.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local(
+        [8, 5], 256, [200, 150], 3, device=DEVICE
+    )
+    q = testing.randn(1, 13, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (testing.randn(1, 512, 1, 32, dtype=torch.bfloat16, device=DEVICE).expand(1, 512, 2, 32) for _ in range(2))
+    _check(q, k, v, mask, torch.bfloat16, op=triton_splitk.FwOp.get_operator(split_k))
+
+
+def test_scale_output_dtype_and_strides():
+    q, k, v, bias = _inputs("B16", (3, 1, 50, 1, 8, 64), torch.bfloat16, True)
+    _check(q, k, v, bias, torch.bfloat16, scale=0.3, output_dtype=torch.float32)
+    q, k, v, _ = _inputs("None", (2, 3, 64, 1, 2, 32), torch.float16, False)
+    k_strided = torch.empty(2, 64, 2, 48, dtype=k.dtype, device=k.device)[..., :32].copy_(k)  # rows apart
+    _check(q, k_strided, v, None, torch.float16)
+
+
+def test_sequences_without_queries_or_keys():
+    """Empty query blocks, a sequence without keys (its queries: zeros, LSE -inf), no query at all."""
+    padded = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask
+    bias = padded.from_seqlens([2, 0, 1], 32, [5, 9, 0], device=DEVICE)
+    q = testing.randn(1, 3, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (testing.randn(1, 96, 2, 16, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    out, ctx = triton_splitk.FwOp.apply(common.Inputs(q, k, v, bias), needs_gradient=True)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2])) and ctx.lse[0, :, 2].isneginf().all()
+    _check(q, k, v, bias, torch.bfloat16)
+    empty = q[:, :0]
+    out, _ = triton_splitk.FwOp.apply(common.Inputs(empty, k[:, :0], v[:, :0]), needs_gradient=False)
+    assert out.shape == empty.shape
+
+
+def test_int4_layout_and_round_trip():
+    """quantize_kv_int4's layout (spec §7.7): element 8w + j is nibble j of code word w, after one scale-and-shift
+    int32 a group (fp16 scale low, shift high); values come back within half a step (plus fp16 rounding)."""
+    ramp = torch.arange(16, dtype=torch.float32)[None]  # scale 1, shift 0: codes 0..15
+    packed = triton_splitk.quantize_kv_int4(ramp)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 3)
+    assert [w & 0xFFFFFFFF for w in packed[0].tolist()] == [0x00003C00, 0x76543210, 0xFEDCBA98]  # fp16 1.0 = 0x3C00
+    assert torch.equal(triton_splitk.dequantize_kv_int4(packed), ramp)
+    x = testing.randn(4, 3, 128)
+    x[0, 0, :16] = 0.5  # a constant group: scale 0, exact
+    for groups in (1, 2, 4, 8):
+        packed = triton_splitk.quantize_kv_int4(x, groups)
+        assert packed.shape == (4, 3, groups + 16)
+        back = triton_splitk.dequantize_kv_int4(packed, groups)
+        step = x.reshape(4, 3, groups, -1).aminmax(dim=-1)
+        half_step = ((step.max - step.min) / 30).repeat_interleave(128 // groups, -1)
+        assert ((back - x).abs() <= half_step * 1.01 + 1e-3).all()
+    assert (triton_splitk.dequantize_kv_int4(triton_splitk.quantize_kv_int4(x, 8), 8)[0, 0, :16] == 0.5).all()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        triton_splitk.quantize_kv_int4(x[..., :60], 1)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+@pytest.mark.parametrize("bias_id", ["None", "B12", "B16", "B22"])
+def test_int4_kv(groups, bias_id):
+    """int4-packed K/V (GQA-shared and expanded) against the float64 oracle on their dequantized values."""
+    q, k, v, bias = _inputs(bias_id, (2, 2, 70, 1, 4, 64), torch.bfloat16, True)
+    packed = [triton_splitk.quantize_kv_int4(t[..., :1, :], groups).expand(*t.shape[:-1], -1) for t in (k, v)]
+    op = type("Int4", (triton_splitk.FwOp.get_operator(3),), {"NUM_GROUPS": groups})
+    inp = common.Inputs(q, *packed, bias)
+    assert [r for r in op.not_supported_reasons(inp) if not r.startswith("device=")] == []
+    out, ctx = op.apply(inp, needs_gradient=True)
+    k_values, v_values = (triton_splitk.dequantize_kv_int4(t, groups) for t in packed)
+    ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), bias)
+    testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16])
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+
+
+def test_reasons():
+    q, k, v, _ = _inputs("None", (1, 1, 32, 1, 2, 16), torch.bfloat16, True, device="cpu")
+    reasons = triton_splitk.FwOp.not_supported_reasons
+    assert "dtype=torch.float32 (supported: {torch.bfloat16, torch.float16})" in reasons(
+        common.Inputs(q.float(), k.float(), v.float())
+    )
+    assert "attn_bias type is <class 'torch.Tensor'>" in reasons(common.Inputs(q, k, v, torch.zeros(1, 2, 1, 32)))
+    wide = torch.zeros(1, 1, 2, 320, dtype=torch.bfloat16)
+    assert "max(query.shape[-1], value.shape[-1]) > 256" in reasons(common.Inputs(wide, wide, wide))
+    wrong_width = common.Inputs(q, k.contiguous().view(torch.int32), v.contiguous().view(torch.int32))  # 8, not 3
+    assert (
+        "int4-packed K/V of head dim 16 in 1 scale group(s) need a power of two of at least 16 and 3 int32 a row "
+        "(quantize_kv_int4), got 8"
+    ) in reasons(wrong_width)
+    narrow = triton_splitk.quantize_kv_int4(k[..., :8].float())  # head dim 8: below the kernel's tile
+    assert any(
+        r.startswith("int4-packed K/V of head dim 8") for r in reasons(common.Inputs(q[..., :8], narrow, narrow))
+    )
+    packed = triton_splitk.quantize_kv_int4(k.float())
+    assert not [r for r in reasons(common.Inputs(q, packed, packed)) if not r.startswith("device=")]
+    fp8 = common.Inputs(q, packed, packed, quantize_qk_to_fp8=True)
+    assert "FP8 K/V (InputsFp8, quantize_*_to_fp8) not supported yet: int4-packed K/V only" in reasons(fp8)
+
+
+def test_fake_kernel_and_opcheck():
+    q, k, v, bias = _inputs("B16", (2, 1, 40, 1, 4, 16), torch.float16, True)
+    mask, tables, lane, page_size = triton_splitk._paging(bias)
+    varlen = common.varlen_args(mask)
+    args = (q, k, v, varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, tables, varlen.max_seqlen_q,
+            varlen.max_seqlen_k, lane, page_size, 0.25, -1, 0, True, torch.float32, 2, 0, [0, 0, 0])  # fmt: skip
+    torch.library.opcheck(triton_splitk._splitk_forward_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", SUPPORTED_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("sizes", "shared_heads"), [((16, 1, 1000, 2, 4, 128), True), ((3, 4, 333, 1, 2, 256), False)])
+def test_gpu(bias_id, dtype, sizes, shared_heads):
+    q, k, v, bias = _inputs(bias_id, sizes, dtype, shared_heads, "BMGHK" if sizes[3] > 1 else "BMHK")
+    _check(q, k, v, bias, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B16"])
+def test_gpu_int4_kv(bias_id):
+    q, k, v, bias = _inputs(bias_id, (16, 1, 3000, 1, 8, 128), torch.bfloat16, True, page_size=64)
+    packed = [triton_splitk.quantize_kv_int4(t[..., :1, :], 2).expand(*t.shape[:-1], -1) for t in (k, v)]
+    op = type("Int4", (triton_splitk.FwOp,), {"NUM_GROUPS": 2})
+    out = fmha.memory_efficient_attention_forward(q, *packed, bias, op=op)
+    values = [triton_splitk.dequantize_kv_int4(t, 2).double() for t in packed]
+    testing.assert_rel_close(out, attention_reference(q.double(), *values, bias)[0], TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_is_dispatched_here_and_replays_in_a_graph():
+    """memory_efficient_attention over a paged cache picks this kernel (nothing else on CUDA takes paged masks but
+    the reference); a CUDA graph of the call replays on new lengths written in place."""
+    q, k, v, bias = _inputs("B16", (8, 1, 2048, 1, 8, 128), torch.bfloat16, True, page_size=64)
+    assert dispatch._dispatch_fw(common.Inputs(q, k, v, bias), False) is triton_splitk.FwOp
+    out = fmha.memory_efficient_attention_forward(q, k, v, bias)
+    testing.assert_rel_close(out, attention_reference(q.double(), k, v, bias)[0], TOLERANCE[torch.bfloat16])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fmha.memory_efficient_attention_forward(q, k, v, bias)
+    bias.k_seqinfo.from_seqlens_padded_inplace([7, 2048, 1, 900, 64, 65, 1000, 3])
+    replayed.fill_(float("nan"))
+    graph.replay()
+    testing.assert_rel_close(replayed, attention_reference(q.double(), k, v, bias)[0], TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize(("page", "kv"), [(0, "bf16"), (16, "bf16"), (0, "int4"), (16, "int4")])
+def test_bench_baseline_computes_the_op(page, kv):
+    """The decode bench's SDPA over the gathered cache gives the op's output (the reference's on the CPU; an int4
+    cache's dequantized values, as the kernel computes them)."""
+    from mslk.attention import bench
+
+    shape = {"B": 3, "L": 64, "Hq": 8, "Hkv": 2, "K": 32, "page": page, "kv": kv}
+    inputs = bench._decode_inputs(shape, torch.device("cpu"))
+    q, k, v, mask = inputs[0]
+    if kv == "int4":
+        k, v = (triton_splitk.dequantize_kv_int4(t) for t in (k, v))
+    out = fmha.memory_efficient_attention_forward(q.float(), k.float(), v.float(), mask)
+    sdpa = bench._decode_sdpa((None, [t.float() for t in inputs[1]]))
+    testing.assert_rel_close(out.reshape(sdpa.shape), sdpa, 1e-5 if kv == "bf16" else 1e-2)  # (SDPA's bf16 values)
