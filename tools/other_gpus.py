@@ -152,11 +152,11 @@ def attention_calls():
 
 
 def splitk_calls():
-    """(name, call, why declined) of the split-K decoding forward: dense GQA decoding and a paged cache, over dtypes
-    and head dims (its FwOp takes CUDA inputs only; the calls go to apply, as the tests do)."""
-    from mslk.attention.fmha import attn_bias
+    """(name, call, why declined) of the split-K decoding forward: dense GQA decoding, a paged cache, int4 and FP8
+    caches, over dtypes and head dims (its FwOp takes CUDA inputs only; the calls go to apply, as the tests do)."""
+    from mslk.attention.fmha import attn_bias, kv_cache
     from mslk.attention.fmha import triton_splitk as sk
-    from mslk.attention.fmha.common import Inputs
+    from mslk.attention.fmha.common import Inputs, InputsFp8
 
     for dtype in (torch.bfloat16, torch.float16):
         for dim in (64, 128, 256):
@@ -174,12 +174,23 @@ def splitk_calls():
             pool = torch.randn(1, 1024, 2, 1, dim, dtype=dtype).expand(1, 1024, 2, 4, dim)
             inp = Inputs(q.view(1, 4, 2, 4, dim), pool, pool, mask)
             yield f"split-K {dtype} K={dim} paged", lambda inp=inp: sk.FwOp.apply(inp, False), None
-            packed = sk.quantize_kv_int4(kv[..., :1, :], 2).expand(4, 1000, 2, 4, -1)
+            packed = kv_cache.quantize_kv_int4(kv[..., :1, :], 2).expand(4, 1000, 2, 4, -1)
             yield (
                 f"split-K {dtype} K={dim} int4 K/V",
                 lambda q=q, p=packed: _int4_op().apply(Inputs(q, p, p), False),
                 None,
             )
+            for fp32_scales in (False, True):
+                rows, scales = kv_cache.quantize_kv_fp8(kv[..., :1, :], fp32_scales)
+                rows, scales = rows.expand(4, 1000, 2, 4, -1), scales.expand(4, 1000, 2, 4)
+                inp = InputsFp8(q, rows, rows, None, use_fp32_scales=fp32_scales, k_fp8_scale_shift=scales,
+                                v_fp8_scale_shift=scales)  # fmt: skip
+                name = f"split-K {dtype} K={dim} FP8 K/V{' fp32 scales' if fp32_scales else ''}"
+                reasons = [r for r in sk.FwOp.not_supported_reasons(inp) if not r.startswith("device=")]  # (cpu)
+                if reasons:
+                    yield name, None, "; ".join(reasons)
+                else:
+                    yield name, lambda inp=inp: sk.FwOp.apply(inp, False), None
 
 
 def _int4_op():

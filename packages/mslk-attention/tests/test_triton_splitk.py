@@ -1,13 +1,13 @@
 """MSLK's Triton split-K decoding forward (`triton_splitk.FwOp`) against the float64 oracle: every mask it takes
 (padded, gappy and paged keys, causal, windows), MQA / GQA heads expanded with stride 0 and separate heads, BMHK
 and BMGHK, key splits forced from 1 to more than the keys, queries past one program's rows, custom scale, output
-dtype, sequences without keys, the LSE. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
+dtype, sequences without keys, the LSE; K/V int4-packed and in FP8 rows (kv_cache's formats). T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
 
 import pytest
 import torch
 
 from mslk.attention import fmha
-from mslk.attention.fmha import attn_bias_utils, common, dispatch, triton_splitk
+from mslk.attention.fmha import attn_bias_utils, common, dispatch, kv_cache, triton_splitk
 from mslk.attention.fmha.common import _BIAS_BY_ID
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import testing
@@ -120,22 +120,22 @@ def test_int4_layout_and_round_trip():
     """quantize_kv_int4's layout (spec §7.7): element 8w + j is nibble j of code word w, after one scale-and-shift
     int32 a group (fp16 scale low, shift high); values come back within half a step (plus fp16 rounding)."""
     ramp = torch.arange(16, dtype=torch.float32)[None]  # scale 1, shift 0: codes 0..15
-    packed = triton_splitk.quantize_kv_int4(ramp)
+    packed = kv_cache.quantize_kv_int4(ramp)
     assert packed.dtype == torch.int32 and packed.shape == (1, 3)
     assert [w & 0xFFFFFFFF for w in packed[0].tolist()] == [0x00003C00, 0x76543210, 0xFEDCBA98]  # fp16 1.0 = 0x3C00
-    assert torch.equal(triton_splitk.dequantize_kv_int4(packed), ramp)
+    assert torch.equal(kv_cache.dequantize_kv_int4(packed), ramp)
     x = testing.randn(4, 3, 128)
     x[0, 0, :16] = 0.5  # a constant group: scale 0, exact
     for groups in (1, 2, 4, 8):
-        packed = triton_splitk.quantize_kv_int4(x, groups)
+        packed = kv_cache.quantize_kv_int4(x, groups)
         assert packed.shape == (4, 3, groups + 16)
-        back = triton_splitk.dequantize_kv_int4(packed, groups)
+        back = kv_cache.dequantize_kv_int4(packed, groups)
         step = x.reshape(4, 3, groups, -1).aminmax(dim=-1)
         half_step = ((step.max - step.min) / 30).repeat_interleave(128 // groups, -1)
         assert ((back - x).abs() <= half_step * 1.01 + 1e-3).all()
-    assert (triton_splitk.dequantize_kv_int4(triton_splitk.quantize_kv_int4(x, 8), 8)[0, 0, :16] == 0.5).all()
+    assert (kv_cache.dequantize_kv_int4(kv_cache.quantize_kv_int4(x, 8), 8)[0, 0, :16] == 0.5).all()
     with pytest.raises(ValueError, match="multiple of 8"):
-        triton_splitk.quantize_kv_int4(x[..., :60], 1)
+        kv_cache.quantize_kv_int4(x[..., :60], 1)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 8])
@@ -143,16 +143,71 @@ def test_int4_layout_and_round_trip():
 def test_int4_kv(groups, bias_id):
     """int4-packed K/V (GQA-shared and expanded) against the float64 oracle on their dequantized values."""
     q, k, v, bias = _inputs(bias_id, (2, 2, 70, 1, 4, 64), torch.bfloat16, True)
-    packed = [triton_splitk.quantize_kv_int4(t[..., :1, :], groups).expand(*t.shape[:-1], -1) for t in (k, v)]
+    packed = [kv_cache.quantize_kv_int4(t[..., :1, :], groups).expand(*t.shape[:-1], -1) for t in (k, v)]
     op = type("Int4", (triton_splitk.FwOp.get_operator(3),), {"NUM_GROUPS": groups})
     inp = common.Inputs(q, *packed, bias)
     assert [r for r in op.not_supported_reasons(inp) if not r.startswith("device=")] == []
     out, ctx = op.apply(inp, needs_gradient=True)
-    k_values, v_values = (triton_splitk.dequantize_kv_int4(t, groups) for t in packed)
+    k_values, v_values = (kv_cache.dequantize_kv_int4(t, groups) for t in packed)
     ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), bias)
     testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16])
     finite = torch.isfinite(lse)
     torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+
+
+def test_fp8_layout_and_round_trip():
+    """quantize_kv_fp8's layout (spec §7.7): element 4w + j is byte j of word w (e4m3), a row's fp16 scale and shift
+    in one int32 (scale low), or an fp32 scale alone; values come back to FP8's precision: half a step of 3
+    mantissa bits at the code's magnitude, or a subnormal's half step."""
+    packed, scales = kv_cache.quantize_kv_fp8(torch.tensor([[-448.0, 0.0, 448.0, 224.0]]))  # scale 1, shift 0
+    assert packed.dtype == scales.dtype == torch.int32 and packed.shape == (1, 1) and scales.shape == (1,)
+    assert packed.item() & 0xFFFFFFFF == 0x767E00FE and scales.item() == 0x3C00  # 224, 448, 0, -448; fp16 1.0
+    x = testing.randn(3, 5, 64) * 4 + 1
+    x[0, 0] = 0.5  # a constant row: scale 0, exact
+    for fp32_scales in (False, True):
+        packed, scales = kv_cache.quantize_kv_fp8(x, use_fp32_scales=fp32_scales)
+        assert packed.shape == (3, 5, 16) and scales.shape == (3, 5)
+        assert scales.dtype == (torch.float32 if fp32_scales else torch.int32)
+        back = kv_cache.dequantize_kv_fp8(packed, scales)
+        shift = 0 if fp32_scales else (x.amax(-1, keepdim=True) + x.amin(-1, keepdim=True)) / 2
+        step = (x - shift).abs().amax(-1, keepdim=True) / 448
+        assert ((back - x).abs() <= (x - shift).abs() / 16 + step * 2**-9 + 1e-3 * x.abs()).all()
+        assert (back[0, 0] == 0.5).all()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kv_cache.quantize_kv_fp8(x[..., :62])
+
+
+@pytest.mark.parametrize("fp32_scales", [False, True])
+@pytest.mark.parametrize("bias_id", ["None", "B12", "B16", "B22"])
+def test_fp8_kv(fp32_scales, bias_id):
+    """K/V in FP8 rows (InputsFp8; GQA-shared, scales expanded with them) against the float64 oracle on their
+    dequantized values; a head dim that is no power of two."""
+    q, k, v, bias = _inputs(bias_id, (2, 2, 70, 1, 4, 40), torch.bfloat16, True)
+    quantized = [kv_cache.quantize_kv_fp8(t[..., :1, :], fp32_scales) for t in (k, v)]
+    (k8, k_scales), (v8, v_scales) = ((p.expand(*k.shape[:-1], -1), s.expand(k.shape[:-1])) for p, s in quantized)
+    inp = common.InputsFp8(q, k8, v8, bias, use_fp32_scales=fp32_scales, k_fp8_scale_shift=k_scales,
+                           v_fp8_scale_shift=v_scales)  # fmt: skip
+    op = triton_splitk.FwOp.get_operator(3)
+    assert [r for r in op.not_supported_reasons(inp) if not r.startswith("device=")] == []
+    out, ctx = op.apply(inp, needs_gradient=True)
+    k_values, v_values = (kv_cache.dequantize_kv_fp8(p, s).double() for p, s in ((k8, k_scales), (v8, v_scales)))
+    ref, lse = attention_reference(q.double(), k_values, v_values, bias)
+    testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16])
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+
+
+def test_fp8_kv_bmk_scales():
+    """BMK inputs: normalize_bmhk gives the scales their head dim too."""
+    q = testing.randn(2, 3, 16, dtype=torch.float16)
+    k, v = (testing.randn(2, 50, 16, dtype=torch.float16) for _ in "kv")
+    (k8, k_scales), (v8, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
+    inp = common.InputsFp8(q, k8, v8, k_fp8_scale_shift=k_scales, v_fp8_scale_shift=v_scales)
+    inp.validate_inputs()
+    assert inp.normalize_bmhk() == (2, 3, 16) and inp.k_fp8_scale_shift.shape == (2, 50, 1)
+    out, _ = triton_splitk.FwOp.apply(inp, needs_gradient=False)
+    values = [kv_cache.dequantize_kv_fp8(p, s).double() for p, s in ((k8, k_scales), (v8, v_scales))]
+    testing.assert_rel_close(out[:, :, 0], attention_reference(q.double(), *values, None)[0], TOLERANCE[torch.float16])
 
 
 def test_reasons():
@@ -169,23 +224,49 @@ def test_reasons():
         "int4-packed K/V of head dim 16 in 1 scale group(s) need a power of two of at least 16 and 3 int32 a row "
         "(quantize_kv_int4), got 8"
     ) in reasons(wrong_width)
-    narrow = triton_splitk.quantize_kv_int4(k[..., :8].float())  # head dim 8: below the kernel's tile
+    narrow = kv_cache.quantize_kv_int4(k[..., :8].float())  # head dim 8: below the kernel's tile
     assert any(
         r.startswith("int4-packed K/V of head dim 8") for r in reasons(common.Inputs(q[..., :8], narrow, narrow))
     )
-    packed = triton_splitk.quantize_kv_int4(k.float())
+    packed = kv_cache.quantize_kv_int4(k.float())
     assert not [r for r in reasons(common.Inputs(q, packed, packed)) if not r.startswith("device=")]
-    fp8 = common.Inputs(q, packed, packed, quantize_qk_to_fp8=True)
-    assert "FP8 K/V (InputsFp8, quantize_*_to_fp8) not supported yet: int4-packed K/V only" in reasons(fp8)
+    fp8_products = (
+        "FP8 queries or products and MX FP8 K/V (quantize_*_to_fp8, q_fp8_scale_shift, InputsMXFp8) not supported: "
+        "K/V in FP8 rows (InputsFp8) or int4-packed"
+    )
+    assert fp8_products in reasons(common.Inputs(q, packed, packed, quantize_qk_to_fp8=True))
+    (k8, k_scales), (v8, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
+    fp8 = common.InputsFp8(q, k8, v8, k_fp8_scale_shift=k_scales, v_fp8_scale_shift=v_scales)
+    assert not [r for r in reasons(fp8) if not r.startswith("device=")]
+    fp8.q_fp8_scale_shift = k_scales[:, :1]
+    assert fp8_products in reasons(fp8)
+    no_scales = common.InputsFp8(q, k8, v8, k_fp8_scale_shift=k_scales)
+    assert (
+        "InputsFp8: value's scales must be torch.int32 (1, 32, 2) (a scale a row; use_fp32_scales=False), got None"
+    ) in reasons(no_scales)
+    fp32_expected = common.InputsFp8(q, k8, v8, k_fp8_scale_shift=k_scales, v_fp8_scale_shift=v_scales,
+                                     use_fp32_scales=True)  # fmt: skip
+    assert (
+        "InputsFp8: key's scales must be torch.float32 (1, 32, 2) (a scale a row; use_fp32_scales=True), got "
+        "torch.int32 (1, 32, 2)"
+    ) in reasons(fp32_expected)
+    wide = common.InputsFp8(q, packed, packed, k_fp8_scale_shift=k_scales, v_fp8_scale_shift=v_scales)  # int4's width
+    assert (
+        "InputsFp8: key must be int32 of four FP8 values each, [..., 16 / 4] (kv_cache.quantize_kv_fp8), got "
+        "torch.int32 (1, 32, 2, 3)"
+    ) in reasons(wide)
 
 
 def test_fake_kernel_and_opcheck():
     q, k, v, bias = _inputs("B16", (2, 1, 40, 1, 4, 16), torch.float16, True)
     mask, tables, lane, page_size = triton_splitk._paging(bias)
     varlen = common.varlen_args(mask)
-    args = (q, k, v, varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, tables, varlen.max_seqlen_q,
+    args = (q, k, v, None, None, varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, tables, varlen.max_seqlen_q,
             varlen.max_seqlen_k, lane, page_size, 0.25, -1, 0, True, torch.float32, 2, 0, [0, 0, 0])  # fmt: skip
     torch.library.opcheck(triton_splitk._splitk_forward_op, args, test_utils=("test_schema", "test_faketensor"))
+    (k8, k_scales), (v8, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
+    fp8_args = (q, k8, v8, k_scales, v_scales, *args[5:])
+    torch.library.opcheck(triton_splitk._splitk_forward_op, fp8_args, test_utils=("test_schema", "test_faketensor"))
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
@@ -204,10 +285,26 @@ def test_gpu(bias_id, dtype, sizes, shared_heads):
 @pytest.mark.parametrize("bias_id", ["None", "B16"])
 def test_gpu_int4_kv(bias_id):
     q, k, v, bias = _inputs(bias_id, (16, 1, 3000, 1, 8, 128), torch.bfloat16, True, page_size=64)
-    packed = [triton_splitk.quantize_kv_int4(t[..., :1, :], 2).expand(*t.shape[:-1], -1) for t in (k, v)]
+    packed = [kv_cache.quantize_kv_int4(t[..., :1, :], 2).expand(*t.shape[:-1], -1) for t in (k, v)]
     op = type("Int4", (triton_splitk.FwOp,), {"NUM_GROUPS": 2})
     out = fmha.memory_efficient_attention_forward(q, *packed, bias, op=op)
-    values = [triton_splitk.dequantize_kv_int4(t, 2).double() for t in packed]
+    values = [kv_cache.dequantize_kv_int4(t, 2).double() for t in packed]
+    testing.assert_rel_close(out, attention_reference(q.double(), *values, bias)[0], TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp32_scales", [False, True])
+@pytest.mark.parametrize("bias_id", ["None", "B16"])
+def test_gpu_fp8_kv(bias_id, fp32_scales):
+    """FP8 rows dispatched here (nothing else on CUDA takes InputsFp8), with the platform's FP8 flavour."""
+    q, k, v, bias = _inputs(bias_id, (16, 1, 3000, 1, 8, 128), torch.bfloat16, True, page_size=64)
+    quantized = [kv_cache.quantize_kv_fp8(t[..., :1, :], fp32_scales) for t in (k, v)]
+    (k8, k_scales), (v8, v_scales) = ((p.expand(*k.shape[:-1], -1), s.expand(k.shape[:-1])) for p, s in quantized)
+    inp = common.InputsFp8(q, k8, v8, bias, use_fp32_scales=fp32_scales, k_fp8_scale_shift=k_scales,
+                           v_fp8_scale_shift=v_scales)  # fmt: skip
+    assert dispatch._dispatch_fw(inp, False) is triton_splitk.FwOp
+    out = fmha._memory_efficient_attention_forward(inp)
+    values = [kv_cache.dequantize_kv_fp8(p, s).double() for p, s in ((k8, k_scales), (v8, v_scales))]
     testing.assert_rel_close(out, attention_reference(q.double(), *values, bias)[0], TOLERANCE[torch.bfloat16])
 
 
@@ -228,17 +325,21 @@ def test_gpu_paged_decode_is_dispatched_here_and_replays_in_a_graph():
     testing.assert_rel_close(replayed, attention_reference(q.double(), k, v, bias)[0], TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.parametrize(("page", "kv"), [(0, "bf16"), (16, "bf16"), (0, "int4"), (16, "int4")])
+@pytest.mark.parametrize("kv", ["bf16", "int4", "fp8"])
+@pytest.mark.parametrize("page", [0, 16])
 def test_bench_baseline_computes_the_op(page, kv):
-    """The decode bench's SDPA over the gathered cache gives the op's output (the reference's on the CPU; an int4
+    """The decode bench's SDPA over the gathered cache gives the op's output (the reference's on the CPU; a quantized
     cache's dequantized values, as the kernel computes them)."""
     from mslk.attention import bench
 
     shape = {"B": 3, "L": 64, "Hq": 8, "Hkv": 2, "K": 32, "page": page, "kv": kv}
     inputs = bench._decode_inputs(shape, torch.device("cpu"))
-    q, k, v, mask = inputs[0]
+    q, k, v, mask = inputs[0].query, inputs[0].key, inputs[0].value, inputs[0].attn_bias
     if kv == "int4":
-        k, v = (triton_splitk.dequantize_kv_int4(t) for t in (k, v))
+        k, v = (kv_cache.dequantize_kv_int4(t) for t in (k, v))
+    elif kv == "fp8":
+        k, v = (kv_cache.dequantize_kv_fp8(t, s) for t, s in ((k, inputs[0].k_fp8_scale_shift),
+                                                               (v, inputs[0].v_fp8_scale_shift)))  # fmt: skip
     out = fmha.memory_efficient_attention_forward(q.float(), k.float(), v.float(), mask)
     sdpa = bench._decode_sdpa((None, [t.float() for t in inputs[1]]))
     testing.assert_rel_close(out.reshape(sdpa.shape), sdpa, 1e-5 if kv == "bf16" else 1e-2)  # (SDPA's bf16 values)

@@ -20,7 +20,8 @@ import torch
 
 from mslk.attention import fmha, mla
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import triton_flash, triton_splitk
+from mslk.attention.fmha import kv_cache, triton_flash, triton_splitk
+from mslk.attention.fmha.common import Inputs, InputsFp8
 from mslk.core import arch, bench, testing
 
 DENSE = [
@@ -271,23 +272,31 @@ def _register_mla():
 # the cache dense ([B, L, 8, 4 expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
 # PaddedKeysMask). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
 # kernel pinned. Baseline: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
-# an int4 cache's dequantized values, in bf16). CUDA graphs, as serving engines replay decode steps. Bytes: the K and
-# V read once (int4: K / 8 + 1 int32 a row).
+# a quantized cache's dequantized values, in bf16). CUDA graphs, as serving engines replay decode steps. Bytes: the K
+# and V read once (int4: K / 8 + 1 int32 a row; FP8 rows: K bytes and a 4-byte scale).
 DECODE = [
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "bf16"},
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 256, "kv": "bf16"},
     {"B": 64, "L": 4096, "Hq": 32, "Hkv": 8, "K": 128, "page": 64, "kv": "bf16"},
     {"B": 4, "L": 32768, "Hq": 64, "Hkv": 8, "K": 128, "page": 64, "kv": "bf16"},
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "int4"},
+    {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 64, "kv": "fp8"},
 ]
 
 
 def _kv_row_bytes(s: dict) -> int:
-    return (s["K"] // 8 + 1) * 4 if s["kv"] == "int4" else s["K"] * 2
+    return {"int4": (s["K"] // 8 + 1) * 4, "fp8": s["K"] + 4}.get(s["kv"], s["K"] * 2)
+
+
+def _round_trip(t: torch.Tensor, kv: str) -> torch.Tensor:
+    """t's values as a cache in format kv holds them."""
+    if kv == "int4":
+        return kv_cache.dequantize_kv_int4(kv_cache.quantize_kv_int4(t)).to(t.dtype)
+    return kv_cache.dequantize_kv_fp8(*kv_cache.quantize_kv_fp8(t)).to(t.dtype) if kv == "fp8" else t
 
 
 def _decode_inputs(s: dict, device: torch.device):
-    """((q, k, v, mask) of the op, (q, k, v) of SDPA)."""
+    """(the op's Inputs, (q, k, v) of SDPA)."""
     batch, keys, kv_heads, dim, page = s["B"], s["L"], s["Hkv"], s["K"], s["page"]
     shared = s["Hq"] // kv_heads
     q = testing.randn(batch, 1, kv_heads, shared, dim, dtype=torch.bfloat16, device=device)
@@ -305,11 +314,16 @@ def _decode_inputs(s: dict, device: torch.device):
         k, v = (testing.randn(batch, keys, kv_heads, 1, dim, dtype=torch.bfloat16, device=device) for _ in "kv")
         mask, gathered = None, [t[:, :, :, 0].transpose(1, 2).contiguous() for t in (k, v)]
     sdpa_q = q.reshape(batch, s["Hq"], 1, dim)
+    gathered = [_round_trip(t, s["kv"]) for t in gathered]
+    heads = (*k.shape[:3], shared)
+    if s["kv"] == "fp8":
+        (k, k_scales), (v, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
+        expanded = [t.expand(*heads, t.shape[-1]) for t in (k, v)]
+        scales = {"k_fp8_scale_shift": k_scales.expand(heads), "v_fp8_scale_shift": v_scales.expand(heads)}
+        return InputsFp8(q, *expanded, mask, **scales), (sdpa_q, *gathered)
     if s["kv"] == "int4":
-        k, v = (triton_splitk.quantize_kv_int4(t) for t in (k, v))
-        gathered = [triton_splitk.dequantize_kv_int4(triton_splitk.quantize_kv_int4(t)).to(t.dtype) for t in gathered]
-    expand = (*k.shape[:3], shared, k.shape[-1])
-    return (q, k.expand(expand), v.expand(expand), mask), (sdpa_q, *gathered)
+        k, v = (kv_cache.quantize_kv_int4(t) for t in (k, v))
+    return Inputs(q, *(t.expand(*heads, t.shape[-1]) for t in (k, v)), mask), (sdpa_q, *gathered)
 
 
 def _decode_sdpa(i):
@@ -325,7 +339,7 @@ def _register_decode():
                 op="mslk::memory_efficient_attention_forward",
                 shapes=DECODE,
                 make_inputs=_decode_inputs,
-                run=lambda i, op=op: fmha.memory_efficient_attention_forward(*i[0], op=op),
+                run=lambda i, op=op: fmha._memory_efficient_attention_forward(i[0], op=op),
                 baselines={"SDPA (gathered cache, enable_gqa)": _decode_sdpa},
                 cuda_graph=True,
                 flops=lambda s: 4 * s["B"] * s["Hq"] * s["L"] * s["K"],

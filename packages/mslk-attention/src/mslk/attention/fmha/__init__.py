@@ -33,6 +33,7 @@ from mslk.attention.fmha import (  # noqa: F401  (modules users reach as fmha.<m
     flash3,
     flash_mtia,
     flydsl,
+    kv_cache,
     merge,
     merge_training,
     split_blocks_fairinternal,

@@ -343,6 +343,20 @@ class InputsFp8(Inputs):
     v_fp8_scale_shift: torch.Tensor | None = None
     q_fp8_scale_shift: torch.Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        scales = (self.k_fp8_scale_shift, self.v_fp8_scale_shift, self.q_fp8_scale_shift)
+        return super().nbytes + sum(_stored_bytes(t) for t in scales if t is not None)
+
+    def normalize_bmhk(self) -> tuple[int, ...]:
+        """As Inputs.normalize_bmhk, the scales (a scale a row: the tensors' shapes without the last dim) too."""
+        if self.query.dim() == 3:
+            self.k_fp8_scale_shift, self.v_fp8_scale_shift, self.q_fp8_scale_shift = (
+                None if t is None else t.unsqueeze(2)
+                for t in (self.k_fp8_scale_shift, self.v_fp8_scale_shift, self.q_fp8_scale_shift)
+            )
+        return super().normalize_bmhk()
+
 
 @dataclass
 class InputsMXFp8(Inputs):

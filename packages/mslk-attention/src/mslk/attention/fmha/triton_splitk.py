@@ -12,10 +12,11 @@ gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the
 included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more programs);
 output in any dtype and the LSE for partial attention (varlen: packed).
 
-K/V may come int4-packed (int32 rows of quantize_kv_int4, spec §7.7; NUM_GROUPS scale groups a row, set in a
-subclass as upstream's tests do), dequantized in the kernel as their tiles load: a quarter of the bytes of bf16
-(plus 4 a group). Not yet: FP8 K/V rows (InputsFp8), a tensor bias, head dims past 256; the not-supported reasons
-say so, and the dispatcher goes on to the next backend.
+K/V may come quantized in kv_cache's formats (spec §7.7), dequantized in the kernel as their tiles load: int4-packed
+(a quarter of the bytes of bf16, plus 4 a group; NUM_GROUPS scale groups a row, set in a subclass as upstream's
+tests do) or FP8 rows (InputsFp8: half the bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer).
+Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
+reasons say so, and the dispatcher goes on to the next backend.
 """
 
 from __future__ import annotations
@@ -54,35 +55,50 @@ _MAX_ROWS = 64  # query rows (queries x heads) a program: its accumulator 64 x 2
 
 
 @triton.jit
-def _kv_tile(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
-             BLOCK_N: tl.constexpr):  # fmt: skip
-    """The [BLOCK_N, D or more] tile of K or V rows (`rows`: their starts). INT4 (spec §7.7, quantize_kv_int4's
-    layout; D a power of two): element 8w + j is nibble j of int32 GROUPS + w, times its group's fp16 scale plus
-    its shift, both packed in int32 g = (8w + j) // (D / GROUPS) (the scale in the low half); in fp32. The packed
-    words are loaded once each, then spread to their elements in registers."""
+def _half_pair(packed):
+    """The fp16 (scale, shift) packed in int32 (kv_cache's layout: the scale in the low half), in fp32."""
+    scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, shift
+
+
+@triton.jit
+def _kv_tile(rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr,
+             FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The [BLOCK_N, D or more] tile of K or V rows (`rows`: their starts), dequantized in fp32 where the cache is
+    quantized (kv_cache's formats). INT4 (D a power of two): element 8w + j is nibble j of int32 GROUPS + w, times
+    its group's scale plus its shift, packed in int32 g = (8w + j) // (D / GROUPS); the packed words are loaded
+    once each, then spread to their elements in registers. FP8 rows (the tensors viewed as FP8 by the caller) scale
+    by the row's scale at `scale_rows`: fp16 scale and shift in an int32 (FP8_SCALES 1) or an fp32 scale (2)."""
     if INT4:
         words = tl.load(rows + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None], other=0)
         codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
         codes = tl.reshape(codes, [BLOCK_N, D]).to(tl.float32)
-        packed = tl.load(rows + tl.arange(0, GROUPS)[None, :] * stride_d, mask=key_ok[:, None], other=0)
-        scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale, shift = _half_pair(tl.load(rows + tl.arange(0, GROUPS)[None, :] * stride_d, mask=key_ok[:, None],
+                                          other=0))  # fmt: skip
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
         shift = tl.reshape(tl.broadcast_to(shift[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
         return codes * scale + shift
     else:
-        return tl.load(rows + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        tile = tl.load(rows + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if FP8_SCALES == 1:
+            scale, shift = _half_pair(tl.load(scale_rows, mask=key_ok, other=0))
+            tile = tile.to(tl.float32) * scale[:, None] + shift[:, None]
+        elif FP8_SCALES == 2:
+            tile = tile.to(tl.float32) * tl.load(scale_rows, mask=key_ok, other=0.0)[:, None]
+        return tile
 
 
 @triton.jit
 def _splitk_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, tables_ptr, groups, heads,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, tables_ptr, groups, heads,
     row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
     stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
-    stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_os, stride_ob, stride_om, stride_og, stride_oh,
+    stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_ksb, stride_ksm, stride_ksg, stride_ksh, stride_vsb,
+    stride_vsm, stride_vsg, stride_vsh, stride_os, stride_ob, stride_om, stride_og, stride_oh,
     stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
     VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    UPCAST: tl.constexpr, INT4: tl.constexpr, GROUPS: tl.constexpr, HEADS: tl.constexpr, QUERIES: tl.constexpr,
+    UPCAST: tl.constexpr, INT4: tl.constexpr, GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, HEADS: tl.constexpr, QUERIES: tl.constexpr,
     BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, group, head block, row block) (id 0) over part `split` (id 1) of the keys its queries
@@ -118,6 +134,8 @@ def _splitk_kernel(
     kv_head = head_block * HEADS  # the rows' shared KV head (HEADS > 1: K/V's head stride is 0)
     k_base = k_ptr + batch * stride_kb + g * stride_kg + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + g * stride_vg + kv_head * stride_vh
+    k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + kv_head * stride_ksh  # (FP8 rows: a scale a row)
+    v_scales = v_scale_ptr + batch * stride_vsb + g * stride_vsg + kv_head * stride_vsh
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         q = q.to(tl.float32)
 
@@ -134,8 +152,10 @@ def _splitk_kernel(
             key_rows = page.to(tl.int64) * page_size + place % page_size
         else:
             key_rows = (k_start + keys).to(tl.int64)
-        k = _kv_tile(k_base + key_rows[:, None] * stride_km, key_ok, dims, dim_ok, stride_kd, INT4, GROUPS, D, BLOCK_N)
-        v = _kv_tile(v_base + key_rows[:, None] * stride_vm, key_ok, dims, dim_ok, stride_vd, INT4, GROUPS, D, BLOCK_N)
+        k = _kv_tile(k_base + key_rows[:, None] * stride_km, k_scales + key_rows * stride_ksm, key_ok, dims, dim_ok,
+                     stride_kd, INT4, GROUPS, FP8_SCALES, D, BLOCK_N)  # fmt: skip
+        v = _kv_tile(v_base + key_rows[:, None] * stride_vm, v_scales + key_rows * stride_vsm, key_ok, dims, dim_ok,
+                     stride_vd, INT4, GROUPS, FP8_SCALES, D, BLOCK_N)  # fmt: skip
         k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & key_ok[None, :]
@@ -168,45 +188,6 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
-def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2**32) as the int32 of the same bits."""
-    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
-
-
-def quantize_kv_int4(x: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """x [..., D] (D a multiple of 8 · num_groups) as int4-packed int32 [..., num_groups + D / 8] (spec §7.7): for
-    each group of D / num_groups elements, an int32 holding the fp16 scale (max − min) / 15 in its low half and the
-    fp16 shift (min) in its high half; then the codes round((x − shift) / scale) in [0, 15], element 8w + j in bits
-    4j of code word w. dequantize_kv_int4 inverts it (to half a scale step, plus fp16 rounding)."""
-    *lead, dim = x.shape
-    if dim % (8 * num_groups):
-        raise ValueError(
-            f"quantize_kv_int4: the head dim {dim} must be a multiple of 8 · num_groups = {8 * num_groups}"
-        )
-    groups = x.float().reshape(*lead, num_groups, dim // num_groups)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale, shift = ((high - low) / 15).to(torch.float16), low.to(torch.float16)
-    steps = (groups - shift.float()) / scale.float()
-    codes = torch.where(scale > 0, steps, 0.0).round().clamp(0, 15).to(torch.int64).reshape(*lead, dim // 8, 8)
-    words = (codes << (4 * torch.arange(8, device=x.device))).sum(-1)
-    bits = [t.view(torch.int16).to(torch.int64) & 0xFFFF for t in (scale, shift)]
-    scale_shift = (bits[0] | bits[1] << 16).squeeze(-1)
-    return _wrap_int32(torch.cat([scale_shift, words], dim=-1))
-
-
-def dequantize_kv_int4(packed: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
-    """The fp32 [..., D] values of quantize_kv_int4's int32 [..., num_groups + D / 8]."""
-    *lead, width = packed.shape
-    dim = (width - num_groups) * 8
-    unsigned = packed.to(torch.int64) & 0xFFFFFFFF
-    halves = [((unsigned[..., :num_groups] >> s) & 0xFFFF) for s in (0, 16)]
-    scale, shift = (torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.float16).float() for h in halves)
-    codes = (unsigned[..., num_groups:, None] >> (4 * torch.arange(8, device=packed.device))) & 0xF
-    per_group = dim // num_groups
-    values = codes.reshape(*lead, num_groups, per_group).float()
-    return (values * scale[..., None] + shift[..., None]).reshape(*lead, dim)
-
-
 def _config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, fixed: list[int]) -> dict:
     """Rows of a program: the query heads that share a KV head (up to 64), times as many queries as fit in 64 rows
     (at least 16 rows: the products' least M). Keys 64 a block (32 at head dims past 128), 4 warps, 2 stages;
@@ -227,10 +208,17 @@ def _config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, fixed
     }
 
 
+def _scale_strides(scales: torch.Tensor) -> tuple[int, ...]:
+    """The strides of FP8 rows' scales [B, M, G, H]; zeros for the placeholder (a 5-D K) when there are none."""
+    return scales.stride() if scales.dim() == 4 else (0, 0, 0, 0)
+
+
 def _splitk_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
     seqstart_q: torch.Tensor | None,
     seqstart_k: torch.Tensor | None,
     seqlen_k: torch.Tensor | None,
@@ -248,10 +236,14 @@ def _splitk_forward(
     int4_groups: int,
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] (fp32) of [B, M, (G,) H, K] inputs. split_k: the key parts (0:
-    the fewest waves); int4_groups: K/V's scale groups a row when they are int4-packed (int32), else 0; config:
+    """out [B, Mq, G, H, K] and LSE [B, G, H, Mq] (fp32) of [B, M, (G,) H, K] inputs. key_scales / value_scales
+    [B, M, (G,) H]: the scales of FP8 rows (K/V int32 of four FP8 values each), else None; split_k: the key parts
+    (0: the fewest waves); int4_groups: K/V's scale groups a row when they are int4-packed (int32), else 0; config:
     (BLOCK_N, num_warps, num_stages), 0 for the default."""
     q, k, v = (_bmghk(t) for t in (query, key, value))
+    scales = [t if t is None or t.dim() == 4 else t.unsqueeze(2) for t in (key_scales, value_scales)]
+    if scales[0] is not None:  # FP8 rows: the kernel reads the values through views of their type
+        k, v = (t.view(arch.fp8_dtype(q.device)) for t in (k, v))
     batch, mq, groups, heads, dim = q.shape
     varlen = seqstart_q is not None
     sequences = seqstart_q.numel() - 1 if varlen else batch
@@ -273,13 +265,19 @@ def _splitk_forward(
         partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
         partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
     tables = block_tables if block_tables is not None else seqstart_q
+    if scales[0] is None:
+        fp8_scales, scales = 0, [k, k]  # (not read)
+    else:
+        fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
     launch.fast(_splitk_kernel)[(programs, split_k)](
-        q, k, v, partial, partial_lse, seqstart_q, seqstart_k, seqlen_k, tables, groups, heads,
+        q, k, v, *scales, partial, partial_lse, seqstart_q, seqstart_k, seqlen_k, tables, groups, heads,
         launch.cdiv(max_q, cfg["QUERIES"]), mq, k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left,
-        window_right, *q.stride(), *k.stride(), *v.stride(), *partial.stride(), *partial_lse.stride(),
+        window_right, *q.stride(), *k.stride(), *v.stride(), *_scale_strides(scales[0]), *_scale_strides(scales[1]),
+        *partial.stride(), *partial_lse.stride(),
         *(block_tables.stride() if block_tables is not None else (0, 0)),
         VARLEN=varlen, HAS_SEQLEN_K=seqlen_k is not None, PAGED=block_tables is not None, BOTTOM_RIGHT=bottom_right,
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0, GROUPS=max(int4_groups, 1), D=dim,
+        FP8_SCALES=fp8_scales,
         **cfg,
     )  # fmt: skip
     if split_k > 1:
@@ -301,6 +299,27 @@ def _splitk_forward_fake(query, key, value, *args):
     )
 
 
+def _fp8_rows_reasons(d: InputsFp8) -> list[str]:
+    """Why K/V in FP8 rows (kv_cache.quantize_kv_fp8) cannot be read here: their packing, their scales, the GPU."""
+    dim = d.query.shape[-1]
+    scale_dtype = torch.float32 if d.use_fp32_scales else torch.int32
+    reasons = []
+    for name, packed, scales in (("key", d.key, d.k_fp8_scale_shift), ("value", d.value, d.v_fp8_scale_shift)):
+        if packed.dtype != torch.int32 or packed.shape[-1] * 4 != dim:
+            reasons.append(
+                f"InputsFp8: {name} must be int32 of four FP8 values each, [..., {dim} / 4] (kv_cache."
+                f"quantize_kv_fp8), got {packed.dtype} {tuple(packed.shape)}"
+            )
+        if scales is None or scales.dtype != scale_dtype or scales.shape != packed.shape[:-1]:
+            got = "None" if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
+            reasons.append(
+                f"InputsFp8: {name}'s scales must be {scale_dtype} {tuple(packed.shape[:-1])} (a scale a row; "
+                f"use_fp32_scales={d.use_fp32_scales}), got {got}"
+            )
+    missing = arch.fp8_e4m3_missing(d.query)
+    return reasons if missing is None else [*reasons, missing]
+
+
 class FwOp(AttentionFwOpBase):
     """MSLK's Triton split-K decoding forward (see the module docstring)."""
 
@@ -317,7 +336,7 @@ class FwOp(AttentionFwOpBase):
     SUPPORTS_BMGHK = True
     SUPPORTS_PARTIAL = True
     SUPPORTS_OUTPUT_DTYPE = True
-    SUPPORTS_QUANTIZED_INPUTS = True  # int4-packed K/V (quantize_kv_int4); FP8 rows (InputsFp8): not yet
+    SUPPORTS_QUANTIZED_INPUTS = True  # K/V int4-packed or in FP8 rows (InputsFp8): kv_cache's formats
     VARLEN_LSE_PACKED = True
     # Kernel configuration: None lets the heuristics choose (AUTOTUNE, upstream's autotuning, takes them too).
     SPLIT_K: int | None = None
@@ -332,8 +351,14 @@ class FwOp(AttentionFwOpBase):
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
         reasons = super().not_supported_reasons(d)
-        if isinstance(d, (InputsFp8, InputsMXFp8)) or d.quantize_qk_to_fp8 or d.quantize_pv_to_fp8:
-            reasons.append("FP8 K/V (InputsFp8, quantize_*_to_fp8) not supported yet: int4-packed K/V only")
+        fp8_queries = isinstance(d, InputsFp8) and d.q_fp8_scale_shift is not None
+        if isinstance(d, InputsMXFp8) or d.quantize_qk_to_fp8 or d.quantize_pv_to_fp8 or fp8_queries:
+            reasons.append(
+                "FP8 queries or products and MX FP8 K/V (quantize_*_to_fp8, q_fp8_scale_shift, InputsMXFp8) not "
+                "supported: K/V in FP8 rows (InputsFp8) or int4-packed"
+            )
+        elif isinstance(d, InputsFp8):
+            reasons += _fp8_rows_reasons(d)
         elif d.key.dtype == torch.int32:
             dim, packed = d.query.shape[-1], d.key.shape[-1]
             least = max(16, 8 * cls.NUM_GROUPS)  # (16: the kernel's narrowest tile)
@@ -352,11 +377,13 @@ class FwOp(AttentionFwOpBase):
         sequences = (None, None, None, 0, 0) if varlen is None else (
             varlen.seqstart_q, varlen.seqstart_k, varlen.seqlen_k, varlen.max_seqlen_q, varlen.max_seqlen_k
         )  # fmt: skip
+        fp8_rows = isinstance(inp, InputsFp8)
+        scales = (inp.k_fp8_scale_shift, inp.v_fp8_scale_shift) if fp8_rows else (None, None)
+        int4_groups = cls.NUM_GROUPS if inp.key.dtype == torch.int32 and not fp8_rows else 0
         out, lse = _launches(_splitk_forward_op, _splitk_forward)(
-            inp.query, inp.key, inp.value, *sequences[:3], block_tables, *sequences[3:], lane, page_size,
+            inp.query, inp.key, inp.value, *scales, *sequences[:3], block_tables, *sequences[3:], lane, page_size,
             inp.scale_float, window_left, window_right, alignment == "bottom-right", inp.get_output_dtype(),
-            cls.SPLIT_K or 0, cls.NUM_GROUPS if inp.key.dtype == torch.int32 else 0,
-            [cls.BLOCK_N or 0, cls.NUM_WARPS or 0, cls.NUM_STAGES or 0],
+            cls.SPLIT_K or 0, int4_groups, [cls.BLOCK_N or 0, cls.NUM_WARPS or 0, cls.NUM_STAGES or 0],
         )  # fmt: skip
         if inp.query.dim() == 4:
             out, lse = out[:, :, 0], lse[:, 0]

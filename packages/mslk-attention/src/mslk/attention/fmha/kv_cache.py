@@ -1,0 +1,101 @@
+"""`fmha.kv_cache`: the quantized KV-cache formats `triton_splitk` reads (spec §7.7), written and read back in plain
+PyTorch. Upstream keeps these quantizers in its tests; a cache writer needs them, so they are public here.
+
+- int4: int32 [..., num_groups + D / 8]. For each group of D / num_groups elements an int32 holding the fp16 scale
+  (max − min) / 15 in its low half and the fp16 shift (min) in its high half; then the codes
+  round((x − shift) / scale) in [0, 15], element 8w + j in bits 4j of code word w. x = code · scale + shift.
+- FP8 rows (`InputsFp8`): int32 [..., D / 4], element 4w + j in byte j of word w (the platform's e4m3 flavour),
+  and one scale a row: int32 [...] packing the fp16 scale (low half) and shift (high half), x = fp8 · scale + shift;
+  or, with `use_fp32_scales`, a float32 scale alone, x = fp8 · scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mslk.core import arch
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 of the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _half_pair(scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """fp16 scale and shift as the int32 of their bits (scale in the low half)."""
+    low, high = (t.view(torch.int16).to(torch.int64) & 0xFFFF for t in (scale, shift))
+    return _as_int32(low | high << 16)
+
+
+def _split_half_pair(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 values of the fp16 scale and shift packed in int32 (_half_pair's inverse)."""
+    unsigned = packed.to(torch.int64) & 0xFFFFFFFF
+    halves = [(unsigned >> s) & 0xFFFF for s in (0, 16)]
+    scale, shift = (torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.float16).float() for h in halves)
+    return scale, shift
+
+
+def quantize_kv_int4(x: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """x [..., D] (D a multiple of 8 · num_groups) in the int4 format, int32 [..., num_groups + D / 8];
+    dequantize_kv_int4 inverts it to half a scale step (plus fp16 rounding)."""
+    *lead, dim = x.shape
+    if dim % (8 * num_groups):
+        raise ValueError(
+            f"quantize_kv_int4: the head dim {dim} must be a multiple of 8 · num_groups = {8 * num_groups}"
+        )
+    groups = x.float().reshape(*lead, num_groups, dim // num_groups)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale, shift = ((high - low) / 15).to(torch.float16), low.to(torch.float16)
+    steps = (groups - shift.float()) / scale.float()
+    codes = torch.where(scale > 0, steps, 0.0).round().clamp(0, 15).to(torch.int64).reshape(*lead, dim // 8, 8)
+    words = _as_int32((codes << (4 * torch.arange(8, device=x.device))).sum(-1))
+    return torch.cat([_half_pair(scale, shift).squeeze(-1), words], dim=-1)
+
+
+def dequantize_kv_int4(packed: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
+    """The fp32 [..., D] values of quantize_kv_int4's int32 [..., num_groups + D / 8]."""
+    *lead, width = packed.shape
+    dim = (width - num_groups) * 8
+    scale, shift = _split_half_pair(packed[..., :num_groups])
+    unsigned = packed[..., num_groups:].to(torch.int64) & 0xFFFFFFFF
+    codes = (unsigned[..., None] >> (4 * torch.arange(8, device=packed.device))) & 0xF
+    values = codes.reshape(*lead, num_groups, dim // num_groups).float()
+    return (values * scale[..., None] + shift[..., None]).reshape(*lead, dim)
+
+
+def quantize_kv_fp8(
+    x: torch.Tensor, use_fp32_scales: bool = False, fp8_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D a multiple of 4) as FP8 rows: (int32 [..., D / 4], scales [...]). Each row is centred on the
+    midpoint of its range (the fp16 shift) and scaled so that its widest value is the FP8 maximum; with
+    use_fp32_scales, not centred and the scale in float32. fp8_dtype: the platform's e4m3 flavour by default."""
+    *lead, dim = x.shape
+    if dim % 4:
+        raise ValueError(f"quantize_kv_fp8: the head dim {dim} must be a multiple of 4 (four FP8 values an int32)")
+    fp8_dtype = fp8_dtype or arch.fp8_dtype(x.device)
+    fp8_max = torch.finfo(fp8_dtype).max
+    rows = x.float()
+    if use_fp32_scales:
+        shift = torch.zeros_like(rows[..., :1])
+        scale = rows.abs().amax(-1, keepdim=True) / fp8_max
+    else:
+        low, high = rows.aminmax(dim=-1)
+        shift = ((low + high) / 2).to(torch.float16)[..., None].float()
+        scale = ((rows - shift).abs().amax(-1, keepdim=True) / fp8_max).to(torch.float16).float()
+    codes = torch.where(scale > 0, (rows - shift) / scale, 0.0).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    packed = codes.contiguous().view(torch.int32)
+    if use_fp32_scales:
+        return packed, scale[..., 0]
+    return packed, _half_pair(scale[..., 0].half(), shift[..., 0].half())
+
+
+def dequantize_kv_fp8(
+    packed: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The fp32 [..., D] values of quantize_kv_fp8's (int32 [..., D / 4], scales [...]): fp16 scale-and-shift pairs
+    in int32 scales, a float32 scale alone otherwise."""
+    codes = packed.contiguous().view(fp8_dtype or arch.fp8_dtype(packed.device)).float()
+    if scales.dtype == torch.float32:
+        return codes * scales[..., None]
+    scale, shift = _split_half_pair(scales)
+    return codes * scale[..., None] + shift[..., None]
