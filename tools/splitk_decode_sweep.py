@@ -1,11 +1,9 @@
-"""Branch splitk only (not run on a GPU yet): the split-K decoding kernel's configurations on the bench's DECODE
-shapes, in CUDA graphs, against SDPA and the dispatched call, in one process (about 3-4 minutes: 60 configurations
-a shape); outputs checked against SDPA's.
+"""The split-K decoding kernel's configurations (triton_splitk._config's defaults come from it) on the bench's
+DECODE shapes, in CUDA graphs, against SDPA and the dispatched call, in one process (about 4.5 minutes on an H100:
+60 configurations a shape); outputs checked against SDPA's. On the GPU machine:
 
     export PYTHONPATH=$(printf '%s:' $PWD/packages/*/src)
-    python3 -m pytest packages/mslk-attention -m "gpu and not big_memory" -n 16   (test_triton_splitk.py first)
     python3 tools/splitk_decode_sweep.py
-    python3 -m mslk.core.cli bench --op triton_splitk_decode; ... --op attention_decode
 
 Prints, a shape a line: SDPA's time and GB/s of K/V, the dispatched backend's time, the default configuration's and
 the six fastest (split count 0: the fewest waves; block of keys, warps, stages).
@@ -17,7 +15,7 @@ import torch
 import triton
 
 from mslk.attention import bench, fmha
-from mslk.attention.fmha import common, dispatch
+from mslk.attention.fmha import dispatch
 from mslk.attention.fmha import triton_splitk as sk
 from mslk.core import testing
 
@@ -27,25 +25,25 @@ def graph_us(fn) -> float:
 
 
 def sweep(shape: dict) -> None:
-    (q, k, v, mask), sdpa_inputs = bench._decode_inputs(shape, torch.device("cuda"))
-    kilobytes = 2 * 2 * shape["B"] * shape["L"] * shape["Hkv"] * shape["K"] / 1e3  # / us = GB/s
-    picked = dispatch._dispatch_fw(common.Inputs(q, k, v, mask), False).NAME
+    inp, sdpa_inputs = bench._decode_inputs(shape, torch.device("cuda"))
+    kilobytes = 2 * shape["B"] * shape["L"] * shape["Hkv"] * bench._kv_row_bytes(shape) / 1e3  # / us = GB/s
+    picked = dispatch._dispatch_fw(inp, False).NAME
     expected = bench._decode_sdpa((None, sdpa_inputs))
     times = {
         "SDPA": graph_us(lambda: bench._decode_sdpa((None, sdpa_inputs))),
-        picked: graph_us(lambda: fmha.memory_efficient_attention_forward(q, k, v, mask)),
+        picked: graph_us(lambda: fmha._memory_efficient_attention_forward(inp)),
     }
     failed = {}
     for split, block_n, warps, stages in itertools.product([0, 2, 4, 8, 16], [32, 64, 128], [4, 8], [2, 3]):
         name = f"split {split} keys {block_n} warps {warps} stages {stages}"
         op = sk.FwOp.get_operator(split, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
-            out = fmha.memory_efficient_attention_forward(q, k, v, mask, op=op)
+            out = fmha._memory_efficient_attention_forward(inp, op=op)
             error = testing.rel_error(out.reshape(expected.shape), expected)
             if error > 2e-2:
                 failed[name] = f"error {error:.1e}"
                 continue
-            times[name] = graph_us(lambda op=op: fmha.memory_efficient_attention_forward(q, k, v, mask, op=op))
+            times[name] = graph_us(lambda op=op: fmha._memory_efficient_attention_forward(inp, op=op))
         except Exception as exc:  # a configuration that does not fit: reported, the sweep goes on
             failed[name] = type(exc).__name__
     fastest = sorted((t, n) for n, t in times.items() if n.startswith("split"))[:6]
