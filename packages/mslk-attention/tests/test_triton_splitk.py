@@ -1,7 +1,8 @@
 """MSLK's Triton split-K decoding forward (`triton_splitk.FwOp`) against the float64 oracle: every mask it takes
 (padded, gappy and paged keys, causal, windows), MQA / GQA heads expanded with stride 0 and separate heads, BMHK
 and BMGHK, key splits forced from 1 to more than the keys, queries past one program's rows, custom scale, output
-dtype, sequences without keys, the LSE; K/V int4-packed and in FP8 rows (kv_cache's formats). T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
+dtype, sequences without keys, the LSE; K/V int4-packed and in FP8 rows (kv_cache's formats). T1 on the CPU
+(interpreter, small shapes), T2 on the GPU (marked gpu)."""
 
 import pytest
 import torch

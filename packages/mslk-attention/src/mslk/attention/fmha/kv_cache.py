@@ -69,7 +69,7 @@ def quantize_kv_fp8(
     """x [..., D] (D a multiple of 4) as FP8 rows: (int32 [..., D / 4], scales [...]). Each row is centred on the
     midpoint of its range (the fp16 shift) and scaled so that its widest value is the FP8 maximum; with
     use_fp32_scales, not centred and the scale in float32. fp8_dtype: the platform's e4m3 flavour by default."""
-    *lead, dim = x.shape
+    dim = x.shape[-1]
     if dim % 4:
         raise ValueError(f"quantize_kv_fp8: the head dim {dim} must be a multiple of 4 (four FP8 values an int32)")
     fp8_dtype = fp8_dtype or arch.fp8_dtype(x.device)
@@ -89,9 +89,7 @@ def quantize_kv_fp8(
     return packed, _half_pair(scale[..., 0].half(), shift[..., 0].half())
 
 
-def dequantize_kv_fp8(
-    packed: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def dequantize_kv_fp8(packed: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fp32 [..., D] values of quantize_kv_fp8's (int32 [..., D / 4], scales [...]): fp16 scale-and-shift pairs
     in int32 scales, a float32 scale alone otherwise."""
     codes = packed.contiguous().view(fp8_dtype or arch.fp8_dtype(packed.device)).float()

@@ -91,15 +91,15 @@ def _kv_tile(rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexp
 
 @triton.jit
 def _splitk_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, tables_ptr, groups, heads,
-    row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    tables_ptr, groups, heads, row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
     stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
     stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_ksb, stride_ksm, stride_ksg, stride_ksh, stride_vsb,
     stride_vsm, stride_vsg, stride_vsh, stride_os, stride_ob, stride_om, stride_og, stride_oh,
     stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
     VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    UPCAST: tl.constexpr, INT4: tl.constexpr, GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, HEADS: tl.constexpr, QUERIES: tl.constexpr,
-    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, INT4: tl.constexpr, GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, HEADS: tl.constexpr,
+    QUERIES: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, group, head block, row block) (id 0) over part `split` (id 1) of the keys its queries
     see: rows r = (query q0 + r // HEADS, head h0 + r % HEADS), HEADS query heads that share one KV head (1 when K/V
