@@ -199,6 +199,9 @@ class Op:
         if optional:
             lib.define(f"{functional}({declared}) -> {returns}")
         lib.define(f"{written}(Tensor(a!) {out_arg}, {declared}) -> ()")
+        ops = getattr(torch.ops, self.namespace)
+        functional_op = getattr(ops, functional).default if optional else None
+        written_op = getattr(ops, written).default
 
         defaults = {arg.name: arg.default_value for arg in parsed.arguments if arg.has_default_value()}
 
@@ -212,8 +215,8 @@ class Op:
             values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
             output = values.pop(out_arg, None)
             if output is None:
-                return getattr(self._namespace_ops, functional)(**values)
-            getattr(self._namespace_ops, written)(output, **values)
+                return functional_op(**values)
+            written_op(output, **values)
             return output
 
         def new(*args, **kwargs):
@@ -240,10 +243,6 @@ class Op:
         if optional:
             torch.library.register_fake(f"{self.namespace}::{functional}", new_fake, lib=lib)
         torch.library.register_fake(f"{self.namespace}::{written}", write_fake, lib=lib)
-
-    @property
-    def _namespace_ops(self):
-        return getattr(torch.ops, self.namespace)
 
     # -- declaring backends -------------------------------------------------------------------------
     def backend(
