@@ -137,6 +137,8 @@ def test_int4_layout_and_round_trip():
     assert (kv_cache.dequantize_kv_int4(kv_cache.quantize_kv_int4(x, 8), 8)[0, 0, :16] == 0.5).all()
     with pytest.raises(ValueError, match="multiple of 8"):
         kv_cache.quantize_kv_int4(x[..., :60], 1)
+    with pytest.raises(ValueError, match="num_groups >= 1"):
+        kv_cache.quantize_kv_int4(x, 0)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 8])
@@ -176,6 +178,18 @@ def test_fp8_layout_and_round_trip():
         assert (back[0, 0] == 0.5).all()
     with pytest.raises(ValueError, match="multiple of 4"):
         kv_cache.quantize_kv_fp8(x[..., :62])
+    with pytest.raises(ValueError, match="positive multiple of 4"):
+        kv_cache.quantize_kv_fp8(x[..., :0])
+
+
+def test_tiny_rows_keep_their_codes():
+    """Rows whose range is below fp16's smallest scale step times 448 (FP8) or 15 (int4): their scale stays at that
+    step (2^-24) instead of rounding to 0, which had turned an FP8 row of ±1e-5 into zeros and an int4 row of ±1e-7
+    into its minimum."""
+    x = torch.linspace(-1e-5, 1e-5, 64).view(1, 64)
+    fp8 = kv_cache.dequantize_kv_fp8(*kv_cache.quantize_kv_fp8(x))
+    int4 = kv_cache.dequantize_kv_int4(kv_cache.quantize_kv_int4(x * 1e-2))
+    assert testing.rel_error(fp8, x) < 0.05 and testing.rel_error(int4, x * 1e-2) < 0.5  # (was 1.0 and 1.15)
 
 
 @pytest.mark.parametrize("fp32_scales", [False, True])
@@ -196,6 +210,24 @@ def test_fp8_kv(fp32_scales, bias_id):
     testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16])
     finite = torch.isfinite(lse)
     torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+
+
+def test_fp8_kv_shared_rows_with_scales_per_head():
+    """K/V rows expanded over the heads with stride 0 but scales of their own a head: the heads are not one program's
+    rows (a program read its first head's scale for all of them: head 1 off by 7.9)."""
+    q = testing.randn(1, 2, 2, 32, dtype=torch.bfloat16)
+    k, v = (testing.randn(1, 40, 1, 32, dtype=torch.bfloat16) for _ in "kv")
+    (k8, k_scales), (v8, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
+    k_scales, v_scales = (
+        torch.cat([s, kv_cache.quantize_kv_fp8(t * 3)[1]], dim=2) for s, t in ((k_scales, k), (v_scales, v))
+    )
+    inp = common.InputsFp8(q, k8.expand(1, 40, 2, 8), v8.expand(1, 40, 2, 8), k_fp8_scale_shift=k_scales,
+                           v_fp8_scale_shift=v_scales)  # fmt: skip
+    out, _ = triton_splitk.FwOp.apply(inp, needs_gradient=False)
+    values = [
+        kv_cache.dequantize_kv_fp8(p.expand(1, 40, 2, 8), s).double() for p, s in ((k8, k_scales), (v8, v_scales))
+    ]
+    testing.assert_rel_close(out, attention_reference(q.double(), *values, None)[0], TOLERANCE[torch.bfloat16])
 
 
 def test_fp8_kv_bmk_scales():

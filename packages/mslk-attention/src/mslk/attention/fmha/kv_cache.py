@@ -7,6 +7,10 @@ PyTorch. Upstream keeps these quantizers in its tests; a cache writer needs them
 - FP8 rows (`InputsFp8`): int32 [..., D / 4], element 4w + j in byte j of word w (the platform's e4m3 flavour),
   and one scale a row: int32 [...] packing the fp16 scale (low half) and shift (high half), x = fp8 · scale + shift;
   or, with `use_fp32_scales`, a float32 scale alone, x = fp8 · scale.
+
+fp16 scales and shifts hold rows within fp16's range (|x| <= 65504: beyond it int4 rows come back inf and FP8 rows
+NaN; FP8 rows can take fp32 scales instead), and a scale is at least fp16's smallest step, 2^-24, so that rows of
+tiny values keep their codes. A NaN or inf in a row spoils its group (int4) or row (FP8).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from mslk.core import arch
+
+_SMALLEST_STEP = 2.0**-24  # fp16's smallest subnormal: a scale below it would round to 0 and lose the row's codes
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:
@@ -39,15 +45,16 @@ def quantize_kv_int4(x: torch.Tensor, num_groups: int = 1) -> torch.Tensor:
     """x [..., D] (D a multiple of 8 · num_groups) in the int4 format, int32 [..., num_groups + D / 8];
     dequantize_kv_int4 inverts it to half a scale step (plus fp16 rounding)."""
     *lead, dim = x.shape
-    if dim % (8 * num_groups):
+    if num_groups < 1 or dim == 0 or dim % (8 * num_groups):
         raise ValueError(
-            f"quantize_kv_int4: the head dim {dim} must be a multiple of 8 · num_groups = {8 * num_groups}"
+            f"quantize_kv_int4: the head dim {dim} must be a positive multiple of 8 · num_groups, num_groups >= 1 "
+            f"(got {num_groups})"
         )
     groups = x.float().reshape(*lead, num_groups, dim // num_groups)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale, shift = ((high - low) / 15).to(torch.float16), low.to(torch.float16)
+    scale, shift = ((high - low) / 15).clamp(min=_SMALLEST_STEP).to(torch.float16), low.to(torch.float16)
     steps = (groups - shift.float()) / scale.float()
-    codes = torch.where(scale > 0, steps, 0.0).round().clamp(0, 15).to(torch.int64).reshape(*lead, dim // 8, 8)
+    codes = steps.round().clamp(0, 15).to(torch.int64).reshape(*lead, dim // 8, 8)
     words = _as_int32((codes << (4 * torch.arange(8, device=x.device))).sum(-1))
     return torch.cat([_half_pair(scale, shift).squeeze(-1), words], dim=-1)
 
@@ -70,8 +77,10 @@ def quantize_kv_fp8(
     midpoint of its range (the fp16 shift) and scaled so that its widest value is the FP8 maximum; with
     use_fp32_scales, not centred and the scale in float32. fp8_dtype: the platform's e4m3 flavour by default."""
     dim = x.shape[-1]
-    if dim % 4:
-        raise ValueError(f"quantize_kv_fp8: the head dim {dim} must be a multiple of 4 (four FP8 values an int32)")
+    if dim == 0 or dim % 4:
+        raise ValueError(
+            f"quantize_kv_fp8: the head dim {dim} must be a positive multiple of 4 (four FP8 values an int32)"
+        )
     fp8_dtype = fp8_dtype or arch.fp8_dtype(x.device)
     fp8_max = torch.finfo(fp8_dtype).max
     rows = x.float()
@@ -81,7 +90,8 @@ def quantize_kv_fp8(
     else:
         low, high = rows.aminmax(dim=-1)
         shift = ((low + high) / 2).to(torch.float16)[..., None].float()
-        scale = ((rows - shift).abs().amax(-1, keepdim=True) / fp8_max).to(torch.float16).float()
+        scale = (rows - shift).abs().amax(-1, keepdim=True) / fp8_max
+        scale = scale.clamp(min=_SMALLEST_STEP).to(torch.float16).float()
     codes = torch.where(scale > 0, (rows - shift) / scale, 0.0).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     packed = codes.contiguous().view(torch.int32)
     if use_fp32_scales:

@@ -188,15 +188,16 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
-def _config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, fixed: list[int]) -> dict:
-    """Rows of a program: the query heads that share a KV head (up to 64), times as many queries as fit in 64 rows
-    (at least 16 rows: the products' least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for
-    16-bit K/V and 4 for quantized ones, which dequantize in registers (H100 sweep at head dim 128: 64 keys a block
-    and 4 warps took 1.02-1.03x the time on paged bf16 caches, 1.37x on FP8, 1.49x on int4);
-    fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed configuration (FwOp.get_operator), 0 for these."""
+def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int]) -> dict:
+    """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
+    the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
+    least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for 16-bit K/V and 4 for quantized
+    ones, which dequantize in registers (H100 sweep at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
+    the time on paged bf16 caches, 1.37x on FP8, 1.49x on int4); fixed: (BLOCK_N, num_warps, num_stages) of an
+    op's fixed configuration (FwOp.get_operator), 0 for these."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
-    shared = heads > 1 and k.stride(3) == 0 and v.stride(3) == 0
+    shared = heads > 1 and all(t.stride(3) == 0 for t in kv)
     per_program = min(launch.next_power_of_2(heads), _MAX_ROWS) if shared else 1
     queries = max(16 // per_program, min(launch.next_power_of_2(max(max_q, 1)), _MAX_ROWS // per_program))
     block_d = launch.next_power_of_2(max(q.shape[-1], 16))
@@ -205,7 +206,7 @@ def _config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, fixed
         "QUERIES": queries,
         "BLOCK_N": block_n or (128 if block_d <= 128 else 32),
         "BLOCK_D": block_d,
-        "num_warps": warps or (4 if k.dtype != q.dtype else 8),
+        "num_warps": warps or (4 if kv[0].dtype != q.dtype else 8),
         "num_stages": stages or 2,
     }
 
@@ -256,7 +257,7 @@ def _splitk_forward(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    cfg = _config(q, k, v, max_q, config)
+    cfg = _config(q, [k, v, *(t for t in scales if t is not None)], max_q, config)
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
     if not split_k:
         sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter

@@ -300,7 +300,7 @@ def _check_fp8(where: str, XQ, WQ, producer: str = "quantize_fp8_row") -> None:
 
 def _check_out(where: str, name: str, out, shape, dtypes, device) -> None:
     if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype not in dtypes or out.device != device):
-        wanted = " or ".join(str(d) for d in dtypes)
+        wanted = " or ".join(str(d) for d in dict.fromkeys(dtypes))  # (X's dtype may be one of them)
         raise ValueError(
             f"{where}: {name} must be {wanted} {tuple(shape)} on {device}, got {tuple(out.shape)} {out.dtype} on "
             f"{out.device}"
