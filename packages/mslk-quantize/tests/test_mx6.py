@@ -38,10 +38,32 @@ def test_round_trip_error_and_scales():
     codes, scales = quantize_bf16_to_mx6_e2m3(x)
     assert codes.shape == x.shape and scales.shape == (4, 3) and codes.max() < 64
     amax = x.unflatten(-1, (3, 32)).abs().amax(-1)
-    assert torch.equal(scales.int() - 127, torch.ceil(torch.log2(amax / 7.5)).int())
+    assert torch.equal(scales.int() - 127, torch.ceil(torch.log2(amax.double() / 7.5)).int())
     testing.assert_rel_close(dequantize_mx6_e2m3(codes, scales), x, 0.05)
     zeros = quantize_bf16_to_mx6_e2m3(torch.zeros(1, 32))
     assert (zeros[0] == 0).all() and (zeros[1] == 0).all()
+
+
+def test_scales_are_exact_past_a_power_of_two():
+    """amax one fp32 ulp past 7.5 · 2^k needs 2^(k+1): fp32's amax / 7.5 rounded back to 2^k for most k (byte 131
+    for 120 + ulp, not 132)."""
+    powers = torch.arange(-10, 10, dtype=torch.float64)
+    amax = (7.5 * 2.0**powers).float().nextafter(torch.tensor(torch.inf))
+    x = torch.zeros(len(amax), 32)
+    x[:, 0] = amax
+    _, scales = quantize_bf16_to_mx6_e2m3(x)
+    assert scales[:, 0].tolist() == (powers + 128).int().tolist()
+
+
+def test_nan_and_inf_blocks_get_the_nan_scale():
+    """OCP MX: a block holding NaN or ±Inf gets scale 0xFF and dequantizes to NaN; the other blocks are untouched
+    (a NaN block had come back finite: 4.1e-38 for its 1.0s)."""
+    x = torch.ones(3, 32)
+    x[0, 3], x[1, 3] = torch.nan, torch.inf
+    codes, scales = quantize_bf16_to_mx6_e2m3(x)
+    assert scales[:, 0].tolist() == [255, 255, 125]
+    back = dequantize_mx6_e2m3(codes, scales)
+    assert back[:2].isnan().all() and torch.equal(back[2], x[2])
 
 
 def test_pack_layout():
@@ -59,6 +81,8 @@ def test_pack_layout():
         (lambda: quantize_bf16_to_mx6_e2m3(torch.ones(2, 40)), "multiple of 32"),
         (lambda: quantize_bf16_to_mx6_e2m3(torch.ones(2, 32, dtype=torch.int32)), "float tensor"),
         (lambda: pack_fp6_e2m3(torch.ones(2, 6, dtype=torch.uint8)), "K % 4 == 0"),
+        (lambda: unpack_fp6_e2m3(torch.ones(2, 4, dtype=torch.uint8)), "multiple of 3 bytes"),
+        (lambda: quantize_bf16_to_mx6_e2m3(torch.ones(2, 32), 0), "block_size must be a positive int"),
     ],
 )
 def test_bad_input(call, message):

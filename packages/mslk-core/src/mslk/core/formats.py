@@ -237,6 +237,25 @@ class Int4Groupwise(ScaleFormat):
 
 MXLayout = Literal["swizzled", "plain"]
 E8M0_DTYPES = (torch.uint8, torch.int8, torch.float8_e8m0fnu)
+E8M0_NAN = 255
+
+
+def e8m0_rceil(amax: torch.Tensor, element_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX block scales for blocks whose largest magnitude is `amax` (fp32) and elements whose largest value is
+    element_max: 2^ceil(log2(amax / element_max)) ("RCEIL"), derived exactly from amax's fp32 bits (a division and
+    a log2 in fp32 round, and then missed the power of two by one for about half the amaxes just past one),
+    clamped to [2^-127, 2^127]. Returns (the E8M0 bytes, int32; E8M0_NAN for a block holding NaN or ±Inf; the
+    inverse scales 2^-e, fp32, exact, NaN for those blocks)."""
+    fraction, exponent = math.frexp(element_max)  # element_max = (2 · fraction) · 2^(exponent - 1)
+    mantissa = int((2 * fraction - 1) * 2**23)  # the mantissa bits of element_max's 1.f
+    bits = amax.float().view(torch.int32)
+    # amax = 1.m · 2^E: ceil(log2(amax / element_max)) = E - (exponent - 1) + (1.m > 1.f), in biased terms too
+    biased = (bits >> 23) - (exponent - 1) + ((bits & 0x7FFFFF) > mantissa).to(torch.int32)
+    finite = amax.isfinite()
+    scale_byte = torch.where(finite, biased.clamp(0, 254), E8M0_NAN)
+    # 2^-e from bits: biased fp32 exponent 254 - byte (a normal fp32 for element maxima of 2 or more)
+    inverse = ((254 - scale_byte.clamp(max=254)) << 23).view(torch.float32)
+    return scale_byte, torch.where(finite, inverse, torch.nan)
 # Elements per stored unit of the packed data of each element type: fp4 packs two per byte,
 # fp6 four per three bytes, fp8 one per byte.
 _ELEMENTS_PER_BYTE = {"fp4": 2, "fp6": 4 / 3, "fp8": 1}

@@ -22,9 +22,6 @@ from mslk.core import arch, formats, launch, registry, testing
 
 E4M3_MAX = 448.0
 _INPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-# fp32 mantissa bits of 1.75 (448 = 1.75 · 2^8): an amax whose mantissa is above it needs one more exponent.
-_MANTISSA_1_75 = 0x600000
-_E8M0_NAN = 255
 
 
 def to_mxfp8(data_hp: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,18 +61,8 @@ def to_mxfp8(data_hp: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor,
     blocks = x.unflatten(-1, (x.shape[-1] // block_size, block_size))
     amax = blocks.abs().amax(dim=-1)  # NaN propagates
 
-    # amax = 1.m · 2^E, so amax / 448 = (1.m / 1.75) · 2^(E-8) and ceil(log2) = E - 8 + (1.m > 1.75).
-    # In biased terms the E8M0 byte is the biased fp32 exponent minus 8, plus that carry; zero and fp32
-    # subnormal amax (biased exponent 0) land below 0 and clamp to 0 (2^-127).
-    bits = amax.view(torch.int32)
-    biased = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > _MANTISSA_1_75).to(torch.int32)
-    finite = amax.isfinite()
-    scale_byte = torch.where(finite, biased.clamp(min=0), _E8M0_NAN)
-
-    # 2^-e built from bits: biased fp32 exponent 127 - e = 254 - byte, at least 254 - 247 = 7 for finite fp32,
-    # so always a normal fp32 and multiplying by it is exact (a division by a power of two).
-    inv_scale = ((254 - scale_byte.clamp(max=254)) << 23).view(torch.float32)
-    inv_scale = torch.where(finite, inv_scale, torch.nan)
+    # Zero and fp32-subnormal amax get 2^-127; multiplying by the exact inverse scale divides by a power of two.
+    scale_byte, inv_scale = formats.e8m0_rceil(amax, E4M3_MAX)
     data = (blocks * inv_scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
     scale = scale_byte.to(torch.uint8).view(torch.float8_e8m0fnu)
