@@ -256,6 +256,8 @@ def e8m0_rceil(amax: torch.Tensor, element_max: float) -> tuple[torch.Tensor, to
     # 2^-e from bits: biased fp32 exponent 254 - byte (a normal fp32 for element maxima of 2 or more)
     inverse = ((254 - scale_byte.clamp(max=254)) << 23).view(torch.float32)
     return scale_byte, torch.where(finite, inverse, torch.nan)
+
+
 # Elements per stored unit of the packed data of each element type: fp4 packs two per byte,
 # fp6 four per three bytes, fp8 one per byte.
 _ELEMENTS_PER_BYTE = {"fp4": 2, "fp6": 4 / 3, "fp8": 1}
