@@ -89,7 +89,16 @@ def test_pack_nibble_order_and_round_trip():
         (lambda: pack_int4(torch.zeros(2, 4)), "expected int8"),
         (lambda: int4_row_quantize(torch.zeros(2, 4, dtype=torch.int32)), "floating-point"),
         (lambda: int4_row_quantize_zp(torch.zeros(2, 3, 4)), "2-D"),
-        (lambda: int4_row_quantize(torch.zeros(2, 4), 0), "group_size must be positive"),
+        (lambda: int4_row_quantize(torch.zeros(2, 4), 0), "group_size must be a positive int"),
+        (lambda: int4_row_quantize(torch.zeros(2, 4), 1.5), "group_size must be a positive int, got 1.5"),
+        (lambda: int4_row_quantize_zp(torch.zeros(2, 128), 128, torch.int8), "scale_dtype must be one of"),
+        (lambda: shuffle.quantize_int4_preshuffle(torch.ones(4, 0)), "positive multiple of 128"),
+        (  # 3 scale rows for K = 256: no group size the GEMMs read (it went through to fail at the GEMM)
+            lambda: shuffle.preshuffle_i4(
+                torch.zeros(4, 128, dtype=torch.int8), torch.ones(3, 4, dtype=torch.bfloat16)
+            ),
+            r"\[\.\.\., K/group_size, N\]",
+        ),
         (lambda: shuffle.preshuffle_i4(torch.zeros(4, 96, dtype=torch.int8), torch.ones(1, 4)), "multiple of 128"),
         (
             lambda: shuffle.preshuffle_i4(torch.zeros(4, 64, dtype=torch.int8), torch.ones(1, 4)),
@@ -107,6 +116,15 @@ def test_pack_nibble_order_and_round_trip():
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_empty_weights():
+    """No rows, no matrices: empty outputs of the right shapes (view(n, -1) and reshape(-1, K) had failed)."""
+    assert int4_row_quantize_zp(torch.ones(0, 256), 128)[0].shape == (0, 256)
+    assert int4_row_quantize(torch.ones(0, 256), 128)[1].shape == (2, 0)
+    for shape in [(0, 256), (2, 0, 256), (0, 4, 256)]:
+        wq, (scale, zero) = shuffle.quantize_int4_preshuffle(torch.ones(shape), 128, "bf16")
+        assert wq.shape == (*shape[:-1], 128) and scale.shape == zero.shape == (*shape[:-2], 2, shape[-2])
 
 
 @settings(deadline=None, max_examples=30)

@@ -16,6 +16,8 @@ j holds k = j in its low nibble and k = j + 64 in its high nibble (two's-complem
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mslk.core import formats, registry, testing
@@ -27,13 +29,15 @@ MIN_INT4_SCALE = 1e-6
 PRESHUFFLE_RUN = 128
 
 
-def _check(where: str, x: torch.Tensor, group_size: int) -> None:
+def _check(where: str, x: torch.Tensor, group_size: int, scale_dtype: torch.dtype, scale_dtypes: tuple) -> None:
     if not x.dtype.is_floating_point:
         raise ValueError(f"{where}: x must be a floating-point tensor, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{where}: x must be 2-D [N, K], got shape {tuple(x.shape)}")
-    if group_size < 1:
-        raise ValueError(f"{where}: group_size must be positive, got {group_size}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{where}: group_size must be a positive int, got {group_size!r}")
+    if scale_dtype not in scale_dtypes:
+        raise ValueError(f"{where}: scale_dtype must be one of {list(scale_dtypes)}, got {scale_dtype}")
     k = x.shape[1]
     groups = -(-k // group_size)
     read = formats.int4_group_size(k, groups)
@@ -70,15 +74,15 @@ def int4_row_quantize_zp(
     0, 15) − 8`, `zero = min + 8 · scale`, so `x ≈ q · scale + zero`. Returns (q int8 [N, K], scales
     [⌈K/gs⌉, N], zeros [⌈K/gs⌉, N]) in `scale_dtype`; when that is not fp32, scale and zero are rounded to
     it first and q computed against them (min replaced by zero − 8 · scale)."""
-    _check("int4_row_quantize_zp", x, group_size)
-    n, k = x.shape
+    _check("int4_row_quantize_zp", x, group_size, scale_dtype, formats.INT4_SCALE_DTYPES)
+    k = x.shape[1]
     groups = _groups(x, group_size)
     lo, hi = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     scale = _stored(((hi - lo) / 15).clamp(min=MIN_INT4_SCALE), scale_dtype)
     zero = _stored(lo + 8 * scale, scale_dtype)
     if scale_dtype != torch.float32:
         lo = zero - 8 * scale
-    q = (torch.round((groups - lo) / scale).clamp(0, 15) - 8).to(torch.int8).view(n, -1)[:, :k]
+    q = (torch.round((groups - lo) / scale).clamp(0, 15) - 8).to(torch.int8).flatten(-2)[:, :k]
     return q.contiguous(), *(t[..., 0].t().contiguous().to(scale_dtype) for t in (scale, zero))
 
 
@@ -88,12 +92,12 @@ def int4_row_quantize(
     """Symmetric INT4: per group `scale = max(amax / 8, 1e-6)` rounded to `scale_dtype` (at least 2^-9 for
     float8_e4m3fn, whose smallest step that is), `q = clamp(round(x / scale), −8, 7)`, so `x ≈ q · scale`.
     Returns (q int8 [N, K], scales [⌈K/gs⌉, N] in `scale_dtype`)."""
-    _check("int4_row_quantize", x, group_size)
-    n, k = x.shape
+    _check("int4_row_quantize", x, group_size, scale_dtype, (*formats.INT4_SCALE_DTYPES, torch.float8_e4m3fn))
+    k = x.shape[1]
     groups = _groups(x, group_size)
     floor = 2.0**-9 if scale_dtype == torch.float8_e4m3fn else MIN_INT4_SCALE
     scale = _stored((groups.abs().amax(dim=-1, keepdim=True) / 8).clamp(min=floor), scale_dtype)
-    q = torch.round(groups / scale).clamp(-8, 7).to(torch.int8).view(n, -1)[:, :k]
+    q = torch.round(groups / scale).clamp(-8, 7).to(torch.int8).flatten(-2)[:, :k]
     return q.contiguous(), scale[..., 0].t().contiguous().to(scale_dtype)
 
 
@@ -122,7 +126,12 @@ def _check_preshuffle(wq: torch.Tensor, where: str = "preshuffle_i4") -> None:
 def _validate_preshuffle(wq, w_scale):
     _check_preshuffle(wq)
     registry.check_devices("preshuffle_i4", WQ=wq, w_scale=w_scale)
-    groups_ok = w_scale.dim() == wq.dim() and w_scale.shape[-1] == wq.shape[-2] and w_scale.shape[:-2] == wq.shape[:-2]
+    groups_ok = (
+        w_scale.dim() == wq.dim()
+        and w_scale.shape[-1] == wq.shape[-2]
+        and w_scale.shape[:-2] == wq.shape[:-2]
+        and formats.int4_group_size(2 * wq.shape[-1], w_scale.shape[-2]) is not None  # (K/gs groups the GEMMs read)
+    )
     if w_scale.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or not groups_ok:
         raise ValueError(
             "preshuffle_i4: w_scale must be the group scales [..., K/group_size, N] in float8_e4m3fn (FP8 "
@@ -196,9 +205,9 @@ def quantize_int4_preshuffle(
     """
     if dtype not in ("fp8", "bf16"):
         raise ValueError(f'quantize_int4_preshuffle: dtype must be "fp8" or "bf16", got {dtype!r}')
-    if not w.dtype.is_floating_point or w.dim() < 2 or w.shape[-1] % PRESHUFFLE_RUN:
+    if not w.dtype.is_floating_point or w.dim() < 2 or w.shape[-1] % PRESHUFFLE_RUN or not w.shape[-1]:
         raise ValueError(
-            f"quantize_int4_preshuffle: w must be floating-point [..., N, K] with K a multiple of "
+            f"quantize_int4_preshuffle: w must be floating-point [..., N, K] with K a positive multiple of "
             f"{PRESHUFFLE_RUN}, got shape {tuple(w.shape)} {w.dtype}"
         )
     if group_size < 1 or w.shape[-1] % group_size:
@@ -207,10 +216,10 @@ def quantize_int4_preshuffle(
             f"take whole groups), got shape {tuple(w.shape)}"
         )
     lead, (n, k) = w.shape[:-2], w.shape[-2:]
-    rows = w.reshape(-1, k)
+    rows = w.flatten(0, -2)  # (reshape(-1, K) is ambiguous without rows)
 
-    def per_matrix(scale: torch.Tensor) -> torch.Tensor:  # [K/gs, B·N] -> [..., K/gs, N]
-        return scale.unflatten(1, (-1, n)).movedim(1, 0).reshape(*lead, -1, n).contiguous()  # as the GEMMs read
+    def per_matrix(scale: torch.Tensor) -> torch.Tensor:  # [K/gs, B·N] -> [..., K/gs, N], as the GEMMs read
+        return scale.unflatten(1, (math.prod(lead), n)).movedim(1, 0).reshape(*lead, scale.shape[0], n).contiguous()
 
     if dtype == "fp8":
         w_fp8, row_scale = quantize_fp8_row(rows)
