@@ -94,12 +94,15 @@ def test_layouts_match_mslk_quantize():
     assert testing.rel_error(g.dequantize_int4_table(wq, table) * row_scale[:, None], w[0]) < 0.15
 
 
-def test_table_reference_is_a_lookup():
+def test_table_reference_reads_entry_zero_as_the_kernels():
     q = torch.tensor([[-8, -7, -1, 0, 1, 5, 7, 3] * 16], dtype=torch.int8)
     packed = ((q[:, :64] & 0xF) | (q[:, 64:] << 4)).to(torch.int8)  # preshuffled: k and k + 64 in one byte
     table = g.fp8_table(torch.tensor([[0.375]]).to(torch.float8_e4m3fn))
     expected = (q.float() * 0.375).to(torch.float8_e4m3fn).float()  # 7 · 0.375 = 2.625 rounds to 2.5
     assert torch.equal(g.dequantize_int4_table(packed, table), expected)
+    other = table.clone()  # entries past the first that are not e4m3(m · entry 0): read as the kernels read them
+    other[:, 1:] = torch.rand(1, 7, 1).to(torch.float8_e4m3fn)
+    assert torch.equal(g.dequantize_int4_table(packed, other), expected)
 
 
 @pytest.mark.parametrize("op", [g.bf16i4bf16_rowwise, g.bf16i4bf16_shuffled], ids=["rowwise", "shuffled"])

@@ -133,14 +133,13 @@ def dequantize_int4(W, scale, zero=None, *, shuffled: bool) -> torch.Tensor:
 
 
 def dequantize_int4_table(W, table) -> torch.Tensor:
-    """fp32 [..., N, K] of preshuffled weights with FP8 tables [..., G, 8, N]: the entry for |q|, with q's sign."""
+    """fp32 [..., N, K] of preshuffled weights with FP8 tables [..., G, 8, N]: e4m3(|q| · entry 0) with q's sign,
+    as the kernels compute it. That is the table's entry for |q| in the tables preshuffle_i4 builds (e4m3(m · s));
+    the entries past the first are not read, so a table whose entries differ reads as that one (both backends)."""
     q = unpack_int4(W, shuffled=True)
     k = q.shape[-1]
-    size = formats.int4_group_size(k, table.shape[-3])
-    w = torch.zeros(q.shape, dtype=torch.float32, device=W.device)
-    for m in range(1, formats.INT4_TABLE_ENTRIES + 1):
-        w = torch.where(q.abs() == m, q.sign() * _per_k(table[..., m - 1, :], k, size), w)
-    return w
+    first = _per_k(table[..., 0, :], k, formats.int4_group_size(k, table.shape[-3]))
+    return q.sign() * (q.abs() * first).to(torch.float8_e4m3fn).float()
 
 
 def _matmul_reference(X, w, x_scale=None, w_scale=None) -> torch.Tensor:
