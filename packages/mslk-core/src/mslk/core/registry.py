@@ -219,30 +219,23 @@ class Op:
             written_op(output, **values)
             return output
 
-        def new(*args, **kwargs):
-            return self._dispatch(*public_args(None, args, kwargs))
+        def served(fn: Callable[..., Any], writes: bool) -> Callable[..., Any]:
+            """fn (the backends' dispatch, or the fake) as a hidden op's kernel: the written op's first argument is
+            out_arg, and it returns nothing."""
 
-        def write(output, *args, **kwargs) -> None:
-            self._dispatch(*public_args(output, args, kwargs))
+            def kernel(*args, **kwargs):
+                output, args = (args[0], args[1:]) if writes else (None, args)
+                result = fn(*public_args(output, args, kwargs))
+                return None if writes else result
+
+            return kernel
 
         lib.impl(self.name, composite, "CompositeImplicitAutograd")
-        for key in ("CPU", "CUDA"):
-            if optional:
-                lib.impl(functional, new, key)
-            lib.impl(written, write, key)
-        if fake is None:
-            return
-        checked = self._validated(fake)
-
-        def new_fake(*args, **kwargs):
-            return checked(*public_args(None, args, kwargs))
-
-        def write_fake(output, *args, **kwargs) -> None:
-            checked(*public_args(output, args, kwargs))
-
-        if optional:
-            torch.library.register_fake(f"{self.namespace}::{functional}", new_fake, lib=lib)
-        torch.library.register_fake(f"{self.namespace}::{written}", write_fake, lib=lib)
+        for name, writes in ((functional, False), (written, True)) if optional else ((written, True),):
+            for key in ("CPU", "CUDA"):
+                lib.impl(name, served(self._dispatch, writes), key)
+            if fake is not None:
+                torch.library.register_fake(f"{self.namespace}::{name}", served(self._validated(fake), writes), lib=lib)
 
     # -- declaring backends -------------------------------------------------------------------------
     def backend(
