@@ -211,11 +211,6 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
     }
 
 
-def _scale_strides(scales: torch.Tensor) -> tuple[int, ...]:
-    """The strides of FP8 rows' scales [B, M, G, H]; zeros for the placeholder (a 5-D K) when there are none."""
-    return scales.stride() if scales.dim() == 4 else (0, 0, 0, 0)
-
-
 def _splitk_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -268,14 +263,15 @@ def _splitk_forward(
         partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
         partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
     tables = block_tables if block_tables is not None else seqstart_q
-    if scales[0] is None:
-        fp8_scales, scales = 0, [k, k]  # (not read)
+    if scales[0] is None:  # K in the scales' places, never read
+        fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
     else:
         fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
+        scale_strides = (*scales[0].stride(), *scales[1].stride())
     launch.fast(_splitk_kernel)[(programs, split_k)](
         q, k, v, *scales, partial, partial_lse, seqstart_q, seqstart_k, seqlen_k, tables, groups, heads,
         launch.cdiv(max_q, cfg["QUERIES"]), mq, k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left,
-        window_right, *q.stride(), *k.stride(), *v.stride(), *_scale_strides(scales[0]), *_scale_strides(scales[1]),
+        window_right, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
         *partial.stride(), *partial_lse.stride(),
         *(block_tables.stride() if block_tables is not None else (0, 0)),
         VARLEN=varlen, HAS_SEQLEN_K=seqlen_k is not None, PAGED=block_tables is not None, BOTTOM_RIGHT=bottom_right,
