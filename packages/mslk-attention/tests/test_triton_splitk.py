@@ -141,21 +141,29 @@ def test_int4_layout_and_round_trip():
         kv_cache.quantize_kv_int4(x, 0)
 
 
-@pytest.mark.parametrize("groups", [1, 2, 8])
-@pytest.mark.parametrize("bias_id", ["None", "B12", "B16", "B22"])
-def test_int4_kv(groups, bias_id):
-    """int4-packed K/V (GQA-shared and expanded) against the float64 oracle on their dequantized values."""
-    q, k, v, bias = _inputs(bias_id, (2, 2, 70, 1, 4, 64), torch.bfloat16, True)
-    packed = [kv_cache.quantize_kv_int4(t[..., :1, :], groups).expand(*t.shape[:-1], -1) for t in (k, v)]
-    op = type("Int4", (triton_splitk.FwOp.get_operator(3),), {"NUM_GROUPS": groups})
+def _int4_check(q, k, v, bias, groups, op=triton_splitk.FwOp):
+    """The op over K/V int4-packed in `groups` scale groups (shifted off zero, so that the shifts weigh in) against
+    the float64 oracle on their dequantized values; returns the op's context."""
+    packed = [kv_cache.quantize_kv_int4(t[..., :1, :] * 2 + 3, groups).expand(*t.shape[:-1], -1) for t in (k, v)]
+    op = type("Int4", (op,), {"NUM_GROUPS": groups})
     inp = common.Inputs(q, *packed, bias)
     assert [r for r in op.not_supported_reasons(inp) if not r.startswith("device=")] == []
     out, ctx = op.apply(inp, needs_gradient=True)
-    k_values, v_values = (kv_cache.dequantize_kv_int4(t, groups) for t in packed)
-    ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), bias)
-    testing.assert_rel_close(out, ref, TOLERANCE[torch.bfloat16])
+    k_values, v_values = (kv_cache.dequantize_kv_int4(t, groups).double() for t in packed)
+    ref, lse = attention_reference(q.double(), k_values, v_values, bias)
+    testing.assert_rel_close(out, ref, TOLERANCE[q.dtype])
     finite = torch.isfinite(lse)
     torch.testing.assert_close(ctx.lse[finite].double(), lse[finite].double(), atol=1e-3, rtol=0)
+    if q.is_cuda:  # the public op pinned to it (CUDA only)
+        torch.testing.assert_close(fmha.memory_efficient_attention_forward(q, *packed, bias, op=op), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups", [1, 2, 8])
+@pytest.mark.parametrize("bias_id", ["None", "B12", "B16", "B22"])
+def test_int4_kv(groups, bias_id, dtype):
+    """int4-packed K/V (GQA-shared and expanded): the kernel applies the scales to the products, not to K/V."""
+    _int4_check(*_inputs(bias_id, (2, 2, 70, 1, 4, 64), dtype, True), groups, triton_splitk.FwOp.get_operator(3))
 
 
 def test_fp8_layout_and_round_trip():
@@ -315,14 +323,11 @@ def test_gpu(bias_id, dtype, sizes, shared_heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("bias_id", ["None", "B16"])
-def test_gpu_int4_kv(bias_id):
-    q, k, v, bias = _inputs(bias_id, (16, 1, 3000, 1, 8, 128), torch.bfloat16, True, page_size=64)
-    packed = [kv_cache.quantize_kv_int4(t[..., :1, :], 2).expand(*t.shape[:-1], -1) for t in (k, v)]
-    op = type("Int4", (triton_splitk.FwOp,), {"NUM_GROUPS": 2})
-    out = fmha.memory_efficient_attention_forward(q, *packed, bias, op=op)
-    values = [kv_cache.dequantize_kv_int4(t, 2).double() for t in packed]
-    testing.assert_rel_close(out, attention_reference(q.double(), *values, bias)[0], TOLERANCE[torch.bfloat16])
+def test_gpu_int4_kv(bias_id, groups, dtype):
+    _int4_check(*_inputs(bias_id, (16, 1, 3000, 1, 8, 128), dtype, True, page_size=64), groups)
 
 
 @pytest.mark.gpu

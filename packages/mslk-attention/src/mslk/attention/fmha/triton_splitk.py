@@ -55,38 +55,112 @@ _MAX_ROWS = 64  # query rows (queries x heads) a program: its accumulator 64 x 2
 
 
 @triton.jit
-def _half_pair(packed):
-    """The fp16 (scale, shift) packed in int32 (kv_cache's layout: the scale in the low half), in fp32."""
+def _pow2(e):
+    """2^e in fp32 (int32 e in [-126, 127]), exactly: its exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exponent(x):
+    """floor(log2(x)) of positive normal fp32 x from its exponent bits, kept within [-100, 100] (0, subnormals, inf
+    and NaN land at the ends, where what they scale stays finite)."""
+    return tl.minimum(tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+
+
+@triton.jit
+def _fp16_rows(q):
+    """q's rows in fp16 scaled each by a power of two to a largest |value| in [2^14, 2^15), and those powers' inverses
+    in fp32: products with quantized K/V's fp16 codes whatever q's dtype and range (16-bit q values fit fp16's
+    mantissa; a row loses only what falls 2^29 below its largest value)."""
+    e = _exponent(tl.max(tl.abs(q.to(tl.float32)), 1))
+    return (q.to(tl.float32) * _pow2(14 - e)[:, None]).to(tl.float16), _pow2(e - 14)
+
+
+@triton.jit
+def _nibble(words, j: tl.constexpr):
+    return ((words >> (4 * j)) & 0xF).to(tl.int16)
+
+
+@triton.jit
+def _codes(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] codes of quantized K or V rows (`rows`: their starts) in fp16, exactly: an FP8 code
+    converted, an int4 code c as the fp16 bits of c (c · 2^-24, which the callers undo). int4 element 8w + j
+    is nibble j of int32 GROUPS + w (kv_cache's order); the words load once each and unpack by interleaving, which
+    keeps a word's eight codes in one thread (a 3-D shift and reshape had spread them over eight)."""
+    if INT4:
+        words = tl.load(rows[:, None] + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None],
+                        other=0)  # fmt: skip
+        # nibble j of word w goes to 8w + j, j = 4a + 2b + c: interleave over a, then b, then c
+        a0, a1 = tl.interleave(_nibble(words, 0), _nibble(words, 4)), tl.interleave(_nibble(words, 1), _nibble(words, 5))
+        a2, a3 = tl.interleave(_nibble(words, 2), _nibble(words, 6)), tl.interleave(_nibble(words, 3), _nibble(words, 7))
+        return tl.interleave(tl.interleave(a0, a2), tl.interleave(a1, a3)).to(tl.float16, bitcast=True)
+    else:
+        tile = tl.load(rows[:, None] + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        return tile.to(tl.float16)
+
+
+@triton.jit
+def _row_scales(rows, scale_rows, key_ok, grp: tl.constexpr, stride_d, INT4: tl.constexpr, FP8_SCALES: tl.constexpr):
+    """(scale, shift) [BLOCK_N] in fp32 of quantized rows, of their scale group grp: fp16 pairs packed in int32
+    (kv_cache's layout: the scale in the low half) leading int4 rows or beside FP8 rows (FP8_SCALES 1), or FP8 rows'
+    fp32 scales (2; no shift)."""
+    if INT4:
+        packed = tl.load(rows + grp * stride_d, mask=key_ok, other=0)
+    elif FP8_SCALES == 1:
+        packed = tl.load(scale_rows, mask=key_ok, other=0)
+    else:
+        return tl.load(scale_rows, mask=key_ok, other=0.0), 0.0
     scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return scale, shift
 
 
 @triton.jit
-def _kv_tile(rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr,
-             FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The [BLOCK_N, D or more] tile of K or V rows (`rows`: their starts), dequantized in fp32 where the cache is
-    quantized (kv_cache's formats). INT4 (D a power of two): element 8w + j is nibble j of int32 GROUPS + w, times
-    its group's scale plus its shift, packed in int32 g = (8w + j) // (D / GROUPS); the packed words are loaded
-    once each, then spread to their elements in registers. FP8 rows (the tensors viewed as FP8 by the caller) scale
-    by the row's scale at `scale_rows`: fp16 scale and shift in an int32 (FP8_SCALES 1) or an fp32 scale (2)."""
-    if INT4:
-        words = tl.load(rows + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None], other=0)
-        codes = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        codes = tl.reshape(codes, [BLOCK_N, D]).to(tl.float32)
-        scale, shift = _half_pair(tl.load(rows + tl.arange(0, GROUPS)[None, :] * stride_d, mask=key_ok[:, None],
-                                          other=0))  # fmt: skip
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
-        shift = tl.reshape(tl.broadcast_to(shift[:, :, None], [BLOCK_N, GROUPS, D // GROUPS]), [BLOCK_N, D])
-        return codes * scale + shift
-    else:
-        tile = tl.load(rows + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if FP8_SCALES == 1:
-            scale, shift = _half_pair(tl.load(scale_rows, mask=key_ok, other=0))
-            tile = tile.to(tl.float32) * scale[:, None] + shift[:, None]
-        elif FP8_SCALES == 2:
-            tile = tile.to(tl.float32) * tl.load(scale_rows, mask=key_ok, other=0.0)[:, None]
-        return tile
+def _in_group(grp: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Whether each of the BLOCK_D dims is in scale group grp."""
+    return tl.arange(0, BLOCK_D) // (BLOCK_D // GROUPS) == grp
+
+
+@triton.jit
+def _quantized_scores(q, q16, q_unit, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr,
+                      GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """q · K^T [BLOCK_M, BLOCK_N] over quantized K rows, K never dequantized: a row's scale and shift (a group's)
+    apply to the products, scale · (q · codes) + shift · Σ q, the codes going to the MMA as they load (q16, q_unit:
+    _fp16_rows of q)."""
+    CODE_UNIT: tl.constexpr = 16777216.0 if INT4 else 1.0  # (int4 codes come as c · 2^-24)
+    codes = _codes(rows, key_ok, dims, dim_ok, stride_d, INT4, GROUPS, D)
+    s = tl.zeros([q.shape[0], codes.shape[0]], tl.float32)
+    for grp in tl.static_range(GROUPS):
+        q_grp, q16_grp = q, q16
+        if GROUPS > 1:
+            in_group = _in_group(grp, GROUPS, BLOCK_D)[None, :]
+            q_grp, q16_grp = tl.where(in_group, q, 0.0), tl.where(in_group, q16, 0.0)
+        scale, shift = _row_scales(rows, scale_rows, key_ok, grp, stride_d, INT4, FP8_SCALES)
+        s += tl.dot(q16_grp, tl.trans(codes)) * (q_unit * CODE_UNIT)[:, None] * scale[None, :]
+        if FP8_SCALES != 2:
+            s += tl.sum(q_grp.to(tl.float32), 1)[:, None] * shift[None, :]
+    return s
+
+
+@triton.jit
+def _quantized_values(p, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr,
+                      FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """p · V [BLOCK_M, BLOCK_D] over quantized V rows (p: fp32 [BLOCK_M, BLOCK_N] in [0, 1]), V never dequantized: a
+    row's scale (a group's) scales p, its shift adds p · shift, and the codes go to the MMA as they load, against
+    p · scale in fp16 brought to at most 1 by the tile's power of two."""
+    CODE_UNIT: tl.constexpr = 16777216.0 if INT4 else 1.0  # (int4 codes come as c · 2^-24)
+    codes = _codes(rows, key_ok, dims, dim_ok, stride_d, INT4, GROUPS, D)
+    pv = tl.zeros([p.shape[0], BLOCK_D], tl.float32)
+    for grp in tl.static_range(GROUPS):
+        scale, shift = _row_scales(rows, scale_rows, key_ok, grp, stride_d, INT4, FP8_SCALES)
+        e = _exponent(tl.max(tl.abs(scale), 0)) + 1
+        part = tl.dot((p * (scale * _pow2(-e))[None, :]).to(tl.float16), codes) * (_pow2(e) * CODE_UNIT)
+        if FP8_SCALES != 2:
+            part += tl.sum(p * shift[None, :], 1)[:, None]
+        if GROUPS > 1:
+            part = tl.where(_in_group(grp, GROUPS, BLOCK_D)[None, :], part, 0.0)
+        pv += part
+    return pv
 
 
 @triton.jit
@@ -136,6 +210,9 @@ def _splitk_kernel(
     v_base = v_ptr + batch * stride_vb + g * stride_vg + kv_head * stride_vh
     k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + kv_head * stride_ksh  # (FP8 rows: a scale a row)
     v_scales = v_scale_ptr + batch * stride_vsb + g * stride_vsg + kv_head * stride_vsh
+    QUANTIZED: tl.constexpr = INT4 or FP8_SCALES > 0
+    if QUANTIZED:
+        q16, q_unit = _fp16_rows(q)
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         q = q.to(tl.float32)
 
@@ -152,19 +229,27 @@ def _splitk_kernel(
             key_rows = page.to(tl.int64) * page_size + place % page_size
         else:
             key_rows = (k_start + keys).to(tl.int64)
-        k = _kv_tile(k_base + key_rows[:, None] * stride_km, k_scales + key_rows * stride_ksm, key_ok, dims, dim_ok,
-                     stride_kd, INT4, GROUPS, FP8_SCALES, D, BLOCK_N)  # fmt: skip
-        v = _kv_tile(v_base + key_rows[:, None] * stride_vm, v_scales + key_rows * stride_vsm, key_ok, dims, dim_ok,
-                     stride_vd, INT4, GROUPS, FP8_SCALES, D, BLOCK_N)  # fmt: skip
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        k_rows, v_rows = k_base + key_rows * stride_km, v_base + key_rows * stride_vm
+        k_scale_rows, v_scale_rows = k_scales + key_rows * stride_ksm, v_scales + key_rows * stride_vsm
+        if QUANTIZED:
+            s = _quantized_scores(q, q16, q_unit, k_rows, k_scale_rows, key_ok, dims, dim_ok, stride_kd, INT4, GROUPS,
+                                  FP8_SCALES, D, BLOCK_D)  # fmt: skip
+        else:
+            k = tl.load(k_rows[:, None] + dims[None, :] * stride_kd, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s *= scale_log2
         seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & key_ok[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0, no NaN
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(s - m_base[:, None])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        if QUANTIZED:
+            acc = acc * alpha[:, None] + _quantized_values(p, v_rows, v_scale_rows, key_ok, dims, dim_ok, stride_vd,
+                                                           INT4, GROUPS, FP8_SCALES, D, BLOCK_D)  # fmt: skip
+        else:
+            v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
