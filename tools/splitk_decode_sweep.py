@@ -25,7 +25,7 @@ def graph_us(fn) -> float:
 
 
 def sweep(shape: dict) -> None:
-    inp, sdpa_inputs = bench._decode_inputs(shape, torch.device("cuda"))
+    inp, sdpa_inputs, _ = bench._decode_inputs(shape, torch.device("cuda"))
     kilobytes = 2 * shape["B"] * shape["L"] * shape["Hkv"] * bench._kv_row_bytes(shape) / 1e3  # / us = GB/s
     picked = dispatch._dispatch_fw(inp, False).NAME
     expected = bench._decode_sdpa((None, sdpa_inputs))

@@ -365,10 +365,15 @@ def test_gpu_paged_decode_is_dispatched_here_and_replays_in_a_graph():
 
 @pytest.mark.parametrize("kv", ["bf16", "int4", "fp8"])
 @pytest.mark.parametrize("page", [0, 16])
-def test_bench_baseline_computes_the_op(page, kv):
-    """The decode bench's SDPA over the gathered cache gives the op's output (the reference's on the CPU; a quantized
-    cache's dequantized values, as the kernel computes them)."""
+def test_bench_baselines_compute_the_op(page, kv, monkeypatch):
+    """The decode bench's SDPA over the gathered cache and FlexAttention over its own cache (through the page table
+    when paged; eager here) give the op's output (the reference's on the CPU; a quantized cache's dequantized values,
+    as the kernel computes them)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     from mslk.attention import bench
+
+    monkeypatch.setattr(bench, "_compiled_flex", lambda: flex_attention)
 
     shape = {"B": 3, "L": 64, "Hq": 8, "Hkv": 2, "K": 32, "page": page, "kv": kv}
     inputs = bench._decode_inputs(shape, torch.device("cpu"))
@@ -381,3 +386,5 @@ def test_bench_baseline_computes_the_op(page, kv):
     out = fmha.memory_efficient_attention_forward(q.float(), k.float(), v.float(), mask)
     sdpa = bench._decode_sdpa((None, [t.float() for t in inputs[1]]))
     testing.assert_rel_close(out.reshape(sdpa.shape), sdpa, 1e-5 if kv == "bf16" else 1e-2)  # (SDPA's bf16 values)
+    flex = bench._decode_flex((None, None, [t.float() if isinstance(t, torch.Tensor) else t for t in inputs[2]]))
+    testing.assert_rel_close(flex, sdpa, 1e-5)

@@ -271,9 +271,12 @@ def _register_mla():
 # Decoding over a KV cache (PERF.md's decode row: B=16, one query, 8192 keys, 32 query heads over 8 KV heads, K=128),
 # the cache dense ([B, L, 8, 4 expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
 # PaddedKeysMask). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
-# kernel pinned. Baseline: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
-# a quantized cache's dequantized values, in bf16). CUDA graphs, as serving engines replay decode steps. Bytes: the K
-# and V read once (int4: K / 8 + 1 int32 a row; FP8 rows: K bytes and a 4-byte scale).
+# kernel pinned. Baselines: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
+# a quantized cache's dequantized values, in bf16), and FlexAttention (compiled, enable_gqa) over the same values in
+# its own layout, a pool [1, 8, pages · page, K] read through the page table (a BlockMask whose key blocks are the
+# pages, PERF.md's comparison for paged masks) or the gathered keys where the cache is dense. CUDA graphs, as
+# serving engines replay decode steps. Bytes: the K and V read once (int4: K / 8 + 1 int32 a row; FP8 rows: K bytes
+# and a 4-byte scale).
 DECODE = [
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "bf16"},
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 256, "kv": "bf16"},
@@ -296,10 +299,11 @@ def _round_trip(t: torch.Tensor, kv: str) -> torch.Tensor:
 
 
 def _decode_inputs(s: dict, device: torch.device):
-    """(the op's Inputs, (q, k, v) of SDPA)."""
+    """(the op's Inputs, (q, k, v) of SDPA, (q, k, v, block mask) of FlexAttention)."""
     batch, keys, kv_heads, dim, page = s["B"], s["L"], s["Hkv"], s["K"], s["page"]
     shared = s["Hq"] // kv_heads
     q = testing.randn(batch, 1, kv_heads, shared, dim, dtype=torch.bfloat16, device=device)
+    sdpa_q = q.reshape(batch, s["Hq"], 1, dim)
     if page:
         pages = keys // page
         tables = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
@@ -308,27 +312,53 @@ def _decode_inputs(s: dict, device: torch.device):
             [1] * batch, [keys] * batch, tables, page, device=device
         )
         rows = mask.pool_rows(device).view(batch, keys)
-        gathered = [t[0, rows, :, 0].transpose(1, 2) for t in (k, v)]
+        gathered = [_round_trip(t[0, rows, :, 0].transpose(1, 2), s["kv"]) for t in (k, v)]
+        pools = [_round_trip(t[:, :, :, 0].transpose(1, 2), s["kv"]).contiguous() for t in (k, v)]
+        flex = (sdpa_q, *pools, _page_block_mask(tables, page))
         q = q.view(1, batch, kv_heads, shared, dim)
     else:
         k, v = (testing.randn(batch, keys, kv_heads, 1, dim, dtype=torch.bfloat16, device=device) for _ in "kv")
-        mask, gathered = None, [t[:, :, :, 0].transpose(1, 2).contiguous() for t in (k, v)]
-    sdpa_q = q.reshape(batch, s["Hq"], 1, dim)
-    gathered = [_round_trip(t, s["kv"]) for t in gathered]
+        mask = None
+        gathered = [_round_trip(t[:, :, :, 0].transpose(1, 2).contiguous(), s["kv"]) for t in (k, v)]
+        flex = (sdpa_q, *gathered, None)
     heads = (*k.shape[:3], shared)
     if s["kv"] == "fp8":
         (k, k_scales), (v, v_scales) = (kv_cache.quantize_kv_fp8(t) for t in (k, v))
         expanded = [t.expand(*heads, t.shape[-1]) for t in (k, v)]
         scales = {"k_fp8_scale_shift": k_scales.expand(heads), "v_fp8_scale_shift": v_scales.expand(heads)}
-        return InputsFp8(q, *expanded, mask, **scales), (sdpa_q, *gathered)
+        return InputsFp8(q, *expanded, mask, **scales), (sdpa_q, *gathered), flex
     if s["kv"] == "int4":
         k, v = (kv_cache.quantize_kv_int4(t) for t in (k, v))
-    return Inputs(q, *(t.expand(*heads, t.shape[-1]) for t in (k, v)), mask), (sdpa_q, *gathered)
+    return Inputs(q, *(t.expand(*heads, t.shape[-1]) for t in (k, v)), mask), (sdpa_q, *gathered), flex
+
+
+def _page_block_mask(tables: torch.Tensor, page: int):
+    """FlexAttention's BlockMask of one query a sequence over a pool of pages: sequence b's key blocks are the pages of
+    its table row, whole blocks (the kernel skips the mask_mod, which says the same key by key: a key is seen by its
+    page's sequence)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, pages = tables.shape
+    counts = torch.full((batch, 1, 1), pages, dtype=torch.int32, device=tables.device)
+    indices = torch.zeros(batch, 1, 1, tables.numel(), dtype=torch.int32, device=tables.device)  # (a column a page)
+    indices[..., :pages] = tables.view(batch, 1, 1, pages)
+    owner = torch.empty(tables.numel(), dtype=torch.int32, device=tables.device)
+    sequences = torch.arange(batch, dtype=torch.int32, device=tables.device)
+    owner[tables.flatten().long()] = sequences.repeat_interleave(pages)
+    return BlockMask.from_kv_blocks(
+        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=(128, page),
+        mask_mod=lambda b, h, q, kv: owner[kv // page] == b, seq_lengths=(1, tables.numel() * page),
+    )  # fmt: skip
 
 
 def _decode_sdpa(i):
     q, k, v = i[1]
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _decode_flex(i):
+    q, k, v, block_mask = i[2]
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def _register_decode():
@@ -340,7 +370,10 @@ def _register_decode():
                 shapes=DECODE,
                 make_inputs=_decode_inputs,
                 run=lambda i, op=op: fmha._memory_efficient_attention_forward(i[0], op=op),
-                baselines={"SDPA (gathered cache, enable_gqa)": _decode_sdpa},
+                baselines={
+                    "SDPA (gathered cache, enable_gqa)": _decode_sdpa,
+                    "FlexAttention (paged: through the page table)": _decode_flex,
+                },
                 cuda_graph=True,
                 flops=lambda s: 4 * s["B"] * s["Hq"] * s["L"] * s["K"],
                 bytes=lambda s: 2 * s["B"] * s["L"] * s["Hkv"] * _kv_row_bytes(s),

@@ -12,9 +12,12 @@ gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the
 included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more programs);
 output in any dtype and the LSE for partial attention (varlen: packed).
 
-K/V may come quantized in kv_cache's formats (spec §7.7), dequantized in the kernel as their tiles load: int4-packed
-(a quarter of the bytes of bf16, plus 4 a group; NUM_GROUPS scale groups a row, set in a subclass as upstream's
-tests do) or FP8 rows (InputsFp8: half the bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer).
+K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarter of the bytes of bf16, plus 4 a
+group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
+bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). They are never dequantized: their codes go
+to fp16 MMAs as they load, against the queries in fp16 (each row scaled by a power of two) and the probabilities
+times V's scales, and a row's scale and shift apply to the products (scale · (q · codes) + shift · Σ q). Dequantizing
+each element in fp32 had made an int4 cache 2x slower than bf16 on an H100.
 Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
 reasons say so, and the dispatcher goes on to the next backend.
 """
@@ -91,8 +94,10 @@ def _codes(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.
         words = tl.load(rows[:, None] + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None],
                         other=0)  # fmt: skip
         # nibble j of word w goes to 8w + j, j = 4a + 2b + c: interleave over a, then b, then c
-        a0, a1 = tl.interleave(_nibble(words, 0), _nibble(words, 4)), tl.interleave(_nibble(words, 1), _nibble(words, 5))
-        a2, a3 = tl.interleave(_nibble(words, 2), _nibble(words, 6)), tl.interleave(_nibble(words, 3), _nibble(words, 7))
+        a0 = tl.interleave(_nibble(words, 0), _nibble(words, 4))
+        a1 = tl.interleave(_nibble(words, 1), _nibble(words, 5))
+        a2 = tl.interleave(_nibble(words, 2), _nibble(words, 6))
+        a3 = tl.interleave(_nibble(words, 3), _nibble(words, 7))
         return tl.interleave(tl.interleave(a0, a2), tl.interleave(a1, a3)).to(tl.float16, bitcast=True)
     else:
         tile = tl.load(rows[:, None] + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -123,7 +128,8 @@ def _in_group(grp: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _quantized_scores(q, q16, q_unit, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr,
-                      GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                      GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr):  # fmt: skip
     """q · K^T [BLOCK_M, BLOCK_N] over quantized K rows, K never dequantized: a row's scale and shift (a group's)
     apply to the products, scale · (q · codes) + shift · Σ q, the codes going to the MMA as they load (q16, q_unit:
     _fp16_rows of q)."""
