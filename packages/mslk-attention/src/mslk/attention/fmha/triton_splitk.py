@@ -80,25 +80,27 @@ def _fp16_rows(q):
 
 
 @triton.jit
-def _nibble(words, j: tl.constexpr):
-    return ((words >> (4 * j)) & 0xF).to(tl.int16)
+def _int4_order(dims):
+    """The element of int4-packed rows at each of the dims' places in _codes' tiles: place 8w + 2j + h holds element
+    8w + j + 4h (nibble j + 4h of word w), as a word's nibbles unpack two at a time."""
+    return dims // 8 * 8 + dims % 8 // 2 + dims % 2 * 4
 
 
 @triton.jit
 def _codes(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr):
     """The [BLOCK_N, BLOCK_D] codes of quantized K or V rows (`rows`: their starts) in fp16, exactly: an FP8 code
-    converted, an int4 code c as the fp16 bits of c (c · 2^-24, which the callers undo). int4 element 8w + j
-    is nibble j of int32 GROUPS + w (kv_cache's order); the words load once each and unpack by interleaving, which
-    keeps a word's eight codes in one thread (a 3-D shift and reshape had spread them over eight)."""
+    converted, an int4 code c as the fp16 bits of c (c · 2^-24, which the callers undo), its elements in
+    _int4_order (q and the output take the same order, so the products need no other). The int4 words load once
+    each; one shift and one mask take nibbles j and j + 4 to the halves of a 32-bit lane, so a word's eight codes
+    stay in its thread and cost about an instruction each (a 3-D shift and reshape had spread them over eight)."""
     if INT4:
         words = tl.load(rows[:, None] + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None],
                         other=0)  # fmt: skip
-        # nibble j of word w goes to 8w + j, j = 4a + 2b + c: interleave over a, then b, then c
-        a0 = tl.interleave(_nibble(words, 0), _nibble(words, 4))
-        a1 = tl.interleave(_nibble(words, 1), _nibble(words, 5))
-        a2 = tl.interleave(_nibble(words, 2), _nibble(words, 6))
-        a3 = tl.interleave(_nibble(words, 3), _nibble(words, 7))
-        return tl.interleave(tl.interleave(a0, a2), tl.interleave(a1, a3)).to(tl.float16, bitcast=True)
+        pairs = tl.interleave(
+            tl.interleave(words & 0x000F000F, (words >> 8) & 0x000F000F),
+            tl.interleave((words >> 4) & 0x000F000F, (words >> 12) & 0x000F000F),
+        )  # place 4w + j: nibbles j and j + 4 of word w, in the low and high halves
+        return tl.interleave(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     else:
         tile = tl.load(rows[:, None] + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         return tile.to(tl.float16)
@@ -209,7 +211,8 @@ def _splitk_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D  # (constant where D is a power of two: loads stay whole vectors)
     q_rows = q_ptr + batch * stride_qb + (q_start + query).to(tl.int64) * stride_qm + g * stride_qg
-    q = tl.load(q_rows[:, None] + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+    q_dims = _int4_order(dims) if INT4 else dims  # (int4 codes come in that order)
+    q = tl.load(q_rows[:, None] + head[:, None] * stride_qh + q_dims[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
     kv_head = head_block * HEADS  # the rows' shared KV head (HEADS > 1: K/V's head stride is 0)
     k_base = k_ptr + batch * stride_kb + g * stride_kg + kv_head * stride_kh
@@ -262,7 +265,7 @@ def _splitk_kernel(
     out = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
     out_rows = (out_ptr + split * stride_os + batch * stride_ob
                 + (q_start + query).to(tl.int64) * stride_om + g * stride_og + head * stride_oh)  # fmt: skip
-    tl.store(out_rows[:, None] + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_rows[:, None] + q_dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) / 1.4426950408889634, float("-inf"))
     lse_rows = (lse_ptr + split * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
