@@ -111,14 +111,16 @@ def _row_scales(rows, scale_rows, key_ok, grp: tl.constexpr, stride_d, INT4: tl.
     """(scale, shift) [BLOCK_N] in fp32 of quantized rows, of their scale group grp: fp16 pairs packed in int32
     (kv_cache's layout: the scale in the low half) leading int4 rows or beside FP8 rows (FP8_SCALES 1), or FP8 rows'
     fp32 scales (2; no shift)."""
-    if INT4:
-        packed = tl.load(rows + grp * stride_d, mask=key_ok, other=0)
-    elif FP8_SCALES == 1:
-        packed = tl.load(scale_rows, mask=key_ok, other=0)
+    if FP8_SCALES == 2:
+        scale = tl.load(scale_rows, mask=key_ok, other=0.0)
+        shift = tl.zeros_like(scale)  # (unused: the callers skip the shift terms)
     else:
-        return tl.load(scale_rows, mask=key_ok, other=0.0), 0.0
-    scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        if INT4:
+            packed = tl.load(rows + grp * stride_d, mask=key_ok, other=0)
+        else:
+            packed = tl.load(scale_rows, mask=key_ok, other=0)
+        scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return scale, shift
 
 
