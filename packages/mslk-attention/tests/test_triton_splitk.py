@@ -166,6 +166,39 @@ def test_int4_kv(groups, bias_id, dtype):
     _int4_check(*_inputs(bias_id, (2, 2, 70, 1, 4, 64), dtype, True), groups, triton_splitk.FwOp.get_operator(3))
 
 
+def _quantized(fmt, q, k, v, bias):
+    """(Inputs, op, dequantized k, dequantized v) of k and v in kv_cache's format fmt: int4, fp8, fp8-fp32."""
+    if fmt == "int4":
+        packed = [kv_cache.quantize_kv_int4(t) for t in (k, v)]
+        return common.Inputs(q, *packed, bias), triton_splitk.FwOp_S1, *(kv_cache.dequantize_kv_int4(t) for t in packed)
+    fp32 = fmt == "fp8-fp32"
+    (k8, k_scales), (v8, v_scales) = (kv_cache.quantize_kv_fp8(t, fp32) for t in (k, v))
+    inp = common.InputsFp8(q, k8, v8, bias, use_fp32_scales=fp32, k_fp8_scale_shift=k_scales,
+                           v_fp8_scale_shift=v_scales)  # fmt: skip
+    values = (kv_cache.dequantize_kv_fp8(t, scales) for t, scales in ((k8, k_scales), (v8, v_scales)))
+    return inp, triton_splitk.FwOp_S1, *values
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-fp32"])
+def test_quantized_rows_far_apart(fmt):
+    """Quantized K/V whose rows' scales lie 1e8 apart in one tile, one of them masked off for a query, and a query
+    row of 1e35 (bf16): each output row keeps its own precision (the V weights go to fp16 under a power of two per
+    query row, not one per tile, which had zeroed a row of small values beside a large one; q's power of two
+    covers bf16's range, where 1e35 had overflowed fp16 to NaN)."""
+    mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], 8, [8])
+    q = testing.randn(1, 3, 1, 32).to(torch.bfloat16)
+    q[0, 2] *= 1e35 / q[0, 2].abs().max()
+    k = testing.randn(1, 8, 1, 32)
+    v = testing.randn(1, 8, 1, 32) * 1e-4
+    v[0, 7] *= 1e8  # the last key, which query 0 does not see (causal from the bottom right)
+    inp, op, k_values, v_values = _quantized(fmt, q, k, v, mask)
+    out, ctx = op.apply(inp, needs_gradient=True)
+    ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), mask)
+    for row in range(3):
+        testing.assert_rel_close(out[:, row], ref[:, row], TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(ctx.lse.double(), lse.double(), rtol=1e-5, atol=1e-3)
+
+
 def test_fp8_layout_and_round_trip():
     """quantize_kv_fp8's layout (spec §7.7): element 4w + j is byte j of word w (e4m3), a row's fp16 scale and shift
     in one int32 (scale low), or an fp32 scale alone; values come back to FP8's precision: half a step of 3

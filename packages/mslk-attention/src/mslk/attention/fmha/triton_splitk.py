@@ -64,10 +64,10 @@ def _pow2(e):
 
 
 @triton.jit
-def _exponent(x):
-    """floor(log2(x)) of positive normal fp32 x from its exponent bits, kept within [-100, 100] (0, subnormals, inf
-    and NaN land at the ends, where what they scale stays finite)."""
-    return tl.minimum(tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+def _exponent(x, lo: tl.constexpr, hi: tl.constexpr):
+    """floor(log2(x)) of positive normal fp32 x from its exponent bits, kept within [lo, hi] (0 and subnormals land
+    at lo, inf and NaN at hi)."""
+    return tl.minimum(tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, lo), hi)
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _fp16_rows(q):
     """q's rows in fp16 scaled each by a power of two to a largest |value| in [2^14, 2^15), and those powers' inverses
     in fp32: products with quantized K/V's fp16 codes whatever q's dtype and range (16-bit q values fit fp16's
     mantissa; a row loses only what falls 2^29 below its largest value)."""
-    e = _exponent(tl.max(tl.abs(q.to(tl.float32)), 1))
+    e = _exponent(tl.max(tl.abs(q.to(tl.float32)), 1), -112, 127)  # (2^(14 - e) and 2^(e - 14) stay normal)
     return (q.to(tl.float32) * _pow2(14 - e)[:, None]).to(tl.float16), _pow2(e - 14)
 
 
@@ -157,14 +157,16 @@ def _quantized_values(p, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4:
                       FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """p · V [BLOCK_M, BLOCK_D] over quantized V rows (p: fp32 [BLOCK_M, BLOCK_N] in [0, 1]), V never dequantized: a
     row's scale (a group's) scales p, its shift adds p · shift, and the codes go to the MMA as they load, against
-    p · scale in fp16 brought to at most 1 by the tile's power of two."""
+    p · scale in fp16, each query row's weights brought below 1 by a power of two of their own (one power for the
+    tile would tie a key's precision to the other keys' scales, masked ones included)."""
     CODE_UNIT: tl.constexpr = 16777216.0 if INT4 else 1.0  # (int4 codes come as c · 2^-24)
     codes = _codes(rows, key_ok, dims, dim_ok, stride_d, INT4, GROUPS, D)
     pv = tl.zeros([p.shape[0], BLOCK_D], tl.float32)
     for grp in tl.static_range(GROUPS):
         scale, shift = _row_scales(rows, scale_rows, key_ok, grp, stride_d, INT4, FP8_SCALES)
-        e = _exponent(tl.max(tl.abs(scale), 0)) + 1
-        part = tl.dot((p * (scale * _pow2(-e))[None, :]).to(tl.float16), codes) * (_pow2(e) * CODE_UNIT)
+        weights = p * scale[None, :]  # to fp16 after each row's power of two takes its largest |weight| below 1
+        e = _exponent(tl.max(tl.abs(weights), 1), -126, 125) + 1
+        part = tl.dot((weights * _pow2(-e)[:, None]).to(tl.float16), codes) * (_pow2(e) * CODE_UNIT)[:, None]
         if FP8_SCALES != 2:
             part += tl.sum(p * shift[None, :], 1)[:, None]
         if GROUPS > 1:
