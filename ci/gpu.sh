@@ -29,10 +29,13 @@ if [[ $stage != bench ]]; then
     python3 -m mslk.core.cli check 2>&1 | tee "$OUT/check.txt"
     # The `gpu`-marked tests (the CPU tiers are CI's), Triton kernels compiled for the GPU. Their time is mostly
     # compilation, so with pytest-xdist they run one worker a CPU core: all of them in about 3.5 minutes on the
-    # H200 machine's 16 cores, against about 18 one after another (1.2 s a test).
+    # H200 machine's 16 cores, against about 18 one after another (1.2 s a test). At most a worker for 6 GiB of
+    # the GPU's memory: each keeps what its tests' tensors took cached, and 16 of them ran an 80 GB H100 out of
+    # memory (13 fit).
     workers=()
     if python3 -c "import xdist" 2>/dev/null; then
-        workers=(-n auto)
+        gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+        workers=(-n "$(( $(nproc) < gib / 6 ? $(nproc) : gib / 6 ))")
     fi
     failed=0
     run_pytest pytest.txt -m "gpu and not big_memory" "${workers[@]}" "$@" || failed=1

@@ -14,10 +14,13 @@ output in any dtype and the LSE for partial attention (varlen: packed).
 
 K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarter of the bytes of bf16, plus 4 a
 group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
-bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). They are never dequantized: their codes go
-to fp16 MMAs as they load, against the queries in fp16 (each row scaled by a power of two) and the probabilities
-times V's scales, and a row's scale and shift apply to the products (scale · (q · codes) + shift · Σ q). Dequantizing
-each element in fp32 had made an int4 cache 2x slower than bf16 on an H100.
+bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). FP8 rows are dequantized in fp32 as their
+tiles load. int4 rows never are: their codes go to fp16 MMAs as they unpack, against the queries in fp16 (each row
+scaled by a power of two) and the probabilities times V's scales, and a row's scale and shift apply to the products
+(scale · (q · codes) + shift · Σ q): as fast as dequantizing (H100: 0.333 ms against 0.340 on PERF.md's decode
+shape), and exact where dequantized K/V had been rounded to 16 bits. (The same scheme for FP8 rows took 0.183 ms
+against 0.166, so they kept dequantizing.)
+
 Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
 reasons say so, and the dispatcher goes on to the next backend.
 """
@@ -73,7 +76,7 @@ def _exponent(x, lo: tl.constexpr, hi: tl.constexpr):
 @triton.jit
 def _fp16_rows(q):
     """q's rows in fp16 scaled each by a power of two to a largest |value| in [2^14, 2^15), and those powers' inverses
-    in fp32: products with quantized K/V's fp16 codes whatever q's dtype and range (16-bit q values fit fp16's
+    in fp32: products with int4 codes in fp16 whatever q's dtype and range (16-bit q values fit fp16's
     mantissa; a row loses only what falls 2^29 below its largest value)."""
     e = _exponent(tl.max(tl.abs(q.to(tl.float32)), 1), -112, 127)  # (2^(14 - e) and 2^(e - 14) stay normal)
     return (q.to(tl.float32) * _pow2(14 - e)[:, None]).to(tl.float16), _pow2(e - 14)
@@ -81,96 +84,88 @@ def _fp16_rows(q):
 
 @triton.jit
 def _int4_order(dims):
-    """The element of int4-packed rows at each of the dims' places in _codes' tiles: place 8w + 2j + h holds element
-    8w + j + 4h (nibble j + 4h of word w), as a word's nibbles unpack two at a time."""
+    """The element of int4-packed rows at each of the dims' places in _int4_codes' tiles: place 8w + 2j + h holds
+    element 8w + j + 4h (nibble j + 4h of word w), as a word's nibbles unpack two at a time."""
     return dims // 8 * 8 + dims % 8 // 2 + dims % 2 * 4
 
 
 @triton.jit
-def _codes(rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr):
-    """The [BLOCK_N, BLOCK_D] codes of quantized K or V rows (`rows`: their starts) in fp16, exactly: an FP8 code
-    converted, an int4 code c as the fp16 bits of c (c · 2^-24, which the callers undo), its elements in
-    _int4_order (q and the output take the same order, so the products need no other). The int4 words load once
-    each; one shift and one mask take nibbles j and j + 4 to the halves of a 32-bit lane, so a word's eight codes
-    stay in its thread and cost about an instruction each (a 3-D shift and reshape had spread them over eight)."""
-    if INT4:
-        words = tl.load(rows[:, None] + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None],
-                        other=0)  # fmt: skip
-        pairs = tl.interleave(
-            tl.interleave(words & 0x000F000F, (words >> 8) & 0x000F000F),
-            tl.interleave((words >> 4) & 0x000F000F, (words >> 12) & 0x000F000F),
-        )  # place 4w + j: nibbles j and j + 4 of word w, in the low and high halves
-        return tl.interleave(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
-    else:
-        tile = tl.load(rows[:, None] + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        return tile.to(tl.float16)
-
-
-@triton.jit
-def _row_scales(rows, scale_rows, key_ok, grp: tl.constexpr, stride_d, INT4: tl.constexpr, FP8_SCALES: tl.constexpr):
-    """(scale, shift) [BLOCK_N] in fp32 of quantized rows, of their scale group grp: fp16 pairs packed in int32
-    (kv_cache's layout: the scale in the low half) leading int4 rows or beside FP8 rows (FP8_SCALES 1), or FP8 rows'
-    fp32 scales (2; no shift)."""
-    if FP8_SCALES == 2:
-        scale = tl.load(scale_rows, mask=key_ok, other=0.0)
-        shift = tl.zeros_like(scale)  # (unused: the callers skip the shift terms)
-    else:
-        if INT4:
-            packed = tl.load(rows + grp * stride_d, mask=key_ok, other=0)
-        else:
-            packed = tl.load(scale_rows, mask=key_ok, other=0)
-        scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _half_pair(packed):
+    """The fp16 (scale, shift) packed in int32 (kv_cache's layout: the scale in the low half), in fp32."""
+    scale = (packed & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    shift = ((packed >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return scale, shift
 
 
 @triton.jit
-def _in_group(grp: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Whether each of the BLOCK_D dims is in scale group grp."""
-    return tl.arange(0, BLOCK_D) // (BLOCK_D // GROUPS) == grp
+def _kv_tile(rows, scale_rows, key_ok, dims, dim_ok, stride_d, FP8_SCALES: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] tile of 16-bit or FP8 K or V rows (`rows`: their starts), FP8 ones dequantized in fp32
+    by the row's scale at `scale_rows` (the tensors viewed as FP8 by the caller): fp16 scale and shift in an int32
+    (FP8_SCALES 1) or an fp32 scale (2)."""
+    tile = tl.load(rows[:, None] + dims[None, :] * stride_d, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    if FP8_SCALES == 1:
+        scale, shift = _half_pair(tl.load(scale_rows, mask=key_ok, other=0))
+        tile = tile.to(tl.float32) * scale[:, None] + shift[:, None]
+    elif FP8_SCALES == 2:
+        tile = tile.to(tl.float32) * tl.load(scale_rows, mask=key_ok, other=0.0)[:, None]
+    return tile
 
 
 @triton.jit
-def _quantized_scores(q, q16, q_unit, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr,
-                      GROUPS: tl.constexpr, FP8_SCALES: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr):  # fmt: skip
-    """q · K^T [BLOCK_M, BLOCK_N] over quantized K rows, K never dequantized: a row's scale and shift (a group's)
+def _int4_codes(rows, key_ok, GROUPS: tl.constexpr, D: tl.constexpr, stride_d):
+    """The [BLOCK_N, D] codes c of int4-packed rows (`rows`: their starts) as the fp16 bits of c (c · 2^-24, exact;
+    the callers undo the 2^-24), in _int4_order (q and the output take the same order, so the products need no
+    other). Element 8w + j is nibble j of int32 GROUPS + w (kv_cache's order). The words load once each; one shift
+    and one mask take nibbles j and j + 4 to the halves of a 32-bit lane, so a word's eight codes stay in its thread
+    and cost about an instruction each (a 3-D shift and reshape had spread them over eight)."""
+    words = tl.load(rows[:, None] + (GROUPS + tl.arange(0, D // 8))[None, :] * stride_d, mask=key_ok[:, None], other=0)
+    pairs = tl.interleave(
+        tl.interleave(words & 0x000F000F, (words >> 8) & 0x000F000F),
+        tl.interleave((words >> 4) & 0x000F000F, (words >> 12) & 0x000F000F),
+    )  # place 4w + j: nibbles j and j + 4 of word w, in the low and high halves
+    return tl.interleave(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _in_group(grp: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr):
+    """Whether each of the D dims is in scale group grp."""
+    return tl.arange(0, D) // (D // GROUPS) == grp
+
+
+@triton.jit
+def _int4_scores(q, q16, q_unit, rows, key_ok, stride_d, GROUPS: tl.constexpr, D: tl.constexpr):
+    """q · K^T [BLOCK_M, BLOCK_N] over int4-packed K rows, K never dequantized: a row's scale and shift (a group's)
     apply to the products, scale · (q · codes) + shift · Σ q, the codes going to the MMA as they load (q16, q_unit:
     _fp16_rows of q)."""
-    CODE_UNIT: tl.constexpr = 16777216.0 if INT4 else 1.0  # (int4 codes come as c · 2^-24)
-    codes = _codes(rows, key_ok, dims, dim_ok, stride_d, INT4, GROUPS, D)
+    codes = _int4_codes(rows, key_ok, GROUPS, D, stride_d)
     s = tl.zeros([q.shape[0], codes.shape[0]], tl.float32)
     for grp in tl.static_range(GROUPS):
         q_grp, q16_grp = q, q16
         if GROUPS > 1:
-            in_group = _in_group(grp, GROUPS, BLOCK_D)[None, :]
+            in_group = _in_group(grp, GROUPS, D)[None, :]
             q_grp, q16_grp = tl.where(in_group, q, 0.0), tl.where(in_group, q16, 0.0)
-        scale, shift = _row_scales(rows, scale_rows, key_ok, grp, stride_d, INT4, FP8_SCALES)
-        s += tl.dot(q16_grp, tl.trans(codes)) * (q_unit * CODE_UNIT)[:, None] * scale[None, :]
-        if FP8_SCALES != 2:
-            s += tl.sum(q_grp.to(tl.float32), 1)[:, None] * shift[None, :]
+        scale, shift = _half_pair(tl.load(rows + grp * stride_d, mask=key_ok, other=0))
+        s += tl.dot(q16_grp, tl.trans(codes)) * (q_unit * 16777216.0)[:, None] * scale[None, :]
+        s += tl.sum(q_grp.to(tl.float32), 1)[:, None] * shift[None, :]
     return s
 
 
 @triton.jit
-def _quantized_values(p, rows, scale_rows, key_ok, dims, dim_ok, stride_d, INT4: tl.constexpr, GROUPS: tl.constexpr,
-                      FP8_SCALES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """p · V [BLOCK_M, BLOCK_D] over quantized V rows (p: fp32 [BLOCK_M, BLOCK_N] in [0, 1]), V never dequantized: a
+def _int4_values(p, rows, key_ok, stride_d, GROUPS: tl.constexpr, D: tl.constexpr):
+    """p · V [BLOCK_M, D] over int4-packed V rows (p: fp32 [BLOCK_M, BLOCK_N] in [0, 1]), V never dequantized: a
     row's scale (a group's) scales p, its shift adds p · shift, and the codes go to the MMA as they load, against
     p · scale in fp16, each query row's weights brought below 1 by a power of two of their own (one power for the
     tile would tie a key's precision to the other keys' scales, masked ones included)."""
-    CODE_UNIT: tl.constexpr = 16777216.0 if INT4 else 1.0  # (int4 codes come as c · 2^-24)
-    codes = _codes(rows, key_ok, dims, dim_ok, stride_d, INT4, GROUPS, D)
-    pv = tl.zeros([p.shape[0], BLOCK_D], tl.float32)
+    codes = _int4_codes(rows, key_ok, GROUPS, D, stride_d)
+    pv = tl.zeros([p.shape[0], D], tl.float32)
     for grp in tl.static_range(GROUPS):
-        scale, shift = _row_scales(rows, scale_rows, key_ok, grp, stride_d, INT4, FP8_SCALES)
+        scale, shift = _half_pair(tl.load(rows + grp * stride_d, mask=key_ok, other=0))
         weights = p * scale[None, :]  # to fp16 after each row's power of two takes its largest |weight| below 1
         e = _exponent(tl.max(tl.abs(weights), 1), -126, 125) + 1
-        part = tl.dot((weights * _pow2(-e)[:, None]).to(tl.float16), codes) * (_pow2(e) * CODE_UNIT)[:, None]
-        if FP8_SCALES != 2:
-            part += tl.sum(p * shift[None, :], 1)[:, None]
+        part = tl.dot((weights * _pow2(-e)[:, None]).to(tl.float16), codes) * (_pow2(e) * 16777216.0)[:, None]
+        part += tl.sum(p * shift[None, :], 1)[:, None]
         if GROUPS > 1:
-            part = tl.where(_in_group(grp, GROUPS, BLOCK_D)[None, :], part, 0.0)
+            part = tl.where(_in_group(grp, GROUPS, D)[None, :], part, 0.0)
         pv += part
     return pv
 
@@ -223,8 +218,7 @@ def _splitk_kernel(
     v_base = v_ptr + batch * stride_vb + g * stride_vg + kv_head * stride_vh
     k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + kv_head * stride_ksh  # (FP8 rows: a scale a row)
     v_scales = v_scale_ptr + batch * stride_vsb + g * stride_vsg + kv_head * stride_vsh
-    QUANTIZED: tl.constexpr = INT4 or FP8_SCALES > 0
-    if QUANTIZED:
+    if INT4:
         q16, q_unit = _fp16_rows(q)
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         q = q.to(tl.float32)
@@ -243,12 +237,10 @@ def _splitk_kernel(
         else:
             key_rows = (k_start + keys).to(tl.int64)
         k_rows, v_rows = k_base + key_rows * stride_km, v_base + key_rows * stride_vm
-        k_scale_rows, v_scale_rows = k_scales + key_rows * stride_ksm, v_scales + key_rows * stride_vsm
-        if QUANTIZED:
-            s = _quantized_scores(q, q16, q_unit, k_rows, k_scale_rows, key_ok, dims, dim_ok, stride_kd, INT4, GROUPS,
-                                  FP8_SCALES, D, BLOCK_D)  # fmt: skip
+        if INT4:
+            s = _int4_scores(q, q16, q_unit, k_rows, key_ok, stride_kd, GROUPS, D)
         else:
-            k = tl.load(k_rows[:, None] + dims[None, :] * stride_kd, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            k = _kv_tile(k_rows, k_scales + key_rows * stride_ksm, key_ok, dims, dim_ok, stride_kd, FP8_SCALES)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s *= scale_log2
         seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & key_ok[None, :]
@@ -257,11 +249,10 @@ def _splitk_kernel(
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0, no NaN
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(s - m_base[:, None])
-        if QUANTIZED:
-            acc = acc * alpha[:, None] + _quantized_values(p, v_rows, v_scale_rows, key_ok, dims, dim_ok, stride_vd,
-                                                           INT4, GROUPS, FP8_SCALES, D, BLOCK_D)  # fmt: skip
+        if INT4:
+            acc = acc * alpha[:, None] + _int4_values(p, v_rows, key_ok, stride_vd, GROUPS, D)
         else:
-            v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            v = _kv_tile(v_rows, v_scales + key_rows * stride_vsm, key_ok, dims, dim_ok, stride_vd, FP8_SCALES)
             acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
