@@ -281,9 +281,10 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
     """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
     the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
     least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for 16-bit K/V and 4 for quantized
-    ones, which dequantize in registers (H100 sweep at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
-    the time on paged bf16 caches, 1.37x on FP8, 1.49x on int4); fixed: (BLOCK_N, num_warps, num_stages) of an
-    op's fixed configuration (FwOp.get_operator), 0 for these."""
+    ones, which pass through registers (H100 sweeps at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
+    the time on paged bf16 caches, 1.37x on FP8, 1.49x on int4; int4's undequantized path took 1.26x at 8 warps,
+    1.13x at 64 keys); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed configuration (FwOp.get_operator),
+    0 for these."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
     shared = heads > 1 and all(t.stride(3) == 0 for t in kv)
