@@ -143,7 +143,7 @@ def test_int4_layout_and_round_trip():
 
 def _int4_check(q, k, v, bias, groups, op=triton_splitk.FwOp):
     """The op over K/V int4-packed in `groups` scale groups (shifted off zero, so that the shifts weigh in) against
-    the float64 oracle on their dequantized values; returns the op's context."""
+    the float64 oracle on their dequantized values (and, on CUDA, the public op pinned to it)."""
     packed = [kv_cache.quantize_kv_int4(t[..., :1, :] * 2 + 3, groups).expand(*t.shape[:-1], -1) for t in (k, v)]
     op = type("Int4", (op,), {"NUM_GROUPS": groups})
     inp = common.Inputs(q, *packed, bias)
@@ -182,9 +182,9 @@ def _quantized(fmt, q, k, v, bias):
 @pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-fp32"])
 def test_quantized_rows_far_apart(fmt):
     """Quantized K/V whose rows' scales lie 1e8 apart in one tile, one of them masked off for a query, and a query
-    row of 1e35 (bf16): each output row keeps its own precision (the V weights go to fp16 under a power of two per
-    query row, not one per tile, which had zeroed a row of small values beside a large one; q's power of two
-    covers bf16's range, where 1e35 had overflowed fp16 to NaN)."""
+    row of 1e35 (bf16): each output row keeps its own precision (int4's V weights go to fp16 under a power of two
+    per query row: one per tile had zeroed a row of small values beside a large one; its q's power of two covers
+    bf16's range, where 1e35 had overflowed fp16 to NaN)."""
     mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], 8, [8])
     q = testing.randn(1, 3, 1, 32).to(torch.bfloat16)
     q[0, 2] *= 1e35 / q[0, 2].abs().max()
