@@ -372,7 +372,7 @@ def _register_decode():
                 run=lambda i, op=op: fmha._memory_efficient_attention_forward(i[0], op=op),
                 baselines={
                     "SDPA (gathered cache, enable_gqa)": _decode_sdpa,
-                    "FlexAttention (paged: through the page table)": _decode_flex,
+                    "FlexAttention (its own cache: through the page table where paged)": _decode_flex,
                 },
                 cuda_graph=True,
                 flops=lambda s: 4 * s["B"] * s["Hq"] * s["L"] * s["K"],
