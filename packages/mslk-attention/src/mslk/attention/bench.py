@@ -312,9 +312,9 @@ def _decode_inputs(s: dict, device: torch.device):
             [1] * batch, [keys] * batch, tables, page, device=device
         )
         rows = mask.pool_rows(device).view(batch, keys)
-        gathered = [_round_trip(t[0, rows, :, 0].transpose(1, 2), s["kv"]) for t in (k, v)]
-        pools = [_round_trip(t[:, :, :, 0].transpose(1, 2), s["kv"]).contiguous() for t in (k, v)]
-        flex = (sdpa_q, *pools, _page_block_mask(tables, page))
+        values = [_round_trip(t[0, :, :, 0], s["kv"]) for t in (k, v)]  # [pool rows, 8, K], as the cache holds them
+        gathered = [t[rows].transpose(1, 2) for t in values]
+        flex = (sdpa_q, *(t.transpose(0, 1)[None].contiguous() for t in values), _page_block_mask(tables, page))
         q = q.view(1, batch, kv_heads, shared, dim)
     else:
         k, v = (testing.randn(batch, keys, kv_heads, 1, dim, dtype=torch.bfloat16, device=device) for _ in "kv")
