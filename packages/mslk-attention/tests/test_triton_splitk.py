@@ -141,10 +141,14 @@ def test_int4_layout_and_round_trip():
         kv_cache.quantize_kv_int4(x, 0)
 
 
-def _int4_check(q, k, v, bias, groups, op=triton_splitk.FwOp):
+def _int4_check(q, k, v, bias, groups, op=triton_splitk.FwOp, shared_heads=True):
     """The op over K/V int4-packed in `groups` scale groups (shifted off zero, so that the shifts weigh in) against
-    the float64 oracle on their dequantized values (and, on CUDA, the public op pinned to it)."""
-    packed = [kv_cache.quantize_kv_int4(t[..., :1, :] * 2 + 3, groups).expand(*t.shape[:-1], -1) for t in (k, v)]
+    the float64 oracle on their dequantized values (and, on CUDA, the public op pinned to it); K/V of the first head
+    expanded over the heads when shared_heads."""
+    packed = [
+        kv_cache.quantize_kv_int4((t[..., :1, :] if shared_heads else t) * 2 + 3, groups).expand(*t.shape[:-1], -1)
+        for t in (k, v)
+    ]
     op = type("Int4", (op,), {"NUM_GROUPS": groups})
     inp = common.Inputs(q, *packed, bias)
     assert [r for r in op.not_supported_reasons(inp) if not r.startswith("device=")] == []
@@ -361,6 +365,63 @@ def test_gpu(bias_id, dtype, sizes, shared_heads):
 @pytest.mark.parametrize("bias_id", ["None", "B16"])
 def test_gpu_int4_kv(bias_id, groups, dtype):
     _int4_check(*_inputs(bias_id, (16, 1, 3000, 1, 8, 128), dtype, True, page_size=64), groups)
+
+
+@pytest.fixture
+def gluon_int4_runs(monkeypatch):
+    """Calls in which triton_splitk_int4's Gluon kernel took the int4 K/V (a list of booleans, one a launch)."""
+    from mslk.attention.fmha import triton_splitk_int4
+
+    runs, supports = [], triton_splitk_int4.supports
+    monkeypatch.setattr(triton_splitk_int4, "supports", lambda q: runs.append(supports(q)) or runs[-1])
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", SUPPORTED_IDS)
+@pytest.mark.parametrize(
+    ("sizes", "shared_heads", "split_k"),
+    [
+        ((16, 1, 1000, 1, 8, 128), True, 0),  # decoding, 8 query heads a KV head
+        ((2, 9, 700, 2, 4, 64), True, 0),  # queries past a program's 16 rows, BMGHK
+        ((3, 4, 333, 1, 2, 128), False, 5),  # heads apart: a head's queries a program
+        ((2, 1, 500, 1, 32, 128), True, 64),  # MQA, 32 heads: two programs a KV head; more parts than key blocks
+        ((3, 2, 130, 1, 4, 128), True, 1),
+    ],
+)
+def test_gpu_int4_kv_gluon(bias_id, sizes, shared_heads, split_k, gluon_int4_runs):
+    """int4-packed K/V in one scale group through the Gluon kernel (codes unpacked in registers into the MMA
+    operands): every mask, head dims 64 and 128, fixed part counts."""
+    fmt = "BMGHK" if sizes[3] > 1 else "BMHK"
+    inputs = _inputs(bias_id, sizes, torch.float16, shared_heads, fmt, page_size=64)
+    _int4_check(*inputs, 1, triton_splitk.FwOp.get_operator(split_k), shared_heads)
+    assert gluon_int4_runs and all(gluon_int4_runs)
+
+
+@pytest.mark.gpu
+def test_gpu_int4_gluon_rows_far_apart_and_windows(gluon_int4_runs):
+    """The Gluon int4 kernel on test_quantized_rows_far_apart's rows (scales 1e8 apart in a tile, a q row of 1e35)
+    and on a window where a query sees no key of a block; bf16 output and LSE."""
+    mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], 64, [64], device=DEVICE)
+    q = testing.randn(1, 3, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    q[0, 2] *= 1e35 / q[0, 2].abs().max()
+    k = testing.randn(1, 64, 1, 64, device=DEVICE)
+    v = testing.randn(1, 64, 1, 64, device=DEVICE) * 1e-4
+    v[0, 63] *= 1e8  # the last key, which query 0 does not see
+    inp, op, k_values, v_values = _quantized("int4", q, k, v, mask)
+    out, ctx = op.apply(inp, needs_gradient=True)
+    ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), mask)
+    for row in range(3):
+        testing.assert_rel_close(out[:, row], ref[:, row], TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(ctx.lse.double(), lse.double(), rtol=1e-5, atol=1e-3)
+    mask = fmha.attn_bias.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local(
+        [8, 5], 256, [200, 150], 3, device=DEVICE
+    )
+    q = testing.randn(1, 13, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (testing.randn(1, 512, 1, 128, dtype=torch.bfloat16, device=DEVICE).expand(1, 512, 2, 128) for _ in "kv")
+    for split_k in (1, 3):
+        _int4_check(q, k, v, mask, 1, triton_splitk.FwOp.get_operator(split_k))
+    assert gluon_int4_runs and all(gluon_int4_runs)
 
 
 @pytest.mark.gpu

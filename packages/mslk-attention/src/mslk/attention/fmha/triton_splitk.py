@@ -171,6 +171,30 @@ def _int4_values(p, rows, key_ok, stride_d, GROUPS: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _part(groups, heads, row_blocks, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, splits, window_left,
+          window_right, VARLEN: tl.constexpr, HAS_SEQLEN_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+          HEADS: tl.constexpr, QUERIES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """What program (sequence, group, head block, row block) (id 0) takes of part `split` (id 1) of the keys:
+    (sequence b, group g, first head, first query, q_start, q_len, k_start, k_len, batch (int64), the causal shift,
+    [start, end) of its keys). The first head is the rows' shared KV head too (HEADS > 1: K/V's head stride is 0)."""
+    head_blocks = tl.cdiv(heads, HEADS)
+    pid = tl.program_id(0)
+    row_block, head_block = pid % row_blocks, (pid // row_blocks) % head_blocks
+    g, b = (pid // (row_blocks * head_blocks)) % groups, pid // (row_blocks * head_blocks * groups)
+    q_start, q_len, k_start, k_len, _ = _sequence(
+        b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
+    )
+    batch = (b * (0 if VARLEN else 1)).to(tl.int64)  # (varlen: batch 0 holds every sequence) in 64 bits
+    shift = k_len - q_len if BOTTOM_RIGHT else 0
+    first_query = row_block * QUERIES
+    lo, hi = _key_range(first_query, q_len, k_len, shift, window_left, window_right, QUERIES, BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, splits), BLOCK_N) * BLOCK_N
+    start = lo + tl.program_id(1) * per_split
+    end = tl.minimum(hi, start + per_split)
+    return b, g, head_block * HEADS, first_query, q_start, q_len, k_start, k_len, batch, shift, start, end
+
+
+@triton.jit
 def _splitk_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
     tables_ptr, groups, heads, row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
@@ -187,25 +211,14 @@ def _splitk_kernel(
     are not expanded over the heads). Writes the rows' output normalized over the part and their log-sum-exp
     (natural log; −inf over no key, output zeros)."""
     BLOCK_M: tl.constexpr = HEADS * QUERIES
-    head_blocks = tl.cdiv(heads, HEADS)
-    pid = tl.program_id(0)
-    row_block, head_block = pid % row_blocks, (pid // row_blocks) % head_blocks
-    g, b = (pid // (row_blocks * head_blocks)) % groups, pid // (row_blocks * head_blocks * groups)
+    b, g, kv_head, first_query, q_start, q_len, k_start, k_len, batch, shift, start, end = _part(
+        groups, heads, row_blocks, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, splits, window_left,
+        window_right, VARLEN, HAS_SEQLEN_K, BOTTOM_RIGHT, HEADS, QUERIES, BLOCK_N,
+    )  # fmt: skip
     split = tl.program_id(1)
-    q_start, q_len, k_start, k_len, batch = _sequence(
-        b, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, VARLEN, HAS_SEQLEN_K
-    )
-    batch = batch + tl.zeros([], tl.int64)  # (0 when varlen) in 64 bits: batch offsets may pass 2**31
-    shift = k_len - q_len if BOTTOM_RIGHT else 0
-    first_query = row_block * QUERIES
-    lo, hi = _key_range(first_query, q_len, k_len, shift, window_left, window_right, QUERIES, BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(hi - lo, splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(hi, start + per_split)
-
     rows = tl.arange(0, BLOCK_M)
     query = first_query + rows // HEADS
-    head = head_block * HEADS + rows % HEADS
+    head = kv_head + rows % HEADS
     row_ok = (query < q_len) & (head < heads)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D  # (constant where D is a power of two: loads stay whole vectors)
@@ -213,7 +226,6 @@ def _splitk_kernel(
     q_dims = _int4_order(dims) if INT4 else dims  # (int4 codes come in that order)
     q = tl.load(q_rows[:, None] + head[:, None] * stride_qh + q_dims[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
-    kv_head = head_block * HEADS  # the rows' shared KV head (HEADS > 1: K/V's head stride is 0)
     k_base = k_ptr + batch * stride_kb + g * stride_kg + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + g * stride_vg + kv_head * stride_vh
     k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + kv_head * stride_ksh  # (FP8 rows: a scale a row)
@@ -277,19 +289,27 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
-def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int]) -> dict:
+def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool) -> dict:
     """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
     the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
     least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for 16-bit K/V and 4 for quantized
     ones, which pass through registers (H100 sweeps at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
-    the time on paged bf16 caches, 1.37x on FP8, 1.49x on int4; int4's undequantized path took 1.26x at 8 warps,
-    1.13x at 64 keys); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed configuration (FwOp.get_operator),
-    0 for these."""
+    the time on paged bf16 caches, 1.37x on FP8); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed
+    configuration (FwOp.get_operator), 0 for these. gluon (triton_splitk_int4's kernel): 16 rows and one warp a
+    program, 32 keys a block."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
+    rows = 16 if gluon else _MAX_ROWS  # (gluon: mma.sync's M)
     shared = heads > 1 and all(t.stride(3) == 0 for t in kv)
-    per_program = min(launch.next_power_of_2(heads), _MAX_ROWS) if shared else 1
-    queries = max(16 // per_program, min(launch.next_power_of_2(max(max_q, 1)), _MAX_ROWS // per_program))
+    per_program = min(launch.next_power_of_2(heads), rows) if shared else 1
+    queries = max(16 // per_program, min(launch.next_power_of_2(max(max_q, 1)), rows // per_program))
+    if gluon:
+        return {
+            "HEADS": per_program,
+            "QUERIES": queries,
+            "BLOCK_N": block_n or 32,
+            "num_warps": 1,
+        }
     block_d = launch.next_power_of_2(max(q.shape[-1], 16))
     return {
         "HEADS": per_program,
@@ -342,33 +362,42 @@ def _splitk_forward(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    cfg = _config(q, [k, v, *(t for t in scales if t is not None)], max_q, config)
+    from mslk.attention.fmha import triton_splitk_int4  # (imports this module)
+
+    gluon = int4_groups == 1 and triton_splitk_int4.supports(q)
+    cfg = _config(q, [k, v, *(t for t in scales if t is not None)], max_q, config, gluon)
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
     if not split_k:
         sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
-        split_k = launch.fewest_waves(programs, max_k, 2 * sms, least=4 * cfg["BLOCK_N"])
+        slots = sms * (triton_splitk_int4.PROGRAMS_PER_SM if gluon else 2)
+        split_k = launch.fewest_waves(programs, max_k, slots, least=4 * cfg["BLOCK_N"])
     if split_k == 1:
         partial, partial_lse = out[None], lse[None]
     else:
         partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
         partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
     tables = block_tables if block_tables is not None else seqstart_q
-    if scales[0] is None:  # K in the scales' places, never read
-        fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
+    sizes = (seqstart_q, seqstart_k, seqlen_k, tables, groups, heads, launch.cdiv(max_q, cfg["QUERIES"]), mq,
+             k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left, window_right)  # fmt: skip
+    table_strides = block_tables.stride() if block_tables is not None else (0, 0)
+    strides = (*partial.stride(), *partial_lse.stride(), *table_strides)  # the outputs' and the page table's
+    flags = {"VARLEN": varlen, "HAS_SEQLEN_K": seqlen_k is not None, "PAGED": block_tables is not None,
+             "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
+    if gluon:
+        launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
+            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim, **flags
+        )
     else:
-        fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
-        scale_strides = (*scales[0].stride(), *scales[1].stride())
-    launch.fast(_splitk_kernel)[(programs, split_k)](
-        q, k, v, *scales, partial, partial_lse, seqstart_q, seqstart_k, seqlen_k, tables, groups, heads,
-        launch.cdiv(max_q, cfg["QUERIES"]), mq, k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left,
-        window_right, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
-        *partial.stride(), *partial_lse.stride(),
-        *(block_tables.stride() if block_tables is not None else (0, 0)),
-        VARLEN=varlen, HAS_SEQLEN_K=seqlen_k is not None, PAGED=block_tables is not None, BOTTOM_RIGHT=bottom_right,
-        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0, GROUPS=max(int4_groups, 1), D=dim,
-        FP8_SCALES=fp8_scales,
-        **cfg,
-    )  # fmt: skip
+        if scales[0] is None:  # K in the scales' places, never read
+            fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
+        else:
+            fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
+            scale_strides = (*scales[0].stride(), *scales[1].stride())
+        launch.fast(_splitk_kernel)[(programs, split_k)](
+            q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
+            *strides, UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0,
+            GROUPS=max(int4_groups, 1), D=dim, FP8_SCALES=fp8_scales, **flags,
+        )  # fmt: skip
     if split_k > 1:
         out, lse = merge.triton_merge_attentions_stacked(partial, partial_lse, True, output_dtype)
     return out, lse
