@@ -147,6 +147,18 @@ def attention_calls():
     calls["attention_fwd_k128_bias_triton"] = lambda: gluon_off(
         calls["attention_fwd_k128_bias"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
     )
+    # Split-K decoding over int4-packed K/V of one scale group: triton_splitk_int4's Gluon kernel (dense and paged).
+    from mslk.attention.fmha import kv_cache, triton_splitk as sk
+
+    for dim in (64, 128):
+        q = torch.randn(16, 1, 8, 4, dim).bfloat16()
+        packed = kv_cache.quantize_kv_int4(torch.randn(16, 512, 8, 1, dim)).expand(16, 512, 8, 4, -1)
+        calls[f"splitk_int4_k{dim}"] = lambda q=q, p=packed: sk.FwOp.apply(Inputs(q, p, p), False)
+    tables = torch.randperm(128).to(torch.int32).view(16, 8)
+    paged = attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1] * 16, [500] * 16, tables, 64)
+    pool = packed.reshape(1, 16 * 512, 8, 4, -1)
+    q = q.view(1, 16, 8, 4, 128)
+    calls["splitk_int4_k128_paged"] = lambda: sk.FwOp.apply(Inputs(q, pool, pool, attn_bias=paged), False)
     return calls
 
 
@@ -232,6 +244,9 @@ SUITES = {
             *(f"attention_{p}_k{d}_bias" for d in (64, 128, 256) for p in ("fwd", "bwd")),
             *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
             "attention_fwd_k128_bias_triton",
+            "splitk_int4_k64",
+            "splitk_int4_k128",
+            "splitk_int4_k128_paged",
         ],
     ),
     "gemm": (
@@ -278,6 +293,7 @@ NO_WARPGROUP_MMA = {
     ("int4", "plain_m16_gluon_decode"),
     ("int4", "grouped_gluon_decode"),
     ("int4", "plain_m16_decode_activations"),
+    *(("attention", f"splitk_int4_{name}") for name in ("k64", "k128", "k128_paged")),
 }
 
 

@@ -17,9 +17,11 @@ group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) 
 bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). FP8 rows are dequantized in fp32 as their
 tiles load. int4 rows never are: their codes go to fp16 MMAs as they unpack, against the queries in fp16 (each row
 scaled by a power of two) and the probabilities times V's scales, and a row's scale and shift apply to the products
-(scale · (q · codes) + shift · Σ q): as fast as dequantizing (H100: 0.333 ms against 0.340 on PERF.md's decode
-shape), and exact where dequantized K/V had been rounded to 16 bits. (The same scheme for FP8 rows took 0.183 ms
-against 0.166, so they kept dequantizing.)
+(scale · (q · codes) + shift · Σ q), exact where dequantized K/V had been rounded to 16 bits. On NVIDIA GPUs, rows
+of one scale group at head dims 64 and 128 go to triton_splitk_int4's Gluon kernel (one warp a program, the codes
+unpacked in registers straight into the MMA's operands: H100, PERF.md's decode shape, 0.089 ms against this
+kernel's 0.336, whose tiles of codes pass through shared memory behind CTA barriers; SDPA on the bf16 cache 0.175).
+(The same scheme for FP8 rows took 0.183 ms against 0.166, so they kept dequantizing.)
 
 Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
 reasons say so, and the dispatcher goes on to the next backend.
@@ -385,7 +387,19 @@ def _splitk_forward(
              "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
     if gluon:
         launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
-            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim, **flags
+            q,
+            k,
+            v,
+            partial,
+            partial_lse,
+            *sizes,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *strides,
+            D=dim,
+            **flags,
+            **({} if triton_splitk_int4.MAXNREG is None else {"maxnreg": triton_splitk_int4.MAXNREG}),
         )
     else:
         if scales[0] is None:  # K in the scales' places, never read
