@@ -380,20 +380,21 @@ def gluon_int4_runs(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_id", SUPPORTED_IDS)
 @pytest.mark.parametrize(
-    ("sizes", "shared_heads", "split_k"),
+    ("sizes", "shared_heads", "split_k", "page_size"),
     [
-        ((16, 1, 1000, 1, 8, 128), True, 0),  # decoding, 8 query heads a KV head
-        ((2, 9, 700, 2, 4, 64), True, 0),  # queries past a program's 16 rows, BMGHK
-        ((3, 4, 333, 1, 2, 128), False, 5),  # heads apart: a head's queries a program
-        ((2, 1, 500, 1, 32, 128), True, 64),  # MQA, 32 heads: two programs a KV head; more parts than key blocks
-        ((3, 2, 130, 1, 4, 128), True, 1),
+        ((16, 1, 1000, 1, 8, 128), True, 0, 64),  # decoding, 8 query heads a KV head
+        ((2, 9, 700, 2, 4, 64), True, 0, 64),  # queries past a program's 16 rows, BMGHK
+        ((3, 4, 333, 1, 2, 128), False, 5, 16),  # heads apart: a head's queries a program
+        ((2, 1, 500, 1, 32, 128), True, 64, 48),  # MQA, 32 heads: two programs a KV head; more parts than key
+        # blocks; pages of 48 keys (no power of two: divisions)
+        ((3, 2, 130, 1, 4, 128), True, 1, 64),
     ],
 )
-def test_gpu_int4_kv_gluon(bias_id, sizes, shared_heads, split_k, gluon_int4_runs):
+def test_gpu_int4_kv_gluon(bias_id, sizes, shared_heads, split_k, page_size, gluon_int4_runs):
     """int4-packed K/V in one scale group through the Gluon kernel (codes unpacked in registers into the MMA
-    operands): every mask, head dims 64 and 128, fixed part counts."""
+    operands): every mask, head dims 64 and 128, fixed part counts, page sizes."""
     fmt = "BMGHK" if sizes[3] > 1 else "BMHK"
-    inputs = _inputs(bias_id, sizes, torch.float16, shared_heads, fmt, page_size=64)
+    inputs = _inputs(bias_id, sizes, torch.float16, shared_heads, fmt, page_size=page_size)
     _int4_check(*inputs, 1, triton_splitk.FwOp.get_operator(split_k), shared_heads)
     assert gluon_int4_runs and all(gluon_int4_runs)
 
