@@ -386,12 +386,9 @@ def _splitk_forward(
     flags = {"VARLEN": varlen, "HAS_SEQLEN_K": seqlen_k is not None, "PAGED": block_tables is not None,
              "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
     if gluon:
-        page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-        options = {} if triton_splitk_int4.MAXNREG is None else {"maxnreg": triton_splitk_int4.MAXNREG}
         launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
-            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim,
-            PAGE_SHIFT=page_shift, **flags, **options,
-        )  # fmt: skip
+            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim, **flags
+        )
     else:
         if scales[0] is None:  # K in the scales' places, never read
             fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8

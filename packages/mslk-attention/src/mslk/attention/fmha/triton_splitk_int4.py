@@ -38,7 +38,6 @@ from mslk.core import arch
 
 HEAD_DIMS = (64, 128)  # (at 256 the accumulator and q's operand alone take 192 registers a thread: spills)
 PROGRAMS_PER_SM = 8  # the split count fills the GPU with this many programs an SM (launch.fewest_waves)
-MAXNREG = None
 
 # The fp16 pairs (c · 2^-24 of nibbles j and j + 4, low and high half) of the word $4 (given twice), j in $j.
 _WORD_PAIRS_PTX = gl.constexpr(
@@ -76,18 +75,12 @@ def _value_dim(t, D: tl.constexpr):
 
 
 @gluon.jit
-def _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
-          PAGE_SHIFT: gl.constexpr):  # fmt: skip
-    """The cache rows (int64) of keys of sequence b: through its page table when PAGED (PAGE_SHIFT: log2 of a page
-    size that is a power of two, a shift and a mask where a division would take a dozen instructions; else -1)."""
+def _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr):
+    """The cache rows (int64) of keys of sequence b: through its page table when PAGED."""
     if PAGED:
         place = k_start - b * lane + keys
-        if PAGE_SHIFT >= 0:
-            page, offset = place >> PAGE_SHIFT, place & ((1 << PAGE_SHIFT) - 1)
-        else:
-            page, offset = place // page_size, place % page_size
-        first = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + page * stride_tp)
-        return first.to(gl.int64) * page_size + offset
+        page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
+        return page.to(gl.int64) * page_size + place % page_size
     return (k_start + keys).to(gl.int64)
 
 
@@ -124,21 +117,20 @@ def _value_codes(words, b_layout: gl.constexpr):
 
 @gluon.jit
 def _load_tile(first_key, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
-               page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-               BLOCK_N: gl.constexpr,
+               page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr, BLOCK_N: gl.constexpr,
                D: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr, v_layout: gl.constexpr):  # fmt: skip
     """The int32 words of keys [first_key, first_key + BLOCK_N): K's and V's scale words [BLOCK_N] (key_layout) and
     codes [BLOCK_N, D / 8] (k_layout, v_layout). Keys from `end` on read the row of key end - 1 (the part's last):
     no load is masked, and the scores mask those keys."""
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=key_layout), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, PAGE_SHIFT)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
     k_heads, v_heads = gl.load(k_base + rows * stride_km), gl.load(v_base + rows * stride_vm)
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout)), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, PAGE_SHIFT)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
     words = 1 + gl.arange(0, D // 8, layout=gl.SliceLayout(0, k_layout))  # (word 0: the scale and shift)
     k_words = gl.load(k_base + (rows * stride_km)[:, None] + words[None, :] * stride_kd)
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout)), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, PAGE_SHIFT)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
     words = 1 + gl.arange(0, D // 8, layout=gl.SliceLayout(0, v_layout))
     v_words = gl.load(v_base + (rows * stride_vm)[:, None] + words[None, :] * stride_vd)
     return k_heads, v_heads, k_words, v_words
@@ -151,8 +143,8 @@ def int4_kernel(
     stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
     stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_os, stride_ob, stride_om, stride_og, stride_oh,
     stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
-    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
 ):  # fmt: skip
     """triton_splitk._splitk_kernel's program for int4-packed K/V in one scale group a row (one warp, 16 rows)."""
     BLOCK_M: gl.constexpr = 16  # rows (query heads x queries): mma.sync's M
@@ -192,13 +184,13 @@ def int4_kernel(
     shifts = gl.zeros([BLOCK_M], gl.float32, row_layout)  # Σ p · V's shift, added to every dim at the end
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     tile = _load_tile(start, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
-                      page_size, tables_ptr, stride_tb, stride_tp, PAGED, PAGE_SHIFT, BLOCK_N, D, key_layout,
-                      k_words_layout, v_words_layout)  # fmt: skip
+                      page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D, key_layout, k_words_layout,
+                      v_words_layout)  # fmt: skip
     for first_key in range(start, end, BLOCK_N):
         k_heads, v_heads, k_words, v_words = tile
         # the next tile's loads in flight while this one is multiplied (past the end: the last key's rows again)
         tile = _load_tile(first_key + BLOCK_N, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd,
-                          k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, PAGE_SHIFT, BLOCK_N, D,
+                          k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D,
                           key_layout, k_words_layout, v_words_layout)  # fmt: skip
         keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
         k_scale, k_shift = _half_pair(k_heads)
