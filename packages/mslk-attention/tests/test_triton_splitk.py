@@ -426,6 +426,23 @@ def test_gpu_int4_gluon_rows_far_apart_and_windows(gluon_int4_runs):
 
 
 @pytest.mark.gpu
+def test_gpu_int4_gluon_sequences_without_keys(gluon_int4_runs):
+    """A first sequence of no key (its rows: zeros, LSE -inf), whose program reads no row (the first tile's loads
+    would read the row before the cache), beside sequences of keys, through the Gluon int4 kernel."""
+    padded = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask
+    bias = padded.from_seqlens([1, 1, 2], 64, [0, 5, 64], device=DEVICE)
+    q = testing.randn(1, 4, 1, 4, 128, dtype=torch.float16, device=DEVICE)
+    k, v = (testing.randn(1, 192, 1, 1, 128, dtype=torch.float16, device=DEVICE) for _ in "kv")
+    k, v = k.expand(1, 192, 1, 4, 128), v.expand(1, 192, 1, 4, 128)
+    for split_k in (1, 4):
+        _int4_check(q, k, v, bias, 1, triton_splitk.FwOp.get_operator(split_k))
+    packed = [kv_cache.quantize_kv_int4(t[..., :1, :]).expand(1, 192, 1, 4, -1) for t in (k, v)]
+    out, ctx = triton_splitk.FwOp.apply(common.Inputs(q, *packed, bias), needs_gradient=True)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0])) and ctx.lse[0, :, :, 0].isneginf().all()
+    assert gluon_int4_runs and all(gluon_int4_runs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp32_scales", [False, True])
 @pytest.mark.parametrize("bias_id", ["None", "B16"])
 def test_gpu_fp8_kv(bias_id, fp32_scales):

@@ -3,10 +3,10 @@ the codes unpacked in registers straight into mma.sync's operand layout.
 
 The Triton kernel (triton_splitk._splitk_kernel) unpacks a tile of codes in a blocked layout and moves it through
 shared memory into the MMA's operand layout, behind CTA barriers, twice an iteration: with a few programs an SM
-that chain sets its time (H100: 0.333 ms on PERF.md's decode shape, half SDPA's speed on a cache 4x the size).
+that chain sets its time (H100: 0.336 ms on PERF.md's decode shape, half SDPA's speed on a cache 4x the size).
 Here each program is one warp, with its own online softmax, so nothing waits on another warp, and many programs
-share an SM; each thread loads the words whose nibbles are its operand elements and turns them into fp16 pairs
-with shifts and masks:
+share an SM (0.089 ms there, 2.0x SDPA's); each thread loads the words whose nibbles are its operand elements and
+turns them into fp16 pairs with shifts and masks:
 
 - K^T, the B operand [D, BLOCK_N]: lane (n, c) of a warp (n = lane // 4, c = lane % 4) holds dims 2c + h + 8s
   + 16t of key n. It loads words 4u + c of the key's row (u < D / 32) and nibbles j, j + 4 of word w make the pair
@@ -183,35 +183,36 @@ def int4_kernel(
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     shifts = gl.zeros([BLOCK_M], gl.float32, row_layout)  # Σ p · V's shift, added to every dim at the end
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
-    tile = _load_tile(start, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
-                      page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D, key_layout, k_words_layout,
-                      v_words_layout)  # fmt: skip
-    for first_key in range(start, end, BLOCK_N):
-        k_heads, v_heads, k_words, v_words = tile
-        # the next tile's loads in flight while this one is multiplied (past the end: the last key's rows again)
-        tile = _load_tile(first_key + BLOCK_N, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd,
-                          k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D,
-                          key_layout, k_words_layout, v_words_layout)  # fmt: skip
-        keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
-        k_scale, k_shift = _half_pair(k_heads)
-        s = mma_v2(q16, _key_codes(k_words, b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
-        s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
-        seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
-        s = gl.where(seen, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0, no NaN
-        alpha = gl.exp2(m_i - m_base)
-        p = gl.exp2(s - m_base[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+    if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
+        tile = _load_tile(start, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
+                          page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D, key_layout, k_words_layout,
+                          v_words_layout)  # fmt: skip
+        for first_key in range(start, end, BLOCK_N):
+            k_heads, v_heads, k_words, v_words = tile
+            # the next tile's loads in flight while this one is multiplied (past the end: the last key's again)
+            tile = _load_tile(first_key + BLOCK_N, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd,
+                              k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D,
+                              key_layout, k_words_layout, v_words_layout)  # fmt: skip
+            keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
+            k_scale, k_shift = _half_pair(k_heads)
+            s = mma_v2(q16, _key_codes(k_words, b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
+            s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
+            seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
+            s = gl.where(seen, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0
+            alpha = gl.exp2(m_i - m_base)
+            p = gl.exp2(s - m_base[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
 
-        v_scale, v_shift = _half_pair(v_heads)
-        weights = p * v_scale[None, :]  # to fp16 after each row's power of two takes its largest below 1
-        e = _exponent(gl.max(weights, 1), -126, 125) + 1
-        w16 = gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout)
-        part = mma_v2(w16, _value_codes(v_words, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
-        acc = acc * alpha[:, None] + part * (_pow2(e) * 16777216.0)[:, None]
-        shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
+            v_scale, v_shift = _half_pair(v_heads)
+            weights = p * v_scale[None, :]  # to fp16 after each row's power of two takes its largest below 1
+            e = _exponent(gl.max(weights, 1), -126, 125) + 1
+            w16 = gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout)
+            part = mma_v2(w16, _value_codes(v_words, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
+            acc = acc * alpha[:, None] + part * (_pow2(e) * 16777216.0)[:, None]
+            shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
 
     acc += shifts[:, None]
     out = gl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
