@@ -387,7 +387,7 @@ def gluon_int4_runs(monkeypatch):
         ((3, 4, 333, 1, 2, 128), False, 5, 16),  # heads apart: a head's queries a program
         ((2, 1, 500, 1, 32, 128), True, 64, 48),  # MQA, 32 heads: two programs a KV head; more parts than key
         # blocks; pages of 48 keys (no power of two: divisions)
-        ((3, 2, 130, 1, 4, 128), True, 1, 64),
+        ((3, 2, 130, 1, 4, 128), True, 1, 64),  # one part: the output written as it is, no merge
     ],
 )
 def test_gpu_int4_kv_gluon(bias_id, sizes, shared_heads, split_k, page_size, gluon_int4_runs):
