@@ -183,24 +183,29 @@ def _quantized(fmt, q, k, v, bias):
     return inp, triton_splitk.FwOp_S1, *values
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-fp32"])
-def test_quantized_rows_far_apart(fmt):
-    """Quantized K/V whose rows' scales lie 1e8 apart in one tile, one of them masked off for a query, and a query
-    row of 1e35 (bf16): each output row keeps its own precision (int4's V weights go to fp16 under a power of two
-    per query row: one per tile had zeroed a row of small values beside a large one; its q's power of two covers
-    bf16's range, where 1e35 had overflowed fp16 to NaN)."""
-    mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], 8, [8])
-    q = testing.randn(1, 3, 1, 32).to(torch.bfloat16)
+def _check_rows_far_apart(fmt, keys, dim):
+    """test_quantized_rows_far_apart's case in kv_cache's format fmt: 3 queries over `keys` keys of head dim `dim`."""
+    mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], keys, [keys], device=DEVICE)
+    q = testing.randn(1, 3, 1, dim, device=DEVICE).to(torch.bfloat16)
     q[0, 2] *= 1e35 / q[0, 2].abs().max()
-    k = testing.randn(1, 8, 1, 32)
-    v = testing.randn(1, 8, 1, 32) * 1e-4
-    v[0, 7] *= 1e8  # the last key, which query 0 does not see (causal from the bottom right)
+    k = testing.randn(1, keys, 1, dim, device=DEVICE)
+    v = testing.randn(1, keys, 1, dim, device=DEVICE) * 1e-4
+    v[0, keys - 1] *= 1e8  # the last key, which query 0 does not see (causal from the bottom right)
     inp, op, k_values, v_values = _quantized(fmt, q, k, v, mask)
     out, ctx = op.apply(inp, needs_gradient=True)
     ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), mask)
     for row in range(3):
         testing.assert_rel_close(out[:, row], ref[:, row], TOLERANCE[torch.bfloat16])
     torch.testing.assert_close(ctx.lse.double(), lse.double(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-fp32"])
+def test_quantized_rows_far_apart(fmt):
+    """Quantized K/V whose rows' scales lie 1e8 apart in one tile, one of them masked off for a query, and a query
+    row of 1e35 (bf16): each output row keeps its own precision (int4's V weights go to fp16 under a power of two
+    per query row: one per tile had zeroed a row of small values beside a large one; its q's power of two covers
+    bf16's range, where 1e35 had overflowed fp16 to NaN)."""
+    _check_rows_far_apart(fmt, keys=8, dim=32)
 
 
 def test_fp8_layout_and_round_trip():
@@ -403,18 +408,7 @@ def test_gpu_int4_kv_gluon(bias_id, sizes, shared_heads, split_k, page_size, glu
 def test_gpu_int4_gluon_rows_far_apart_and_windows(gluon_int4_runs):
     """The Gluon int4 kernel on test_quantized_rows_far_apart's rows (scales 1e8 apart in a tile, a q row of 1e35)
     and on a window where a query sees no key of a block; bf16 output and LSE."""
-    mask = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([3], 64, [64], device=DEVICE)
-    q = testing.randn(1, 3, 1, 64, dtype=torch.bfloat16, device=DEVICE)
-    q[0, 2] *= 1e35 / q[0, 2].abs().max()
-    k = testing.randn(1, 64, 1, 64, device=DEVICE)
-    v = testing.randn(1, 64, 1, 64, device=DEVICE) * 1e-4
-    v[0, 63] *= 1e8  # the last key, which query 0 does not see
-    inp, op, k_values, v_values = _quantized("int4", q, k, v, mask)
-    out, ctx = op.apply(inp, needs_gradient=True)
-    ref, lse = attention_reference(q.double(), k_values.double(), v_values.double(), mask)
-    for row in range(3):
-        testing.assert_rel_close(out[:, row], ref[:, row], TOLERANCE[torch.bfloat16])
-    torch.testing.assert_close(ctx.lse.double(), lse.double(), rtol=1e-5, atol=1e-3)
+    _check_rows_far_apart("int4", keys=64, dim=64)
     mask = fmha.attn_bias.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local(
         [8, 5], 256, [200, 150], 3, device=DEVICE
     )
