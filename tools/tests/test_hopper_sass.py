@@ -147,18 +147,26 @@ def attention_calls():
     calls["attention_fwd_k128_bias_triton"] = lambda: gluon_off(
         calls["attention_fwd_k128_bias"], tf, "_GLUON_FORWARD_MIN_KEYS", 1 << 62
     )
-    # Split-K decoding over int4-packed K/V of one scale group: triton_splitk_int4's Gluon kernel (dense and paged).
+    # Split-K decoding: the Gluon kernels over int4-packed K/V of one scale group (triton_splitk_int4) and FP8 rows
+    # (triton_splitk_fp8), dense and paged.
     from mslk.attention.fmha import kv_cache, triton_splitk as sk
+    from mslk.attention.fmha.common import InputsFp8
 
-    for dim in (64, 128):
-        q = torch.randn(16, 1, 8, 4, dim).bfloat16()
-        packed = kv_cache.quantize_kv_int4(torch.randn(16, 512, 8, 1, dim)).expand(16, 512, 8, 4, -1)
-        calls[f"splitk_int4_k{dim}"] = lambda q=q, p=packed: sk.FwOp.apply(Inputs(q, p, p), False)
     tables = torch.randperm(128).to(torch.int32).view(16, 8)
     paged = attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1] * 16, [500] * 16, tables, 64)
-    pool = packed.reshape(1, 16 * 512, 8, 4, -1)
+    for dim in (64, 128):
+        q = torch.randn(16, 1, 8, 4, dim).bfloat16()
+        rows = torch.randn(16, 512, 8, 1, dim)
+        packed = kv_cache.quantize_kv_int4(rows).expand(16, 512, 8, 4, -1)
+        calls[f"splitk_int4_k{dim}"] = lambda q=q, p=packed: sk.FwOp.apply(Inputs(q, p, p), False)
+        fp8, scales = (t.expand(16, 512, 8, 4, *t.shape[4:]) for t in kv_cache.quantize_kv_fp8(rows))
+        inp = InputsFp8(q, fp8, fp8, k_fp8_scale_shift=scales, v_fp8_scale_shift=scales)
+        calls[f"splitk_fp8_k{dim}"] = lambda inp=inp: sk.FwOp.apply(inp, False)
+    pool, fp8_pool, scale_pool = (t.reshape(1, 16 * 512, *t.shape[2:]) for t in (packed, fp8, scales))
     q = q.view(1, 16, 8, 4, 128)
     calls["splitk_int4_k128_paged"] = lambda: sk.FwOp.apply(Inputs(q, pool, pool, attn_bias=paged), False)
+    paged_fp8 = InputsFp8(q, fp8_pool, fp8_pool, paged, k_fp8_scale_shift=scale_pool, v_fp8_scale_shift=scale_pool)
+    calls["splitk_fp8_k128_paged"] = lambda: sk.FwOp.apply(paged_fp8, False)
     return calls
 
 
@@ -244,9 +252,9 @@ SUITES = {
             *(f"attention_{p}_k{d}_bias" for d in (64, 128, 256) for p in ("fwd", "bwd")),
             *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
             "attention_fwd_k128_bias_triton",
-            "splitk_int4_k64",
-            "splitk_int4_k128",
+            *(f"splitk_{kind}_k{d}" for kind in ("int4", "fp8") for d in (64, 128)),
             "splitk_int4_k128_paged",
+            "splitk_fp8_k128_paged",
         ],
     ),
     "gemm": (
@@ -293,7 +301,9 @@ NO_WARPGROUP_MMA = {
     ("int4", "plain_m16_gluon_decode"),
     ("int4", "grouped_gluon_decode"),
     ("int4", "plain_m16_decode_activations"),
-    *(("attention", f"splitk_int4_{name}") for name in ("k64", "k128", "k128_paged")),
+    *(("attention", f"splitk_{kind}_k{d}") for kind in ("int4", "fp8") for d in (64, 128)),
+    ("attention", "splitk_int4_k128_paged"),
+    ("attention", "splitk_fp8_k128_paged"),
 }
 
 
@@ -338,6 +348,9 @@ SPILLING = {
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
+    # The split-K Gluon kernel over paged FP8 rows: 168 bytes at 255 registers (Triton 3.7), its page table read a
+    # tile ahead (H100: 152 us against the Triton kernel's 176 on PERF.md's decode shape in pages of 64).
+    ("attention", "splitk_fp8_k128_paged"),
 }
 
 

@@ -291,15 +291,15 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
-def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool, paged: bool) -> dict:
+def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool, narrow: bool) -> dict:
     """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
     the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
     least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for 16-bit K/V and 4 for quantized
     ones, which pass through registers (H100 sweeps at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
     the time on paged bf16 caches, 1.37x on FP8); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed
-    configuration (FwOp.get_operator), 0 for these. gluon (triton_splitk_int4's kernel): 16 rows and one warp a
-    program, 32 keys a block, 16 when paged (H100, 16 x 8192 int4 keys in pages of 64: 113.2 us against 152.1; the
-    dense cache 105.8 against 88.7)."""
+    configuration (FwOp.get_operator), 0 for these. gluon (triton_splitk_int4's and triton_splitk_fp8's kernels):
+    16 rows and one warp a program, 32 keys a block, 16 when `narrow` (H100, 16 x 8192 int4 keys in pages of 64:
+    113.2 us against 152.1; the dense cache 105.8 against 88.7; FP8 rows at 32 spill)."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
     rows = 16 if gluon else _MAX_ROWS  # (gluon: mma.sync's M)
@@ -310,7 +310,7 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
         return {
             "HEADS": per_program,
             "QUERIES": queries,
-            "BLOCK_N": block_n or (16 if paged else 32),
+            "BLOCK_N": block_n or (16 if narrow else 32),
             "num_warps": 1,
         }
     block_d = launch.next_power_of_2(max(q.shape[-1], 16))
@@ -365,11 +365,13 @@ def _splitk_forward(
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    from mslk.attention.fmha import triton_splitk_int4  # (imports this module)
+    from mslk.attention.fmha import triton_splitk_fp8, triton_splitk_int4  # (they import this module)
 
-    gluon = int4_groups == 1 and triton_splitk_int4.supports(q)
+    gluon_int4 = int4_groups == 1 and triton_splitk_int4.supports(q)
+    gluon_fp8 = scales[0] is not None and triton_splitk_fp8.supports(q)
+    gluon = gluon_int4 or gluon_fp8
     kv = [k, v, *(t for t in scales if t is not None)]
-    cfg = _config(q, kv, max_q, config, gluon, block_tables is not None)
+    cfg = _config(q, kv, max_q, config, gluon, gluon_fp8 or block_tables is not None)
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
     if not split_k:
         sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
@@ -387,16 +389,21 @@ def _splitk_forward(
     strides = (*partial.stride(), *partial_lse.stride(), *table_strides)  # the outputs' and the page table's
     flags = {"VARLEN": varlen, "HAS_SEQLEN_K": seqlen_k is not None, "PAGED": block_tables is not None,
              "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
-    if gluon:
+    if scales[0] is None:  # K in the scales' places, never read
+        fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
+    else:
+        fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
+        scale_strides = (*scales[0].stride(), *scales[1].stride())
+    if gluon_int4:
         launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
             q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim, **flags
         )
+    elif gluon_fp8:
+        launch.fast(triton_splitk_fp8.fp8_kernel)[(programs, split_k)](
+            q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
+            *strides, D=dim, V_LAYOUT=triton_splitk_fp8.value_layout(cfg["BLOCK_N"], dim), **flags,
+        )  # fmt: skip
     else:
-        if scales[0] is None:  # K in the scales' places, never read
-            fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
-        else:
-            fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
-            scale_strides = (*scales[0].stride(), *scales[1].stride())
         launch.fast(_splitk_kernel)[(programs, split_k)](
             q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
             *strides, UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0,

@@ -1,0 +1,214 @@
+"""triton_splitk's kernel for FP8 rows (InputsFp8, kv_cache.quantize_kv_fp8) of head dim 64 or 128 on NVIDIA GPUs
+(SM89 on), written in Gluon as triton_splitk_int4's kernel is: one warp a program, K/V loaded straight into
+registers of mma.sync's operand layout, the rows never dequantized, no shared memory and no barrier.
+
+H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 126.7 against the
+Triton kernel's 128.3 on a dense cache; in pages of 16, 64 and 256 keys 152 against 173-179 (SDPA on the bf16 cache
+171). The Triton kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
+
+- K^T, the B operand [D, BLOCK_N]: lane (n, c) (n = lane // 4, c = lane % 4) holds dims 2c + h + 8a + 16s of key n
+  + 8r. It loads 16 bytes at dim 64u + 16c of its keys, and consecutive values are the operand's fp16 pairs (one
+  cvt of two e4m3 values): the queries are loaded in that order (_key_dim), so q · K^T is unchanged.
+- V, the B operand [BLOCK_N, D]: lane (g, c) holds keys 2c + h + 8r at dims g + 8m; a pair is two keys at one dim.
+  It loads D / 8 dims (one vector) from dim g · D / 8 of each of its keys: the output is stored in
+  triton_splitk_int4._value_dim's order.
+
+Values go to fp16 MMAs as they are (e4m3 is exact in fp16) against the queries in fp16 under a power of two a row,
+and a row's scale and shift apply to the products as in the int4 kernel: scale · (q · values) + shift · Σ q for the
+scores, p · scale under a power of two per row and p · shift for the output. Paged caches have each tile's rows
+read from the page table a tile ahead, so that the tile's loads do not wait for them (192 us without).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from mslk.attention.fmha.triton_flash import _visible
+from mslk.attention.fmha.triton_splitk import _exponent, _half_pair, _part, _pow2
+from mslk.attention.fmha.triton_splitk_int4 import HEAD_DIMS, _rows, _value_dim
+from mslk.core import arch
+
+
+@triton.jit
+def _key_dim(t):
+    """The dim of a K row (and of q) at index t of the K^T operand's dims: t = 64u + 16b + 8a + 2c + h holds value
+    4b + 2a + h of lane c's 16 bytes at dim 64u + 16c."""
+    u, b, a, c, h = t >> 6, (t >> 4) & 3, (t >> 3) & 1, (t >> 1) & 3, t & 1
+    return 64 * u + 16 * c + 4 * b + 2 * a + h
+
+
+def value_layout(block_n: int, dim: int) -> gl.DistributedLinearLayout:
+    """V's load layout [BLOCK_N, D]: lane (g, c) dims g · D / 8 + m (a vector) of keys 2c + h + 8r."""
+    dims = [[0, 1 << i] for i in range((dim // 8).bit_length() - 1)]
+    keys = [[1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=dims + keys,
+        lane_bases=[[2, 0], [4, 0], [0, dim // 8], [0, dim // 4], [0, dim // 2]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[block_n, dim],
+    )
+
+
+@gluon.jit
+def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
+              BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """The rows (int64) of keys [first_key, first_key + BLOCK_N) in `layout`. Keys from `end` on take the row of key
+    end - 1 (the part's last): no load is masked, and the scores mask those keys."""
+    keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=layout), end - 1)
+    return _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
+
+
+@gluon.jit
+def _tile_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
+               BLOCK_N: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr,
+               V_LAYOUT: gl.constexpr):  # fmt: skip
+    """The rows of keys [first_key, first_key + BLOCK_N) in the scales' (key_layout), K's and V's layouts."""
+    scale_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
+                           BLOCK_N, key_layout)  # fmt: skip
+    k_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
+                       gl.SliceLayout(1, k_layout))  # fmt: skip
+    v_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
+                       gl.SliceLayout(1, V_LAYOUT))  # fmt: skip
+    return scale_rows, k_rows, v_rows
+
+
+@gluon.jit
+def _load_tile(rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd, stride_ksm,
+               stride_vsm, D: gl.constexpr, k_layout: gl.constexpr, V_LAYOUT: gl.constexpr):  # fmt: skip
+    """The keys' (rows: _tile_rows) K and V scales [BLOCK_N] and FP8 values [BLOCK_N, D] (k_layout, V_LAYOUT)."""
+    scale_rows, k_rows, v_rows = rows
+    k_heads, v_heads = gl.load(k_scales + scale_rows * stride_ksm), gl.load(v_scales + scale_rows * stride_vsm)
+    k_dims = gl.arange(0, D, layout=gl.SliceLayout(0, k_layout))
+    k = gl.load(k_base + (k_rows * stride_km)[:, None] + k_dims[None, :] * stride_kd)
+    v_dims = gl.arange(0, D, layout=gl.SliceLayout(0, V_LAYOUT))
+    v = gl.load(v_base + (v_rows * stride_vm)[:, None] + v_dims[None, :] * stride_vd)
+    return k_heads, v_heads, k, v
+
+
+@gluon.jit
+def _scale_shift(heads):
+    """A row's (scale, shift) in fp32: fp16 scale and shift in an int32, or an fp32 scale (use_fp32_scales)."""
+    if heads.dtype == gl.float32:
+        scale, shift = heads, gl.zeros_like(heads)
+    else:
+        scale, shift = _half_pair(heads)
+    return scale, shift
+
+
+@gluon.jit
+def fp8_kernel(
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
+    tables_ptr, groups, heads, row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
+    stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
+    stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_ksb, stride_ksm, stride_ksg, stride_ksh, stride_vsb,
+    stride_vsm, stride_vsg, stride_vsh, stride_os, stride_ob, stride_om, stride_og, stride_oh,
+    stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
+    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, V_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """triton_splitk._splitk_kernel's program (one warp, 16 rows) for FP8 rows, their scales in k_scale_ptr and
+    v_scale_ptr."""
+    BLOCK_M: gl.constexpr = 16  # rows (query heads x queries): mma.sync's M
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    key_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    k_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])  # lane (n, c): 16 bytes of key n
+
+    b, g, first_head, first_query, q_start, q_len, k_start, k_len, batch, shift, start, end = _part(
+        groups, heads, row_blocks, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, splits, window_left,
+        window_right, VARLEN, HAS_SEQLEN_K, BOTTOM_RIGHT, HEADS, QUERIES, BLOCK_N,
+    )  # fmt: skip
+    q_rows = q_ptr + batch * stride_qb + g * stride_qg
+    k_base = k_ptr + batch * stride_kb + g * stride_kg + first_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + g * stride_vg + first_head * stride_vh
+    k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + first_head * stride_ksh
+    v_scales = v_scale_ptr + batch * stride_vsb + g * stride_vsg + first_head * stride_vsh
+
+    # q in K's dim order, in fp16 under a power of two a row (triton_splitk._fp16_rows), its rows' sums in fp32
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+    query, head = first_query + rows // HEADS, first_head + rows % HEADS
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(q_rows + ((q_start + query).to(gl.int64) * stride_qm + head * stride_qh)[:, None]
+                + _key_dim(dims)[None, :] * stride_qd, mask=((query < q_len) & (head < heads))[:, None],
+                other=0.0).to(gl.float32)  # fmt: skip
+    q_exponent = _exponent(gl.max(gl.abs(q), 1), -112, 127)
+    q16 = gl.convert_layout((q * _pow2(14 - q_exponent)[:, None]).to(gl.float16), a_layout)
+    q_unit = gl.convert_layout(_pow2(q_exponent - 14) * scale_log2, row_layout)
+    q_sum = gl.convert_layout(gl.sum(q, 1) * scale_log2, row_layout)
+
+    rows = gl.arange(0, BLOCK_M, layout=row_layout)
+    query, head = first_query + rows // HEADS, first_head + rows % HEADS
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    shifts = gl.zeros([BLOCK_M], gl.float32, row_layout)  # Σ p · V's shift, added to every dim at the end
+    acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
+    if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
+        first_rows = _tile_rows(start, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
+                                BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+        tile = _load_tile(first_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
+                          stride_ksm, stride_vsm, D, k_layout, V_LAYOUT)  # fmt: skip
+        ahead = _tile_rows(start + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
+                           BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+        for first_key in range(start, end, BLOCK_N):
+            k_heads, v_heads, k, v = tile
+            # the next tile's loads in flight while this one is multiplied (past the end: the last key's again), its
+            # rows read (from the page table) a tile before
+            tile = _load_tile(ahead, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
+                              stride_ksm, stride_vsm, D, k_layout, V_LAYOUT)  # fmt: skip
+            ahead = _tile_rows(first_key + 2 * BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
+                               stride_tp, PAGED, BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+            keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
+            # K^T: the values of key n + 8r at dims 64u + 16c, [key, u, c, b, a, h], to the operand's [u, b, a, c, h]
+            k_values = k.to(gl.float16).reshape([BLOCK_N, D // 64, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5))
+            k_operand = gl.convert_layout(k_values.reshape([BLOCK_N, D]).permute((1, 0)), b_layout)
+            k_scale, k_shift = _scale_shift(k_heads)
+            s = mma_v2(q16, k_operand, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
+            s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
+            seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
+            s = gl.where(seen, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0
+            alpha = gl.exp2(m_i - m_base)
+            p = gl.exp2(s - m_base[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+
+            v_scale, v_shift = _scale_shift(v_heads)
+            weights = p * v_scale[None, :]  # to fp16 after each row's power of two takes its largest below 1
+            e = _exponent(gl.max(gl.abs(weights), 1), -126, 125) + 1
+            w16 = gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout)
+            # V: D / 8 dims of a key from dim g · D / 8 = [key, g, m] to the operand's dim g + 8m
+            v_values = v.to(gl.float16).reshape([BLOCK_N, 8, D // 8]).permute((0, 2, 1)).reshape([BLOCK_N, D])
+            part = mma_v2(w16, gl.convert_layout(v_values, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
+            acc = acc * alpha[:, None] + part * _pow2(e)[:, None]
+            shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
+
+    acc += shifts[:, None]
+    out = gl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
+    row_ok = (query < q_len) & (head < heads)
+    out_rows = (out_ptr + gl.program_id(1) * stride_os + batch * stride_ob + (q_start + query).to(gl.int64) * stride_om
+                + g * stride_og + head * stride_oh)  # fmt: skip
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    gl.store(
+        out_rows[:, None] + _value_dim(cols, D)[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    lse = gl.where(l_i > 0, (m_i + gl.log2(l_i)) / 1.4426950408889634, float("-inf"))
+    lse_rows = (lse_ptr + gl.program_id(1) * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
+                + (q_start + query).to(gl.int64) * stride_lm)  # fmt: skip
+    gl.store(lse_rows, lse, mask=row_ok)
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether the kernel serves these [B, M, G, H, K] queries over FP8 rows: on an NVIDIA GPU of SM89 on (e4m3
+    conversions, mma.sync), a head dim of triton_splitk_int4.HEAD_DIMS."""
+    return q.is_cuda and arch.is_cuda() and arch.capability(q.device) >= (8, 9) and q.shape[-1] in HEAD_DIMS
