@@ -2,9 +2,9 @@
 (SM89 on), written in Gluon as triton_splitk_int4's kernel is: one warp a program, K/V loaded straight into
 registers of mma.sync's operand layout, the rows never dequantized, no shared memory and no barrier.
 
-H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 126.7 against the
-Triton kernel's 128.3 on a dense cache; in pages of 16, 64 and 256 keys 152 against 173-179 (SDPA on the bf16 cache
-171). The Triton kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
+H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 124.3 against the
+Triton kernel's 129.3 on a dense cache, 170.6 against 174.4 in pages of 64 (SDPA on the bf16 cache 173). The Triton
+kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
 
 - K^T, the B operand [D, BLOCK_N]: lane (n, c) (n = lane // 4, c = lane % 4) holds dims 2c + h + 8a + 16s of key n
   + 8r. It loads 16 bytes at dim 64u + 16c of its keys, and consecutive values are the operand's fp16 pairs (one
@@ -15,8 +15,9 @@ Triton kernel's 128.3 on a dense cache; in pages of 16, 64 and 256 keys 152 agai
 
 Values go to fp16 MMAs as they are (e4m3 is exact in fp16) against the queries in fp16 under a power of two a row,
 and a row's scale and shift apply to the products as in the int4 kernel: scale · (q · values) + shift · Σ q for the
-scores, p · scale under a power of two per row and p · shift for the output. Paged caches have each tile's rows
-read from the page table a tile ahead, so that the tile's loads do not wait for them (192 us without).
+scores, p · scale under a power of two per row and p · shift for the output. Each tile's rows are read (from the
+page table, when paged) a tile ahead, so that the tile's loads do not wait for them (pages of 64: 152.5 us against
+192.6 in one build of this loop; RESULTS.md, sixty-fourth session).
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mslk.attention.fmha.triton_flash import _visible
-from mslk.attention.fmha.triton_splitk import _exponent, _half_pair, _part, _pow2
-from mslk.attention.fmha.triton_splitk_int4 import HEAD_DIMS, _rows, _value_dim
+from mslk.attention.fmha.triton_splitk import _half_pair, _part, _pow2
+from mslk.attention.fmha.triton_splitk_int4 import (
+    HEAD_DIMS,
+    _fp16_queries,
+    _fp16_weights,
+    _rows,
+    _softmax_step,
+    _store_rows,
+)
 from mslk.core import arch
 
 
@@ -119,7 +127,6 @@ def fp8_kernel(
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     key_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
     k_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])  # lane (n, c): 16 bytes of key n
 
     b, g, first_head, first_query, q_start, q_len, k_start, k_len, batch, shift, start, end = _part(
@@ -132,17 +139,9 @@ def fp8_kernel(
     k_scales = k_scale_ptr + batch * stride_ksb + g * stride_ksg + first_head * stride_ksh
     v_scales = v_scale_ptr + batch * stride_vsb + g * stride_vsg + first_head * stride_vsh
 
-    # q in K's dim order, in fp16 under a power of two a row (triton_splitk._fp16_rows), its rows' sums in fp32
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-    query, head = first_query + rows // HEADS, first_head + rows % HEADS
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(q_rows + ((q_start + query).to(gl.int64) * stride_qm + head * stride_qh)[:, None]
-                + _key_dim(dims)[None, :] * stride_qd, mask=((query < q_len) & (head < heads))[:, None],
-                other=0.0).to(gl.float32)  # fmt: skip
-    q_exponent = _exponent(gl.max(gl.abs(q), 1), -112, 127)
-    q16 = gl.convert_layout((q * _pow2(14 - q_exponent)[:, None]).to(gl.float16), a_layout)
-    q_unit = gl.convert_layout(_pow2(q_exponent - 14) * scale_log2, row_layout)
-    q_sum = gl.convert_layout(gl.sum(q, 1) * scale_log2, row_layout)
+    q16, q_unit, q_sum = _fp16_queries(q_rows, q_start, first_query, first_head, q_len, heads, stride_qm, stride_qh,
+                                       stride_qd, scale_log2, 1.0, HEADS, D, _key_dim, a_layout,
+                                       row_layout)  # fmt: skip
 
     rows = gl.arange(0, BLOCK_M, layout=row_layout)
     query, head = first_query + rows // HEADS, first_head + rows % HEADS
@@ -173,39 +172,18 @@ def fp8_kernel(
             s = mma_v2(q16, k_operand, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
             s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
             seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
-            s = gl.where(seen, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0
-            alpha = gl.exp2(m_i - m_base)
-            p = gl.exp2(s - m_base[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-
+            p, alpha, m_i, l_i = _softmax_step(s, seen, m_i, l_i)
             v_scale, v_shift = _scale_shift(v_heads)
-            weights = p * v_scale[None, :]  # to fp16 after each row's power of two takes its largest below 1
-            e = _exponent(gl.max(gl.abs(weights), 1), -126, 125) + 1
-            w16 = gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout)
+            w16, e = _fp16_weights(p, v_scale, a_layout, True)
             # V: D / 8 dims of a key from dim g · D / 8 = [key, g, m] to the operand's dim g + 8m
             v_values = v.to(gl.float16).reshape([BLOCK_N, 8, D // 8]).permute((0, 2, 1)).reshape([BLOCK_N, D])
             part = mma_v2(w16, gl.convert_layout(v_values, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
             acc = acc * alpha[:, None] + part * _pow2(e)[:, None]
             shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
 
-    acc += shifts[:, None]
-    out = gl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
-    row_ok = (query < q_len) & (head < heads)
-    out_rows = (out_ptr + gl.program_id(1) * stride_os + batch * stride_ob + (q_start + query).to(gl.int64) * stride_om
-                + g * stride_og + head * stride_oh)  # fmt: skip
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
-    gl.store(
-        out_rows[:, None] + _value_dim(cols, D)[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    lse = gl.where(l_i > 0, (m_i + gl.log2(l_i)) / 1.4426950408889634, float("-inf"))
-    lse_rows = (lse_ptr + gl.program_id(1) * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
-                + (q_start + query).to(gl.int64) * stride_lm)  # fmt: skip
-    gl.store(lse_rows, lse, mask=row_ok)
+    _store_rows(acc, shifts, m_i, l_i, out_ptr, lse_ptr, query, head, q_start, q_len, heads, batch, g, stride_os,
+                stride_ob, stride_om, stride_og, stride_oh, stride_od, stride_ls, stride_lb, stride_lg, stride_lh,
+                stride_lm, D, mma)  # fmt: skip
 
 
 def supports(q: torch.Tensor) -> bool:

@@ -137,6 +137,72 @@ def _load_tile(first_key, end, k_base, v_base, stride_km, stride_kd, stride_vm, 
 
 
 @gluon.jit
+def _fp16_queries(q_rows, q_start, first_query, first_head, q_len, heads, stride_qm, stride_qh, stride_qd, scale_log2,
+                  UNIT: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr, KEY_DIM: gl.constexpr,
+                  a_layout: gl.constexpr, row_layout: gl.constexpr):  # fmt: skip
+    """The program's 16 query rows, each dim in K's order (KEY_DIM(t): the dim at the operand's index t), in fp16
+    under a power of two a row (triton_splitk._fp16_rows): the A operand, with those powers' inverses times the
+    codes' UNIT and the rows' sums (fp32, row_layout), both times scale_log2."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, q_layout))
+    query, head = first_query + rows // HEADS, first_head + rows % HEADS
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(q_rows + ((q_start + query).to(gl.int64) * stride_qm + head * stride_qh)[:, None]
+                + KEY_DIM(dims)[None, :] * stride_qd, mask=((query < q_len) & (head < heads))[:, None],
+                other=0.0).to(gl.float32)  # fmt: skip
+    q_exponent = _exponent(gl.max(gl.abs(q), 1), -112, 127)
+    q16 = gl.convert_layout((q * _pow2(14 - q_exponent)[:, None]).to(gl.float16), a_layout)
+    q_unit = gl.convert_layout(_pow2(q_exponent - 14) * UNIT * scale_log2, row_layout)
+    q_sum = gl.convert_layout(gl.sum(q, 1) * scale_log2, row_layout)
+    return q16, q_unit, q_sum
+
+
+@gluon.jit
+def _softmax_step(s, seen, m_i, l_i):
+    """The online softmax over a tile of scores s (log2 units; `seen`: the mask): (p, alpha, the running max and
+    sum)."""
+    s = gl.where(seen, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0
+    alpha = gl.exp2(m_i - m_base)
+    p = gl.exp2(s - m_base[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _fp16_weights(p, v_scale, a_layout: gl.constexpr, SIGNED: gl.constexpr):
+    """p times V's scales in fp16, the A operand, each row under a power of two 2^-e that takes its largest |weight|
+    below 1, and e. SIGNED: scales of either sign (else non-negative, as quantize_kv_int4's ranges over 15 are: int4's
+    SASS stays that measured in the sixty-third session)."""
+    weights = p * v_scale[None, :]
+    e = _exponent(gl.max(gl.abs(weights) if SIGNED else weights, 1), -126, 125) + 1
+    return gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout), e
+
+
+@gluon.jit
+def _store_rows(acc, shifts, m_i, l_i, out_ptr, lse_ptr, query, head, q_start, q_len, heads, batch, g, stride_os,
+                stride_ob, stride_om, stride_og, stride_oh, stride_od, stride_ls, stride_lb, stride_lg, stride_lh,
+                stride_lm, D: gl.constexpr, mma: gl.constexpr):  # fmt: skip
+    """The rows' output (acc plus V's shifts, normalized; dims in _value_dim's order) and log-sum-exp (natural log;
+    -inf over no key, output zeros) into part program_id(1)."""
+    acc += shifts[:, None]
+    out = gl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
+    row_ok = (query < q_len) & (head < heads)
+    out_rows = (out_ptr + gl.program_id(1) * stride_os + batch * stride_ob + (q_start + query).to(gl.int64) * stride_om
+                + g * stride_og + head * stride_oh)  # fmt: skip
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    gl.store(
+        out_rows[:, None] + _value_dim(cols, D)[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    lse = gl.where(l_i > 0, (m_i + gl.log2(l_i)) / 1.4426950408889634, float("-inf"))
+    lse_rows = (lse_ptr + gl.program_id(1) * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
+                + (q_start + query).to(gl.int64) * stride_lm)  # fmt: skip
+    gl.store(lse_rows, lse, mask=row_ok)
+
+
+@gluon.jit
 def int4_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, tables_ptr, groups, heads,
     row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
@@ -153,7 +219,6 @@ def int4_kernel(
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     key_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
     k_words_layout: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, 1], [1, 0])
     v_words_layout: gl.constexpr = gl.BlockedLayout([2, D // 64], [4, 8], [1, 1], [0, 1])
 
@@ -165,17 +230,10 @@ def int4_kernel(
     k_base = k_ptr + batch * stride_kb + g * stride_kg + first_head * stride_kh
     v_base = v_ptr + batch * stride_vb + g * stride_vg + first_head * stride_vh
 
-    # q in K's dim order, in fp16 under a power of two a row (triton_splitk._fp16_rows), its rows' sums in fp32
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-    query, head = first_query + rows // HEADS, first_head + rows % HEADS
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(q_rows + ((q_start + query).to(gl.int64) * stride_qm + head * stride_qh)[:, None]
-                + _key_dim(dims)[None, :] * stride_qd, mask=((query < q_len) & (head < heads))[:, None],
-                other=0.0).to(gl.float32)  # fmt: skip
-    q_exponent = _exponent(gl.max(gl.abs(q), 1), -112, 127)
-    q16 = gl.convert_layout((q * _pow2(14 - q_exponent)[:, None]).to(gl.float16), a_layout)
-    q_unit = gl.convert_layout(_pow2(q_exponent - 14) * 16777216.0 * scale_log2, row_layout)  # (2^24: the codes' unit)
-    q_sum = gl.convert_layout(gl.sum(q, 1) * scale_log2, row_layout)
+    # (2^24: the codes' unit)
+    q16, q_unit, q_sum = _fp16_queries(q_rows, q_start, first_query, first_head, q_len, heads, stride_qm, stride_qh,
+                                       stride_qd, scale_log2, 16777216.0, HEADS, D, _key_dim, a_layout,
+                                       row_layout)  # fmt: skip
 
     rows = gl.arange(0, BLOCK_M, layout=row_layout)
     query, head = first_query + rows // HEADS, first_head + rows % HEADS
@@ -198,37 +256,16 @@ def int4_kernel(
             s = mma_v2(q16, _key_codes(k_words, b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
             s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
             seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
-            s = gl.where(seen, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0
-            alpha = gl.exp2(m_i - m_base)
-            p = gl.exp2(s - m_base[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-
+            p, alpha, m_i, l_i = _softmax_step(s, seen, m_i, l_i)
             v_scale, v_shift = _half_pair(v_heads)
-            weights = p * v_scale[None, :]  # to fp16 after each row's power of two takes its largest below 1
-            e = _exponent(gl.max(weights, 1), -126, 125) + 1
-            w16 = gl.convert_layout((weights * _pow2(-e)[:, None]).to(gl.float16), a_layout)
+            w16, e = _fp16_weights(p, v_scale, a_layout, False)
             part = mma_v2(w16, _value_codes(v_words, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
             acc = acc * alpha[:, None] + part * (_pow2(e) * 16777216.0)[:, None]
             shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
 
-    acc += shifts[:, None]
-    out = gl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None] * acc
-    row_ok = (query < q_len) & (head < heads)
-    out_rows = (out_ptr + gl.program_id(1) * stride_os + batch * stride_ob + (q_start + query).to(gl.int64) * stride_om
-                + g * stride_og + head * stride_oh)  # fmt: skip
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
-    gl.store(
-        out_rows[:, None] + _value_dim(cols, D)[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    lse = gl.where(l_i > 0, (m_i + gl.log2(l_i)) / 1.4426950408889634, float("-inf"))
-    lse_rows = (lse_ptr + gl.program_id(1) * stride_ls + batch * stride_lb + g * stride_lg + head * stride_lh
-                + (q_start + query).to(gl.int64) * stride_lm)  # fmt: skip
-    gl.store(lse_rows, lse, mask=row_ok)
+    _store_rows(acc, shifts, m_i, l_i, out_ptr, lse_ptr, query, head, q_start, q_len, heads, batch, g, stride_os,
+                stride_ob, stride_om, stride_og, stride_oh, stride_od, stride_ls, stride_lb, stride_lg, stride_lh,
+                stride_lm, D, mma)  # fmt: skip
 
 
 def supports(q: torch.Tensor) -> bool:
