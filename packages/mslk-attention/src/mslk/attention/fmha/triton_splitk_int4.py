@@ -20,7 +20,9 @@ turns them into fp16 pairs with shifts and masks:
 Codes are used as the fp16 bits of c (c · 2^-24, exact); scales, shifts and the queries' and weights' powers of
 two are those of the Triton kernel (see its _int4_scores and _int4_values): scale · (q · codes) + shift · Σ q for
 the scores, p · scale under a power of two per row and p · shift for the values. One scale group a row (rows of
-kv_cache.quantize_kv_int4 with num_groups 1), head dims 64 and 128; the others stay with the Triton kernel.
+kv_cache.quantize_kv_int4 with num_groups 1), head dims 64 and 128; the others stay with the Triton kernel. The
+steps that do not depend on the codes (the queries in fp16, the online softmax, the weights in fp16, the rows'
+store) are helpers here that triton_splitk_fp8's kernel shares.
 """
 
 from __future__ import annotations
