@@ -348,10 +348,9 @@ SPILLING = {
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
-    # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: 352 bytes at 255
-    # registers (Triton 3.7; 300 under 3.6), as measured (RESULTS.md, sixty-fourth session: 170.6 us against the
-    # Triton kernel's 174.4 on PERF.md's decode shape in pages of 64; 151.8-152.5 in builds of this loop that
-    # spilled 168-352 bytes).
+    # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: 168 bytes at 255
+    # registers (Triton 3.7), as measured (RESULTS.md, sixty-fourth session: 151.8 us against the Triton kernel's
+    # 175.0 on PERF.md's decode shape in pages of 64; 170.6 where int64 rows spilled 352 bytes).
     ("attention", "splitk_fp8_k128_paged"),
 }
 

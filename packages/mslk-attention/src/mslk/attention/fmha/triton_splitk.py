@@ -17,7 +17,8 @@ group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) 
 bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). On NVIDIA GPUs, int4 rows of one scale
 group and FP8 rows at head dims 64 and 128 go to Gluon kernels (triton_splitk_int4, triton_splitk_fp8: one warp a
 program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.090 ms
-against this kernel's 0.334, FP8 rows 0.124 against 0.129; SDPA on the bf16 cache 0.173). Here FP8 rows are
+against this kernel's 0.334, FP8 rows 0.127 against 0.128, in pages of 64 0.152 against 0.175; SDPA on the bf16
+cache 0.173). Here FP8 rows are
 dequantized in fp32 as their tiles load, and int4 rows never are: their codes go to fp16 MMAs as they unpack,
 against the queries in fp16 (each row scaled by a power of two) and the probabilities times V's scales, and a
 row's scale and shift apply to the products (scale · (q · codes) + shift · Σ q), exact where dequantized K/V had
@@ -368,7 +369,8 @@ def _splitk_forward(
     from mslk.attention.fmha import triton_splitk_fp8, triton_splitk_int4  # (they import this module)
 
     gluon_int4 = int4_groups == 1 and triton_splitk_int4.supports(q)
-    gluon_fp8 = scales[0] is not None and triton_splitk_fp8.supports(q)
+    # (FP8: pools of fewer than 2^31 rows, whose row numbers the Gluon kernel takes in int32)
+    gluon_fp8 = scales[0] is not None and k.shape[1] < 2**31 and triton_splitk_fp8.supports(q)
     gluon = gluon_int4 or gluon_fp8
     kv = [k, v, *(t for t in scales if t is not None)]
     cfg = _config(q, kv, max_q, config, gluon, gluon_fp8 or block_tables is not None)

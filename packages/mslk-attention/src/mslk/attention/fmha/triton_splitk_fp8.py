@@ -2,8 +2,8 @@
 (SM89 on), written in Gluon as triton_splitk_int4's kernel is: one warp a program, K/V loaded straight into
 registers of mma.sync's operand layout, the rows never dequantized, no shared memory and no barrier.
 
-H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 124.3 against the
-Triton kernel's 129.3 on a dense cache, 170.6 against 174.4 in pages of 64 (SDPA on the bf16 cache 173). The Triton
+H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 126.7 against the
+Triton kernel's 128.3 on a dense cache, 151.8 against 175.0 in pages of 64 (SDPA on the bf16 cache 171). The Triton
 kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
 
 - K^T, the B operand [D, BLOCK_N]: lane (n, c) (n = lane // 4, c = lane % 4) holds dims 2c + h + 8a + 16s of key n
@@ -15,9 +15,10 @@ kernel dequantizes each tile in fp32 and moves it through shared memory behind C
 
 Values go to fp16 MMAs as they are (e4m3 is exact in fp16) against the queries in fp16 under a power of two a row,
 and a row's scale and shift apply to the products as in the int4 kernel: scale · (q · values) + shift · Σ q for the
-scores, p · scale under a power of two per row and p · shift for the output. Each tile's rows are read (from the
-page table, when paged) a tile ahead, so that the tile's loads do not wait for them (pages of 64: 152.5 us against
-192.6 in one build of this loop; RESULTS.md, sixty-fourth session).
+scores, p · scale under a power of two per row and p · shift for the output. Paged, each tile's rows are read from
+the page table a tile ahead, so that the tile's loads do not wait for them (192.6 us without), and carried as int32,
+V's serving as the scales' too: the same loop with int64 rows in three layouts spilled twice the bytes and took
+170.6 us (RESULTS.md, sixty-fourth session).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from mslk.attention.fmha.triton_splitk_int4 import (
     HEAD_DIMS,
     _fp16_queries,
     _fp16_weights,
-    _rows,
     _softmax_step,
     _store_rows,
 )
@@ -65,36 +65,41 @@ def value_layout(block_n: int, dim: int) -> gl.DistributedLinearLayout:
 @gluon.jit
 def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
               BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """The rows (int64) of keys [first_key, first_key + BLOCK_N) in `layout`. Keys from `end` on take the row of key
-    end - 1 (the part's last): no load is masked, and the scores mask those keys."""
+    """The rows (int32: the host takes pools of fewer than 2^31) of keys [first_key, first_key + BLOCK_N) in
+    `layout`. Keys from `end` on take the row of key end - 1 (the part's last): no load is masked, and the scores
+    mask those keys."""
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=layout), end - 1)
-    return _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
+    if PAGED:
+        place = k_start - b * lane + keys
+        page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
+        return page * page_size + place % page_size
+    return k_start + keys
 
 
 @gluon.jit
 def _tile_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
-               BLOCK_N: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr,
-               V_LAYOUT: gl.constexpr):  # fmt: skip
-    """The rows of keys [first_key, first_key + BLOCK_N) in the scales' (key_layout), K's and V's layouts."""
-    scale_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
-                           BLOCK_N, key_layout)  # fmt: skip
+               BLOCK_N: gl.constexpr, k_layout: gl.constexpr, V_LAYOUT: gl.constexpr):  # fmt: skip
+    """The rows of keys [first_key, first_key + BLOCK_N) in K's and V's layouts."""
     k_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
                        gl.SliceLayout(1, k_layout))  # fmt: skip
     v_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
                        gl.SliceLayout(1, V_LAYOUT))  # fmt: skip
-    return scale_rows, k_rows, v_rows
+    return k_rows, v_rows
 
 
 @gluon.jit
 def _load_tile(rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd, stride_ksm,
-               stride_vsm, D: gl.constexpr, k_layout: gl.constexpr, V_LAYOUT: gl.constexpr):  # fmt: skip
-    """The keys' (rows: _tile_rows) K and V scales [BLOCK_N] and FP8 values [BLOCK_N, D] (k_layout, V_LAYOUT)."""
-    scale_rows, k_rows, v_rows = rows
+               stride_vsm, D: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr,
+               V_LAYOUT: gl.constexpr):  # fmt: skip
+    """The keys' (rows: _tile_rows) K and V scales [BLOCK_N] (key_layout) and FP8 values [BLOCK_N, D] (k_layout,
+    V_LAYOUT)."""
+    k_rows, v_rows = rows
+    scale_rows = gl.convert_layout(v_rows, key_layout).to(gl.int64)  # (a lane holds the same keys in both)
     k_heads, v_heads = gl.load(k_scales + scale_rows * stride_ksm), gl.load(v_scales + scale_rows * stride_vsm)
     k_dims = gl.arange(0, D, layout=gl.SliceLayout(0, k_layout))
-    k = gl.load(k_base + (k_rows * stride_km)[:, None] + k_dims[None, :] * stride_kd)
+    k = gl.load(k_base + (k_rows.to(gl.int64) * stride_km)[:, None] + k_dims[None, :] * stride_kd)
     v_dims = gl.arange(0, D, layout=gl.SliceLayout(0, V_LAYOUT))
-    v = gl.load(v_base + (v_rows * stride_vm)[:, None] + v_dims[None, :] * stride_vd)
+    v = gl.load(v_base + (v_rows.to(gl.int64) * stride_vm)[:, None] + v_dims[None, :] * stride_vd)
     return k_heads, v_heads, k, v
 
 
@@ -151,19 +156,24 @@ def fp8_kernel(
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
         first_rows = _tile_rows(start, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
-                                BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+                                BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
         tile = _load_tile(first_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
-                          stride_ksm, stride_vsm, D, k_layout, V_LAYOUT)  # fmt: skip
+                          stride_ksm, stride_vsm, D, key_layout, k_layout, V_LAYOUT)  # fmt: skip
         ahead = _tile_rows(start + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
-                           BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+                           BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
         for first_key in range(start, end, BLOCK_N):
             k_heads, v_heads, k, v = tile
-            # the next tile's loads in flight while this one is multiplied (past the end: the last key's again), its
-            # rows read (from the page table) a tile before
-            tile = _load_tile(ahead, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
-                              stride_ksm, stride_vsm, D, k_layout, V_LAYOUT)  # fmt: skip
-            ahead = _tile_rows(first_key + 2 * BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
-                               stride_tp, PAGED, BLOCK_N, key_layout, k_layout, V_LAYOUT)  # fmt: skip
+            # the next tile's loads in flight while this one is multiplied (past the end: the last key's again);
+            # paged, its rows read from the page table a tile before, so that its loads do not wait for them
+            tile_rows = ahead
+            if PAGED:
+                ahead = _tile_rows(first_key + 2 * BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
+                                   stride_tp, PAGED, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+            else:
+                tile_rows = _tile_rows(first_key + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
+                                       stride_tp, PAGED, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+            tile = _load_tile(tile_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm,
+                              stride_vd, stride_ksm, stride_vsm, D, key_layout, k_layout, V_LAYOUT)  # fmt: skip
             keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
             # K^T: the values of key n + 8r at dims 64u + 16c, [key, u, c, b, a, h], to the operand's [u, b, a, c, h]
             k_values = k.to(gl.float16).reshape([BLOCK_N, D // 64, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5))
