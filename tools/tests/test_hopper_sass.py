@@ -167,6 +167,12 @@ def attention_calls():
     calls["splitk_int4_k128_paged"] = lambda: sk.FwOp.apply(Inputs(q, pool, pool, attn_bias=paged), False)
     paged_fp8 = InputsFp8(q, fp8_pool, fp8_pool, paged, k_fp8_scale_shift=scale_pool, v_fp8_scale_shift=scale_pool)
     calls["splitk_fp8_k128_paged"] = lambda: sk.FwOp.apply(paged_fp8, False)
+    # Pages of 8 keys, fewer than a tile's: each key's page looked up (pages of a tile or more: two a tile at most).
+    tables = torch.randperm(1024).to(torch.int32).view(16, 64)
+    paged8 = attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1] * 16, [500] * 16, tables, 8)
+    calls["splitk_int4_k128_paged8"] = lambda: sk.FwOp.apply(Inputs(q, pool, pool, attn_bias=paged8), False)
+    paged8_fp8 = InputsFp8(q, fp8_pool, fp8_pool, paged8, k_fp8_scale_shift=scale_pool, v_fp8_scale_shift=scale_pool)
+    calls["splitk_fp8_k128_paged8"] = lambda: sk.FwOp.apply(paged8_fp8, False)
     return calls
 
 
@@ -253,8 +259,7 @@ SUITES = {
             *(f"attention_bwd_k{d}_bias_gluon" for d in (64, 128)),
             "attention_fwd_k128_bias_triton",
             *(f"splitk_{kind}_k{d}" for kind in ("int4", "fp8") for d in (64, 128)),
-            "splitk_int4_k128_paged",
-            "splitk_fp8_k128_paged",
+            *(f"splitk_{kind}_k128_{pages}" for kind in ("int4", "fp8") for pages in ("paged", "paged8")),
         ],
     ),
     "gemm": (
@@ -302,8 +307,7 @@ NO_WARPGROUP_MMA = {
     ("int4", "grouped_gluon_decode"),
     ("int4", "plain_m16_decode_activations"),
     *(("attention", f"splitk_{kind}_k{d}") for kind in ("int4", "fp8") for d in (64, 128)),
-    ("attention", "splitk_int4_k128_paged"),
-    ("attention", "splitk_fp8_k128_paged"),
+    *(("attention", f"splitk_{kind}_k128_{pages}") for kind in ("int4", "fp8") for pages in ("paged", "paged8")),
 }
 
 
@@ -348,10 +352,13 @@ SPILLING = {
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
-    # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: 168 bytes at 255
-    # registers (Triton 3.7), as measured (RESULTS.md, sixty-fourth session: 151.8 us against the Triton kernel's
-    # 175.0 on PERF.md's decode shape in pages of 64; 170.6 where int64 rows spilled 352 bytes).
+    # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: at 255 registers
+    # (Triton 3.7) 156 bytes of spill loads in pages of a tile or more (two pages read a tile), 168 in pages of 8 (a
+    # key's page each), as measured (RESULTS.md, sixty-fourth and sixty-fifth sessions: 151.8 us against the Triton
+    # kernel's 175.0 on PERF.md's decode shape in pages of 64; 170.6 where int64 rows spilled 352 bytes, 172 where the
+    # two pages were carried ahead instead of the rows, with fewer spills but more of them inside the loop).
     ("attention", "splitk_fp8_k128_paged"),
+    ("attention", "splitk_fp8_k128_paged8"),
 }
 
 

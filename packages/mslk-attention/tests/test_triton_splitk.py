@@ -413,8 +413,9 @@ GLUON_FORMATS = ["fp8", "fp8-fp32", "int4"]
         ((2, 9, 700, 2, 4, 64), True, 0, 64, torch.float16),  # queries past a program's 16 rows, BMGHK
         ((3, 4, 333, 1, 2, 128), False, 5, 16, torch.float16),  # heads apart: a head's queries a program
         ((2, 1, 500, 1, 32, 128), True, 64, 48, torch.bfloat16),  # MQA, 32 heads: two programs a KV head; more
-        # parts than key blocks; pages of 48 keys (no power of two: divisions)
+        # parts than key blocks; pages of 48 keys (no power of two: divisions; tiles across two pages)
         ((3, 2, 130, 1, 4, 128), True, 1, 64, torch.float16),  # one part: the output written as it is, no merge
+        ((2, 1, 500, 1, 8, 64), True, 3, 8, torch.bfloat16),  # pages smaller than a tile: a key's page each
     ],
 )
 def test_gpu_gluon(fmt, bias_id, sizes, shared_heads, split_k, page_size, dtype, gluon_runs):

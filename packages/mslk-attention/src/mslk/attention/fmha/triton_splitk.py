@@ -396,14 +396,18 @@ def _splitk_forward(
     else:
         fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
         scale_strides = (*scales[0].stride(), *scales[1].stride())
+    # The Gluon kernels read a tile's two pages at most where pages hold a tile (_tile_pages), a key's page otherwise.
+    big_pages = block_tables is not None and page_size >= cfg["BLOCK_N"]
     if gluon_int4:
         launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
-            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim, **flags
-        )
+            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim,
+            BIG_PAGES=big_pages, **flags,
+        )  # fmt: skip
     elif gluon_fp8:
         launch.fast(triton_splitk_fp8.fp8_kernel)[(programs, split_k)](
             q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
-            *strides, D=dim, V_LAYOUT=triton_splitk_fp8.value_layout(cfg["BLOCK_N"], dim), **flags,
+            *strides, D=dim, V_LAYOUT=triton_splitk_fp8.value_layout(cfg["BLOCK_N"], dim), BIG_PAGES=big_pages,
+            **flags,
         )  # fmt: skip
     else:
         launch.fast(_splitk_kernel)[(programs, split_k)](

@@ -18,7 +18,9 @@ and a row's scale and shift apply to the products as in the int4 kernel: scale �
 scores, p · scale under a power of two per row and p · shift for the output. Paged, each tile's rows are read from
 the page table a tile ahead, so that the tile's loads do not wait for them (192.6 us without), and carried as int32,
 V's serving as the scales' too: the same loop with int64 rows in three layouts spilled twice the bytes and took
-170.6 us (RESULTS.md, sixty-fourth session).
+170.6 us (RESULTS.md, sixty-fourth session). In pages of a tile or more the rows come from the tile's two pages at
+most (triton_splitk_int4._tile_pages); carrying those pages ahead instead of the rows took 172 us (spills inside
+the loop; sixty-fifth session).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from mslk.attention.fmha.triton_splitk_int4 import (
     HEAD_DIMS,
     _fp16_queries,
     _fp16_weights,
+    _paged_rows,
     _softmax_step,
     _store_rows,
+    _tile_pages,
 )
 from mslk.core import arch
 
@@ -63,13 +67,15 @@ def value_layout(block_n: int, dim: int) -> gl.DistributedLinearLayout:
 
 
 @gluon.jit
-def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
-              BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED: gl.constexpr,
+              BIG_PAGES: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
     """The rows (int32: the host takes pools of fewer than 2^31) of keys [first_key, first_key + BLOCK_N) in
-    `layout`. Keys from `end` on take the row of key end - 1 (the part's last): no load is masked, and the scores
-    mask those keys."""
+    `layout`; paged in big pages, from `pages` (the tile's _tile_pages). Keys from `end` on take the row of key
+    end - 1 (the part's last): no load is masked, and the scores mask those keys."""
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=layout), end - 1)
     if PAGED:
+        if BIG_PAGES:
+            return _paged_rows(keys, pages, page_size)
         place = k_start - b * lane + keys
         page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
         return page * page_size + place % page_size
@@ -78,12 +84,17 @@ def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb
 
 @gluon.jit
 def _tile_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr,
-               BLOCK_N: gl.constexpr, k_layout: gl.constexpr, V_LAYOUT: gl.constexpr):  # fmt: skip
+               BIG_PAGES: gl.constexpr, BLOCK_N: gl.constexpr, k_layout: gl.constexpr,
+               V_LAYOUT: gl.constexpr):  # fmt: skip
     """The rows of keys [first_key, first_key + BLOCK_N) in K's and V's layouts."""
-    k_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
-                       gl.SliceLayout(1, k_layout))  # fmt: skip
-    v_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N,
-                       gl.SliceLayout(1, V_LAYOUT))  # fmt: skip
+    pages = 0
+    if BIG_PAGES:
+        pages = _tile_pages(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, BLOCK_N,
+                            gl.int32)  # fmt: skip
+    k_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED,
+                       BIG_PAGES, BLOCK_N, gl.SliceLayout(1, k_layout))  # fmt: skip
+    v_rows = _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED,
+                       BIG_PAGES, BLOCK_N, gl.SliceLayout(1, V_LAYOUT))  # fmt: skip
     return k_rows, v_rows
 
 
@@ -121,11 +132,12 @@ def fp8_kernel(
     stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_ksb, stride_ksm, stride_ksg, stride_ksh, stride_vsb,
     stride_vsm, stride_vsg, stride_vsh, stride_os, stride_ob, stride_om, stride_og, stride_oh,
     stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
-    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, V_LAYOUT: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BIG_PAGES: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    V_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """triton_splitk._splitk_kernel's program (one warp, 16 rows) for FP8 rows, their scales in k_scale_ptr and
-    v_scale_ptr."""
+    v_scale_ptr; BIG_PAGES: paged in pages of at least BLOCK_N keys (_tile_pages)."""
     BLOCK_M: gl.constexpr = 16  # rows (query heads x queries): mma.sync's M
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -156,11 +168,11 @@ def fp8_kernel(
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
         first_rows = _tile_rows(start, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
-                                BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+                                BIG_PAGES, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
         tile = _load_tile(first_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
                           stride_ksm, stride_vsm, D, key_layout, k_layout, V_LAYOUT)  # fmt: skip
         ahead = _tile_rows(start + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
-                           BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+                           BIG_PAGES, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
         for first_key in range(start, end, BLOCK_N):
             k_heads, v_heads, k, v = tile
             # the next tile's loads in flight while this one is multiplied (past the end: the last key's again);
@@ -168,10 +180,10 @@ def fp8_kernel(
             tile_rows = ahead
             if PAGED:
                 ahead = _tile_rows(first_key + 2 * BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
-                                   stride_tp, PAGED, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+                                   stride_tp, PAGED, BIG_PAGES, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
             else:
                 tile_rows = _tile_rows(first_key + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
-                                       stride_tp, PAGED, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
+                                       stride_tp, PAGED, BIG_PAGES, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
             tile = _load_tile(tile_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm,
                               stride_vd, stride_ksm, stride_vsm, D, key_layout, k_layout, V_LAYOUT)  # fmt: skip
             keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)

@@ -77,13 +77,42 @@ def _value_dim(t, D: tl.constexpr):
 
 
 @gluon.jit
-def _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr):
-    """The cache rows (int64) of keys of sequence b: through its page table when PAGED."""
+def _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED: gl.constexpr,
+          BIG_PAGES: gl.constexpr):  # fmt: skip
+    """The cache rows (int64) of keys of sequence b: through its page table when PAGED, from their tile's `pages`
+    (_tile_pages) when BIG_PAGES."""
     if PAGED:
+        if BIG_PAGES:
+            return _paged_rows(keys, pages, page_size)
         place = k_start - b * lane + keys
         page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
         return page.to(gl.int64) * page_size + place % page_size
     return (k_start + keys).to(gl.int64)
+
+
+@gluon.jit
+def _tile_pages(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, BLOCK_N: gl.constexpr,
+                ROWS: gl.constexpr):  # fmt: skip
+    """Where the keys [first_key, first_key + BLOCK_N) of sequence b lie (those from `end` on: key end - 1) in pages of
+    at least BLOCK_N keys, which a tile spans two of at most: (the place of key 0 less the first page's start, the
+    first page's first row, the second page's first row; rows of type ROWS). Two loads and two divisions a tile, the
+    same in every lane (scalars), where a lookup a key took one of each per key and layout (H100, int4 in pages of
+    64: 116 -> 110 us on PERF.md's decode shape; RESULTS.md, sixty-fifth session)."""
+    offset = k_start - b * lane  # key 0's place in lane b
+    first_page = (offset + gl.minimum(first_key, end - 1)) // page_size
+    last_page = (offset + gl.minimum(first_key + BLOCK_N, end) - 1) // page_size
+    table = tables_ptr + b.to(gl.int64) * stride_tb
+    first_row = gl.load(table + first_page * stride_tp).to(ROWS) * page_size
+    next_row = gl.load(table + last_page * stride_tp).to(ROWS) * page_size
+    return offset - first_page * page_size, first_row, next_row
+
+
+@gluon.jit
+def _paged_rows(keys, pages, page_size):
+    """The rows of keys of a tile (at most end - 1) from its _tile_pages."""
+    shift, first_row, next_row = pages
+    within = shift + keys  # the key's place past the first page's start: below 2 · page_size
+    return gl.where(within < page_size, first_row + within, next_row + (within - page_size))
 
 
 @gluon.jit
@@ -119,20 +148,21 @@ def _value_codes(words, b_layout: gl.constexpr):
 
 @gluon.jit
 def _load_tile(first_key, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
-               page_size, tables_ptr, stride_tb, stride_tp, PAGED: gl.constexpr, BLOCK_N: gl.constexpr,
-               D: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr, v_layout: gl.constexpr):  # fmt: skip
+               page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED: gl.constexpr, BIG_PAGES: gl.constexpr,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr,
+               v_layout: gl.constexpr):  # fmt: skip
     """The int32 words of keys [first_key, first_key + BLOCK_N): K's and V's scale words [BLOCK_N] (key_layout) and
-    codes [BLOCK_N, D / 8] (k_layout, v_layout). Keys from `end` on read the row of key end - 1 (the part's last):
-    no load is masked, and the scores mask those keys."""
+    codes [BLOCK_N, D / 8] (k_layout, v_layout), paged in big pages from `pages` (the tile's _tile_pages). Keys from
+    `end` on read the row of key end - 1 (the part's last): no load is masked, and the scores mask those keys."""
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=key_layout), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES)
     k_heads, v_heads = gl.load(k_base + rows * stride_km), gl.load(v_base + rows * stride_vm)
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout)), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES)
     words = 1 + gl.arange(0, D // 8, layout=gl.SliceLayout(0, k_layout))  # (word 0: the scale and shift)
     k_words = gl.load(k_base + (rows * stride_km)[:, None] + words[None, :] * stride_kd)
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout)), end - 1)
-    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED)
+    rows = _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES)
     words = 1 + gl.arange(0, D // 8, layout=gl.SliceLayout(0, v_layout))
     v_words = gl.load(v_base + (rows * stride_vm)[:, None] + words[None, :] * stride_vd)
     return k_heads, v_heads, k_words, v_words
@@ -211,10 +241,11 @@ def int4_kernel(
     stride_qb, stride_qm, stride_qg, stride_qh, stride_qd, stride_kb, stride_km, stride_kg, stride_kh, stride_kd,
     stride_vb, stride_vm, stride_vg, stride_vh, stride_vd, stride_os, stride_ob, stride_om, stride_og, stride_oh,
     stride_od, stride_ls, stride_lb, stride_lg, stride_lh, stride_lm, stride_tb, stride_tp,
-    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_SEQLEN_K: gl.constexpr, PAGED: gl.constexpr, BIG_PAGES: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, HEADS: gl.constexpr, QUERIES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
 ):  # fmt: skip
-    """triton_splitk._splitk_kernel's program for int4-packed K/V in one scale group a row (one warp, 16 rows)."""
+    """triton_splitk._splitk_kernel's program for int4-packed K/V in one scale group a row (one warp, 16 rows);
+    BIG_PAGES: paged in pages of at least BLOCK_N keys (_tile_pages)."""
     BLOCK_M: gl.constexpr = 16  # rows (query heads x queries): mma.sync's M
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -244,15 +275,25 @@ def int4_kernel(
     shifts = gl.zeros([BLOCK_M], gl.float32, row_layout)  # Σ p · V's shift, added to every dim at the end
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
+        pages = 0  # (dense, or pages smaller than a tile: none read ahead)
+        if BIG_PAGES:
+            pages = _tile_pages(start, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, BLOCK_N,
+                                gl.int64)  # fmt: skip
         tile = _load_tile(start, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd, k_start, b, lane,
-                          page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D, key_layout, k_words_layout,
-                          v_words_layout)  # fmt: skip
+                          page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES, BLOCK_N, D, key_layout,
+                          k_words_layout, v_words_layout)  # fmt: skip
+        if BIG_PAGES:  # a tile's pages are read a tile before its rows' loads, which then do not wait for them
+            pages = _tile_pages(start + BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp,
+                                BLOCK_N, gl.int64)  # fmt: skip
         for first_key in range(start, end, BLOCK_N):
             k_heads, v_heads, k_words, v_words = tile
             # the next tile's loads in flight while this one is multiplied (past the end: the last key's again)
             tile = _load_tile(first_key + BLOCK_N, end, k_base, v_base, stride_km, stride_kd, stride_vm, stride_vd,
-                              k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED, BLOCK_N, D,
-                              key_layout, k_words_layout, v_words_layout)  # fmt: skip
+                              k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES,
+                              BLOCK_N, D, key_layout, k_words_layout, v_words_layout)  # fmt: skip
+            if BIG_PAGES:
+                pages = _tile_pages(first_key + 2 * BLOCK_N, end, k_start, b, lane, page_size, tables_ptr, stride_tb,
+                                    stride_tp, BLOCK_N, gl.int64)  # fmt: skip
             keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
             k_scale, k_shift = _half_pair(k_heads)
             s = mma_v2(q16, _key_codes(k_words, b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
