@@ -353,7 +353,7 @@ SPILLING = {
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
     # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: at 255 registers
-    # (Triton 3.7) 156 bytes of spill loads in pages of a tile or more (two pages read a tile), 168 in pages of 8 (a
+    # (Triton 3.7) 88 bytes of spill loads in pages of a tile or more (two pages read a tile), 92 in pages of 8 (a
     # key's page each), as measured (RESULTS.md, sixty-fourth and sixty-fifth sessions: 151.8 us against the Triton
     # kernel's 175.0 on PERF.md's decode shape in pages of 64; 170.6 where int64 rows spilled 352 bytes, 172 where the
     # two pages were carried ahead instead of the rows, with fewer spills but more of them inside the loop).

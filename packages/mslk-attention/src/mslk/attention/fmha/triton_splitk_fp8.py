@@ -31,16 +31,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mslk.attention.fmha.triton_flash import _visible
 from mslk.attention.fmha.triton_splitk import _half_pair, _part, _pow2
 from mslk.attention.fmha.triton_splitk_int4 import (
     HEAD_DIMS,
     _fp16_queries,
     _fp16_weights,
+    _masked,
     _paged_rows,
     _softmax_step,
     _store_rows,
     _tile_pages,
+    _whole_tiles,
 )
 from mslk.core import arch
 
@@ -167,6 +168,7 @@ def fp8_kernel(
     shifts = gl.zeros([BLOCK_M], gl.float32, row_layout)  # Σ p · V's shift, added to every dim at the end
     acc = gl.zeros([BLOCK_M, D], gl.float32, mma)
     if start < end:  # (keys past the end read key end - 1's rows: an empty part, of no key at all, reads none)
+        whole = _whole_tiles(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES, BLOCK_N)
         first_rows = _tile_rows(start, end, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, PAGED,
                                 BIG_PAGES, BLOCK_N, k_layout, V_LAYOUT)  # fmt: skip
         tile = _load_tile(first_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd,
@@ -193,8 +195,8 @@ def fp8_kernel(
             k_scale, k_shift = _scale_shift(k_heads)
             s = mma_v2(q16, k_operand, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
             s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
-            seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
-            p, alpha, m_i, l_i = _softmax_step(s, seen, m_i, l_i)
+            s = _masked(s, first_key, whole, query, keys, q_len, k_len, shift, window_left, window_right, end)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
             v_scale, v_shift = _scale_shift(v_heads)
             w16, e = _fp16_weights(p, v_scale, a_layout, True)
             # V: D / 8 dims of a key from dim g · D / 8 = [key, g, m] to the operand's dim g + 8m
