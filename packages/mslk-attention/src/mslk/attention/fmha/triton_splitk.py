@@ -55,6 +55,7 @@ from mslk.attention.fmha.triton_flash import (
     _launches,
     _sequence,
     _switch_reasons,
+    _unmasked_key_range,
     _visible,
 )
 from mslk.core import arch, launch, registry
@@ -198,6 +199,28 @@ def _part(groups, heads, row_blocks, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_pt
 
 
 @triton.jit
+def _whole_tiles(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """[lo, hi): the tiles of a part's keys [start, end) (BLOCK_N keys from start on) that every query of the program
+    sees whole and that end by `end`, whose scores need no mask: every tile but the last in decoding."""
+    lo, hi = _unmasked_key_range(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES,
+                                 BLOCK_N)  # fmt: skip
+    return lo, tl.minimum(hi, start + (end - start) // BLOCK_N * BLOCK_N)
+
+
+@triton.jit
+def _masked(s, first_key, whole, query, keys, q_len, k_len, shift, window_left, window_right, end):
+    """The scores s of keys [first_key, ...) (log2 units), -inf where a query does not see a key, unless the tile is
+    one of the `whole` ones (_whole_tiles), which skip the mask (H100, PERF.md's decode shape, the Gluon kernels:
+    int4 in pages of 64 110 -> 100.6 us, FP8 rows 151.4 -> 147.2, dense 127.1 -> 123.6; RESULTS.md, sixty-fifth
+    session)."""
+    if (first_key < whole[0]) | (first_key >= whole[1]):
+        seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
+        s = tl.where(seen, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _splitk_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr,
     tables_ptr, groups, heads, row_blocks, Mq, Mk, lane, page_size, splits, scale_log2, window_left, window_right,
@@ -241,6 +264,7 @@ def _splitk_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    whole = _whole_tiles(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES, BLOCK_N)
     for first_key in range(start, end, BLOCK_N):
         keys = first_key + tl.arange(0, BLOCK_N)
         key_ok = keys < end
@@ -257,9 +281,7 @@ def _splitk_kernel(
         else:
             k = _kv_tile(k_rows, k_scales + key_rows * stride_ksm, key_ok, dims, dim_ok, stride_kd, FP8_SCALES)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s *= scale_log2
-        seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & key_ok[None, :]
-        s = tl.where(seen, s, float("-inf"))
+        s = _masked(s * scale_log2, first_key, whole, query, keys, q_len, k_len, shift, window_left, window_right, end)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet: exp2(-inf) = 0, no NaN
         alpha = tl.exp2(m_i - m_base)

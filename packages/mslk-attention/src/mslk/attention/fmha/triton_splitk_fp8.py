@@ -31,17 +31,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mslk.attention.fmha.triton_splitk import _half_pair, _part, _pow2
+from mslk.attention.fmha.triton_splitk import _half_pair, _masked, _part, _pow2, _whole_tiles
 from mslk.attention.fmha.triton_splitk_int4 import (
     HEAD_DIMS,
     _fp16_queries,
     _fp16_weights,
-    _masked,
     _paged_rows,
     _softmax_step,
     _store_rows,
     _tile_pages,
-    _whole_tiles,
 )
 from mslk.core import arch
 

@@ -34,8 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mslk.attention.fmha.triton_flash import _unmasked_key_range, _visible
-from mslk.attention.fmha.triton_splitk import _exponent, _half_pair, _part, _pow2
+from mslk.attention.fmha.triton_splitk import _exponent, _half_pair, _masked, _part, _pow2, _whole_tiles
 from mslk.core import arch
 
 HEAD_DIMS = (64, 128)  # (at 256 the accumulator and q's operand alone take 192 registers a thread: spills)
@@ -187,27 +186,6 @@ def _fp16_queries(q_rows, q_start, first_query, first_head, q_len, heads, stride
     q_unit = gl.convert_layout(_pow2(q_exponent - 14) * UNIT * scale_log2, row_layout)
     q_sum = gl.convert_layout(gl.sum(q, 1) * scale_log2, row_layout)
     return q16, q_unit, q_sum
-
-
-@triton.jit
-def _whole_tiles(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
-    """[lo, hi): the tiles of a part's keys [start, end) (BLOCK_N keys from start on) that every query of the program
-    sees whole and that end by `end`, whose scores need no mask: every tile but the last in decoding."""
-    lo, hi = _unmasked_key_range(start, end, first_query, q_len, k_len, shift, window_left, window_right, QUERIES,
-                                 BLOCK_N)  # fmt: skip
-    return lo, tl.minimum(hi, start + (end - start) // BLOCK_N * BLOCK_N)
-
-
-@gluon.jit
-def _masked(s, first_key, whole, query, keys, q_len, k_len, shift, window_left, window_right, end):
-    """The scores s of keys [first_key, ...) (log2 units), -inf where a query does not see a key, unless the tile is
-    one of the `whole` ones (_whole_tiles), which skip the mask (H100, PERF.md's decode shape: int4 in pages of 64
-    110 -> 100.6 us, FP8 rows 151.4 -> 147.2, dense 127.1 -> 123.6; RESULTS.md, sixty-fifth session)."""
-    if (first_key < whole[0]) | (first_key >= whole[1]):
-        seen = _visible(query, keys, q_len, k_len, shift, window_left, window_right) & (keys < end)[None, :]
-        s = gl.where(seen, s, float("-inf"))
-    return s
 
 
 @gluon.jit
