@@ -359,6 +359,9 @@ SPILLING = {
     # two pages were carried ahead instead of the rows, with fewer spills but more of them inside the loop).
     ("attention", "splitk_fp8_k128_paged"),
     ("attention", "splitk_fp8_k128_paged8"),
+    # int4 in pages of 64 at 32 keys a tile: 8 bytes of spill loads at 255 registers (Triton 3.7), 91.6 us against
+    # 100.5 at 16 keys a tile, which does not spill (H100, PERF.md's decode shape; sixty-fifth session).
+    ("attention", "splitk_int4_k128_paged"),
 }
 
 

@@ -314,15 +314,17 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
-def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool, narrow: bool) -> dict:
+def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool, wide: bool) -> dict:
     """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
     the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
     least M). Keys 128 a block (32 at head dims past 128), 2 stages, 8 warps for 16-bit K/V and 4 for quantized
     ones, which pass through registers (H100 sweeps at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
     the time on paged bf16 caches, 1.37x on FP8); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed
     configuration (FwOp.get_operator), 0 for these. gluon (triton_splitk_int4's and triton_splitk_fp8's kernels):
-    16 rows and one warp a program, 32 keys a block, 16 when `narrow` (H100, 16 x 8192 int4 keys in pages of 64:
-    113.2 us against 152.1; the dense cache 105.8 against 88.7; FP8 rows at 32 spill)."""
+    16 rows and one warp a program, 16 keys a block, 32 when `wide`: int4 in pages of 32 keys or more, whose two
+    pages a tile (triton_splitk_int4._tile_pages) then serve twice the keys (H100, 16 x 8192 int4 keys in pages of
+    64: 91.6 us against 100.5; the dense cache 89.5 against 86.9; FP8 rows at 32 spill; RESULTS.md, sixty-fifth
+    session)."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
     rows = 16 if gluon else _MAX_ROWS  # (gluon: mma.sync's M)
@@ -333,7 +335,7 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
         return {
             "HEADS": per_program,
             "QUERIES": queries,
-            "BLOCK_N": block_n or (16 if narrow else 32),
+            "BLOCK_N": block_n or (32 if wide else 16),
             "num_warps": 1,
         }
     block_d = launch.next_power_of_2(max(q.shape[-1], 16))
@@ -395,7 +397,7 @@ def _splitk_forward(
     gluon_fp8 = scales[0] is not None and k.shape[1] < 2**31 and triton_splitk_fp8.supports(q)
     gluon = gluon_int4 or gluon_fp8
     kv = [k, v, *(t for t in scales if t is not None)]
-    cfg = _config(q, kv, max_q, config, gluon, gluon_fp8 or block_tables is not None)
+    cfg = _config(q, kv, max_q, config, gluon, gluon_int4 and block_tables is not None and page_size >= 32)
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
     if not split_k:
         sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
