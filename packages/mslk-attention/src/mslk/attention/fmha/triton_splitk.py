@@ -16,13 +16,13 @@ K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarte
 group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
 bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). On NVIDIA GPUs, int4 rows of one scale
 group and FP8 rows at head dims 64 and 128 go to Gluon kernels (triton_splitk_int4, triton_splitk_fp8: one warp a
-program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.090 ms
-against this kernel's 0.334, FP8 rows 0.127 against 0.128, in pages of 64 0.152 against 0.175; SDPA on the bf16
-cache 0.173). Here FP8 rows are dequantized in fp32 as their tiles load, and int4 rows never are: their codes go to
-fp16 MMAs as they unpack, against the queries in fp16 (each row scaled by a power of two) and the probabilities
-times V's scales, and a row's scale and shift apply to the products (scale · (q · codes) + shift · Σ q), exact
-where dequantized K/V had been rounded to 16 bits. (16-bit K/V in the Gluon kernels' scheme took 1.02-1.13x this
-kernel's time.)
+program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.087 ms
+against this kernel's 0.334, in pages of 64 0.090; FP8 rows 0.124 against 0.128, in pages of 64 0.146 against
+0.175; SDPA on the bf16 cache 0.171-0.173; RESULTS.md, sixty-fifth session). Here FP8 rows are dequantized in
+fp32 as their tiles load, and int4 rows never are: their codes go to fp16 MMAs as they unpack, against the queries
+in fp16 (each row scaled by a power of two) and the probabilities times V's scales, and a row's scale and shift
+apply to the products (scale · (q · codes) + shift · Σ q), exact where dequantized K/V had been rounded to 16 bits.
+(16-bit K/V in the Gluon kernels' scheme took 1.02-1.13x this kernel's time.)
 
 Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
 reasons say so, and the dispatcher goes on to the next backend.
