@@ -352,13 +352,6 @@ SPILLING = {
     # under 3.7) at head dim 64; 92-108 bytes at 256, 1.9x as fast as 64 x 64 tiles, which do not spill.
     ("attention", "attention_fwd_k64_bias"),
     ("attention", "attention_fwd_k256_bias"),
-    # The split-K Gluon kernel over paged FP8 rows, its rows read from the page table a tile ahead: at 255 registers
-    # (Triton 3.7) 88 bytes of spill loads in pages of a tile or more (two pages read a tile), 92 in pages of 8 (a
-    # key's page each), as measured (RESULTS.md, sixty-fourth and sixty-fifth sessions: 151.8 us against the Triton
-    # kernel's 175.0 on PERF.md's decode shape in pages of 64; 170.6 where int64 rows spilled 352 bytes, 172 where the
-    # two pages were carried ahead instead of the rows, with fewer spills but more of them inside the loop).
-    ("attention", "splitk_fp8_k128_paged"),
-    ("attention", "splitk_fp8_k128_paged8"),
     # int4 in pages of 64 at 32 keys a tile: 8 bytes of spill loads at 255 registers (Triton 3.7), 91.6 us against
     # 100.5 at 16 keys a tile, which does not spill (H100, PERF.md's decode shape; sixty-fifth session).
     ("attention", "splitk_int4_k128_paged"),

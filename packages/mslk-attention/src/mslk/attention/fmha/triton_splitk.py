@@ -17,12 +17,12 @@ group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) 
 bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). On NVIDIA GPUs, int4 rows of one scale
 group and FP8 rows at head dims 64 and 128 go to Gluon kernels (triton_splitk_int4, triton_splitk_fp8: one warp a
 program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.087 ms
-against this kernel's 0.334, in pages of 64 0.090; FP8 rows 0.124 against 0.128, in pages of 64 0.146 against
-0.175; SDPA on the bf16 cache 0.171-0.173; RESULTS.md, sixty-fifth session). Here FP8 rows are dequantized in
-fp32 as their tiles load, and int4 rows never are: their codes go to fp16 MMAs as they unpack, against the queries
-in fp16 (each row scaled by a power of two) and the probabilities times V's scales, and a row's scale and shift
-apply to the products (scale · (q · codes) + shift · Σ q), exact where dequantized K/V had been rounded to 16 bits.
-(16-bit K/V in the Gluon kernels' scheme took 1.02-1.13x this kernel's time.)
+against this kernel's 0.334, in pages of 64 0.090; FP8 rows 0.107 against 0.128, in pages of 64 0.117 against
+0.175; SDPA on the bf16 cache 0.171-0.173; RESULTS.md, sixty-fifth and sixty-sixth sessions). Here FP8 rows are
+dequantized in fp32 as their tiles load, and int4 rows never are: their codes go to fp16 MMAs as they unpack, against
+the queries in fp16 (each row scaled by a power of two) and the probabilities times V's scales, and a row's scale and
+shift apply to the products (scale · (q · codes) + shift · Σ q), exact where dequantized K/V had been rounded to 16
+bits. (16-bit K/V in the Gluon kernels' scheme took 1.02-1.13x this kernel's time.)
 
 Not taken: FP8 queries or products (quantize_*_to_fp8), a tensor bias, head dims past 256; the not-supported
 reasons say so, and the dispatcher goes on to the next backend.
@@ -378,8 +378,6 @@ def _splitk_forward(
     (BLOCK_N, num_warps, num_stages), 0 for the default."""
     q, k, v = (_bmghk(t) for t in (query, key, value))
     scales = [t if t is None or t.dim() == 4 else t.unsqueeze(2) for t in (key_scales, value_scales)]
-    if scales[0] is not None:  # FP8 rows: the kernel reads the values through views of their type
-        k, v = (t.view(arch.fp8_dtype(q.device)) for t in (k, v))
     batch, mq, groups, heads, dim = q.shape
     varlen = seqstart_q is not None
     sequences = seqstart_q.numel() - 1 if varlen else batch
@@ -396,6 +394,8 @@ def _splitk_forward(
     # (FP8: pools of fewer than 2^31 rows, whose row numbers the Gluon kernel takes in int32)
     gluon_fp8 = scales[0] is not None and k.shape[1] < 2**31 and triton_splitk_fp8.supports(q)
     gluon = gluon_int4 or gluon_fp8
+    if scales[0] is not None and not gluon_fp8:  # FP8 rows: the Triton kernel reads the values through fp8 views
+        k, v = (t.view(arch.fp8_dtype(q.device)) for t in (k, v))
     kv = [k, v, *(t for t in scales if t is not None)]
     cfg = _config(q, kv, max_q, config, gluon, gluon_int4 and block_tables is not None and page_size >= 32)
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])

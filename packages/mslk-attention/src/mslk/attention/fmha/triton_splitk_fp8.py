@@ -2,25 +2,28 @@
 (SM89 on), written in Gluon as triton_splitk_int4's kernel is: one warp a program, K/V loaded straight into
 registers of mma.sync's operand layout, the rows never dequantized, no shared memory and no barrier.
 
-H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 126.7 against the
-Triton kernel's 128.3 on a dense cache, 151.8 against 175.0 in pages of 64 (SDPA on the bf16 cache 171). The Triton
+H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 107.2 on a dense
+cache and 116.8 in pages of 64 against the Triton kernel's 128.3 and 175.0 (SDPA on the bf16 cache 171). The Triton
 kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
 
+K/V load as their int32 words of four e4m3 values (the cache's own type), and stay words until the MMAs: one
+`cvt.rn.f16x2.e4m3x2` turns half a word into an operand's fp16 pair. Loaded as FP8 elements, the next tile (carried
+across the loop) took a register a value and was unpacked and repacked byte by byte: 786 instructions a tile
+against 511 (1075 against 724 paged, with spills), 123.5 and 147.2 us (RESULTS.md, sixty-sixth session).
+
 - K^T, the B operand [D, BLOCK_N]: lane (n, c) (n = lane // 4, c = lane % 4) holds dims 2c + h + 8a + 16s of key n
-  + 8r. It loads 16 bytes at dim 64u + 16c of its keys, and consecutive values are the operand's fp16 pairs (one
-  cvt of two e4m3 values): the queries are loaded in that order (_key_dim), so q · K^T is unchanged.
+  + 8r. It loads 16 bytes at dim 64u + 16c of its keys, and consecutive values are the operand's fp16 pairs (a word's
+  halves): the queries are loaded in that order (_key_dim), so q · K^T is unchanged.
 - V, the B operand [BLOCK_N, D]: lane (g, c) holds keys 2c + h + 8r at dims g + 8m; a pair is two keys at one dim.
-  It loads D / 8 dims (one vector) from dim g · D / 8 of each of its keys: the output is stored in
-  triton_splitk_int4._value_dim's order.
+  It loads D / 8 dims (one vector) from dim g · D / 8 of each of its keys, and a PRMT puts a byte of two keys' words
+  side by side: the output is stored in triton_splitk_int4._value_dim's order.
 
 Values go to fp16 MMAs as they are (e4m3 is exact in fp16) against the queries in fp16 under a power of two a row,
 and a row's scale and shift apply to the products as in the int4 kernel: scale · (q · values) + shift · Σ q for the
 scores, p · scale under a power of two per row and p · shift for the output. Paged, each tile's rows are read from
-the page table a tile ahead, so that the tile's loads do not wait for them (192.6 us without), and carried as int32,
-V's serving as the scales' too: the same loop with int64 rows in three layouts spilled twice the bytes and took
-170.6 us (RESULTS.md, sixty-fourth session). In pages of a tile or more the rows come from the tile's two pages at
-most (triton_splitk_int4._tile_pages); carrying those pages ahead instead of the rows took 172 us (spills inside
-the loop; sixty-fifth session).
+the page table a tile ahead, so that the tile's loads do not wait for them (192.6 us without, sixty-fourth session),
+and carried as int32, V's serving as the scales' too. In pages of a tile or more the rows come from the tile's two
+pages at most (triton_splitk_int4._tile_pages).
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ from mslk.attention.fmha.triton_splitk_int4 import (
 )
 from mslk.core import arch
 
+# The fp16 pairs of the word $2's (given twice) low and high halves, two e4m3 values each (exact in fp16).
+_WORD_PAIRS_PTX = gl.constexpr(
+    "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}"
+)
+# The fp16 pairs of byte b of two keys' words ($4 and $6, each given twice; the first key in the low half), b in $b:
+# PRMTs put bytes 0 and 1, and 2 and 3, of both in one register each.
+_KEY_PAIRS_PTX = gl.constexpr(
+    "{\n.reg .b32 x, y;\n.reg .b16 x0, x1, y0, y1;\nprmt.b32 x, $4, $6, 0x5140;\nprmt.b32 y, $4, $6, 0x7362;\n"
+    "mov.b32 {x0, x1}, x;\nmov.b32 {y0, y1}, y;\ncvt.rn.f16x2.e4m3x2 $0, x0;\ncvt.rn.f16x2.e4m3x2 $1, x1;\n"
+    "cvt.rn.f16x2.e4m3x2 $2, y0;\ncvt.rn.f16x2.e4m3x2 $3, y1;\n}"
+)
+
 
 @triton.jit
 def _key_dim(t):
@@ -53,16 +68,50 @@ def _key_dim(t):
 
 
 def value_layout(block_n: int, dim: int) -> gl.DistributedLinearLayout:
-    """V's load layout [BLOCK_N, D]: lane (g, c) dims g · D / 8 + m (a vector) of keys 2c + h + 8r."""
-    dims = [[0, 1 << i] for i in range((dim // 8).bit_length() - 1)]
+    """V's load layout of words [BLOCK_N, D / 4]: lane (g, c) words g · D / 32 + m (a vector) of keys 2c + h + 8r."""
+    words = [[0, 1 << i] for i in range((dim // 32).bit_length() - 1)]
     keys = [[1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
     return gl.DistributedLinearLayout(
-        reg_bases=dims + keys,
-        lane_bases=[[2, 0], [4, 0], [0, dim // 8], [0, dim // 4], [0, dim // 2]],
+        reg_bases=words + keys,
+        lane_bases=[[2, 0], [4, 0], [0, dim // 32], [0, dim // 16], [0, dim // 8]],
         warp_bases=[],
         block_bases=[],
-        shape=[block_n, dim],
+        shape=[block_n, dim // 4],
     )
+
+
+@gluon.jit
+def _key_values(words, b_layout: gl.constexpr):
+    """K^T [D, BLOCK_N], the fp16 B operand of the values, from words [BLOCK_N, D / 4] (lane c holding words 16u + 4c
+    + b of its keys)."""
+    BN: gl.constexpr = words.shape[0]
+    D: gl.constexpr = words.shape[1] * 4
+    w = words.reshape([BN, D // 64, 4, 4])  # [key, u, c, b]
+    n = gl.inline_asm_elementwise(_WORD_PAIRS_PTX, "=r,=r,r,r", [gl.join(w, w)], dtype=[gl.float16] * 2,
+                                  is_pure=True, pack=2)  # fmt: skip
+    values = gl.join(n[0], n[1])  # [key, u, c, b, h, a]: value 4b + 2a + h of lane c's 16 bytes
+    values = values.permute((0, 1, 3, 5, 2, 4)).reshape([BN, D])  # to the operand's [u, b, a, c, h]
+    return gl.convert_layout(values.permute((1, 0)), b_layout)
+
+
+@gluon.jit
+def _value_values(words, b_layout: gl.constexpr):
+    """V [BLOCK_N, D], the fp16 B operand of the values (dims in _value_dim's order), from words [BLOCK_N, D / 4]
+    (value_layout)."""
+    BN: gl.constexpr = words.shape[0]
+    D: gl.constexpr = words.shape[1] * 4
+    # registers reordered (same lanes: no shuffle) with a key pair's words side by side, as the split and the inline
+    # assembly's element pairs below need (in value_layout's order half the words went unread: offline PTX)
+    words = gl.convert_layout(words, gl.BlockedLayout([2, D // 32], [4, 8], [1, 1], [0, 1]))
+    first, second = gl.split(words.reshape([BN // 2, 2, D // 4]).permute((0, 2, 1)))  # keys 2k and 2k + 1
+    n = gl.inline_asm_elementwise(_KEY_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [gl.join(first, first),
+                                  gl.join(second, second)], dtype=[gl.float16] * 4, is_pure=True,
+                                  pack=2)  # fmt: skip
+    values = gl.join(gl.join(n[0], n[1]), gl.join(n[2], n[3]))  # [k, word, h, b0, b1]: byte b0 + 2 b1 of key 2k + h
+    values = values.permute((0, 2, 1, 4, 3)).reshape([BN, D])  # [key, dim]
+    # D / 8 dims of a key from dim g · D / 8 = [key, g, m] to the operand's dim g + 8m
+    values = values.reshape([BN, 8, D // 8]).permute((0, 2, 1)).reshape([BN, D])
+    return gl.convert_layout(values, b_layout)
 
 
 @gluon.jit
@@ -101,15 +150,15 @@ def _tile_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_t
 def _load_tile(rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm, stride_vd, stride_ksm,
                stride_vsm, D: gl.constexpr, key_layout: gl.constexpr, k_layout: gl.constexpr,
                V_LAYOUT: gl.constexpr):  # fmt: skip
-    """The keys' (rows: _tile_rows) K and V scales [BLOCK_N] (key_layout) and FP8 values [BLOCK_N, D] (k_layout,
-    V_LAYOUT)."""
+    """The keys' (rows: _tile_rows) K and V scales [BLOCK_N] (key_layout) and words of four FP8 values [BLOCK_N, D / 4]
+    (k_layout, V_LAYOUT)."""
     k_rows, v_rows = rows
     scale_rows = gl.convert_layout(v_rows, key_layout).to(gl.int64)  # (a lane holds the same keys in both)
     k_heads, v_heads = gl.load(k_scales + scale_rows * stride_ksm), gl.load(v_scales + scale_rows * stride_vsm)
-    k_dims = gl.arange(0, D, layout=gl.SliceLayout(0, k_layout))
-    k = gl.load(k_base + (k_rows.to(gl.int64) * stride_km)[:, None] + k_dims[None, :] * stride_kd)
-    v_dims = gl.arange(0, D, layout=gl.SliceLayout(0, V_LAYOUT))
-    v = gl.load(v_base + (v_rows.to(gl.int64) * stride_vm)[:, None] + v_dims[None, :] * stride_vd)
+    k_words = gl.arange(0, D // 4, layout=gl.SliceLayout(0, k_layout))
+    k = gl.load(k_base + (k_rows.to(gl.int64) * stride_km)[:, None] + k_words[None, :] * stride_kd)
+    v_words = gl.arange(0, D // 4, layout=gl.SliceLayout(0, V_LAYOUT))
+    v = gl.load(v_base + (v_rows.to(gl.int64) * stride_vm)[:, None] + v_words[None, :] * stride_vd)
     return k_heads, v_heads, k, v
 
 
@@ -143,7 +192,7 @@ def fp8_kernel(
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
     key_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    k_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])  # lane (n, c): 16 bytes of key n
+    k_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])  # lane (n, c): 16 bytes of key n
 
     b, g, first_head, first_query, q_start, q_len, k_start, k_len, batch, shift, start, end = _part(
         groups, heads, row_blocks, seqstart_q_ptr, seqstart_k_ptr, seqlen_k_ptr, Mq, Mk, splits, window_left,
@@ -187,19 +236,14 @@ def fp8_kernel(
             tile = _load_tile(tile_rows, k_base, v_base, k_scales, v_scales, stride_km, stride_kd, stride_vm,
                               stride_vd, stride_ksm, stride_vsm, D, key_layout, k_layout, V_LAYOUT)  # fmt: skip
             keys = first_key + gl.arange(0, BLOCK_N, layout=key_layout)
-            # K^T: the values of key n + 8r at dims 64u + 16c, [key, u, c, b, a, h], to the operand's [u, b, a, c, h]
-            k_values = k.to(gl.float16).reshape([BLOCK_N, D // 64, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5))
-            k_operand = gl.convert_layout(k_values.reshape([BLOCK_N, D]).permute((1, 0)), b_layout)
             k_scale, k_shift = _scale_shift(k_heads)
-            s = mma_v2(q16, k_operand, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
+            s = mma_v2(q16, _key_values(k, b_layout), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma))
             s = s * q_unit[:, None] * k_scale[None, :] + q_sum[:, None] * k_shift[None, :]
             s = _masked(s, first_key, whole, query, keys, q_len, k_len, shift, window_left, window_right, end)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
             v_scale, v_shift = _scale_shift(v_heads)
             w16, e = _fp16_weights(p, v_scale, a_layout, True)
-            # V: D / 8 dims of a key from dim g · D / 8 = [key, g, m] to the operand's dim g + 8m
-            v_values = v.to(gl.float16).reshape([BLOCK_N, 8, D // 8]).permute((0, 2, 1)).reshape([BLOCK_N, D])
-            part = mma_v2(w16, gl.convert_layout(v_values, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
+            part = mma_v2(w16, _value_values(v, b_layout), gl.zeros([BLOCK_M, D], gl.float32, mma))
             acc = acc * alpha[:, None] + part * _pow2(e)[:, None]
             shifts = shifts * alpha + gl.sum(p * v_shift[None, :], 1)
 
