@@ -314,6 +314,18 @@ def _paging(attn_bias) -> tuple[object, torch.Tensor | None, int, int]:
     return attn_bias, None, 0, 1
 
 
+def _wide_tiles(int4: bool, dim: int, paged: bool, page_size: int) -> bool:
+    """Whether the Gluon kernels take 32 keys a tile, where measured faster than 16 (H100, PERF.md's decode shape,
+    RESULTS.md, sixty-fifth and sixty-sixth sessions): int4 in pages of 32 keys or more, whose two pages a tile
+    (triton_splitk_int4._tile_pages) then serve twice the keys (91.6 us against 100.5 in pages of 64), and dense at
+    head dim 64 (56.7 against 68.4; 89.5 against 86.9 at 128, and in pages of 16 80.2 against 77.0); FP8 rows at head
+    dim 64 (dense 72.4 against 77.7, pages of 16 / 64 77.8 / 70.7 against 83.7 / 83.3) and dense at 128 (110.2
+    against 110.7), not in pages at 128 (spills: 141.7 against 117.1)."""
+    if int4:
+        return page_size >= 32 if paged else dim == 64
+    return dim == 64 or not paged
+
+
 def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int], gluon: bool, wide: bool) -> dict:
     """Rows of a program: the query heads that share a KV head (kv: K, V and the FP8 rows' scales, all expanded over
     the heads with stride 0; up to 64), times as many queries as fit in 64 rows (at least 16 rows: the products'
@@ -321,10 +333,7 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
     ones, which pass through registers (H100 sweeps at head dim 128: 64 keys a block and 4 warps took 1.02-1.03x
     the time on paged bf16 caches, 1.37x on FP8); fixed: (BLOCK_N, num_warps, num_stages) of an op's fixed
     configuration (FwOp.get_operator), 0 for these. gluon (triton_splitk_int4's and triton_splitk_fp8's kernels):
-    16 rows and one warp a program, 16 keys a block, 32 when `wide`: int4 in pages of 32 keys or more, whose two
-    pages a tile (triton_splitk_int4._tile_pages) then serve twice the keys (H100, 16 x 8192 int4 keys in pages of
-    64: 91.6 us against 100.5; the dense cache 89.5 against 86.9; FP8 rows at 32 spill; RESULTS.md, sixty-fifth
-    session)."""
+    16 rows and one warp a program, 16 keys a block, 32 when `wide` (_wide_tiles)."""
     block_n, warps, stages = fixed
     heads = q.shape[3]
     rows = 16 if gluon else _MAX_ROWS  # (gluon: mma.sync's M)
@@ -397,7 +406,7 @@ def _splitk_forward(
     if scales[0] is not None and not gluon_fp8:  # FP8 rows: the Triton kernel reads the values through fp8 views
         k, v = (t.view(arch.fp8_dtype(q.device)) for t in (k, v))
     kv = [k, v, *(t for t in scales if t is not None)]
-    cfg = _config(q, kv, max_q, config, gluon, gluon_int4 and block_tables is not None and page_size >= 32)
+    cfg = _config(q, kv, max_q, config, gluon, _wide_tiles(gluon_int4, dim, block_tables is not None, page_size))
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
     if not split_k:
         sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
