@@ -2,9 +2,11 @@
 (SM89 on), written in Gluon as triton_splitk_int4's kernel is: one warp a program, K/V loaded straight into
 registers of mma.sync's operand layout, the rows never dequantized, no shared memory and no barrier.
 
-H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 107.2 on a dense
-cache and 116.8 in pages of 64 against the Triton kernel's 128.3 and 175.0 (SDPA on the bf16 cache 171). The Triton
-kernel dequantizes each tile in fp32 and moves it through shared memory behind CTA barriers.
+H100, PERF.md's decode shape (16 x 8192 keys, 32 query heads over 8 KV heads, head dim 128), us: 105.5 on a dense
+cache and 115.9 in pages of 64 against the Triton kernel's 128.3 and 175.0 (SDPA on the bf16 cache 171-173; `mslk
+bench --op attention_decode`). The Triton kernel dequantizes each tile in fp32 and moves it through shared memory
+behind CTA barriers. The dense kernel reads at 83% of the DRAM's peak (ncu): what is left is the rows' access
+pattern (RESULTS.md, sixty-sixth session).
 
 K/V load as their int32 words of four e4m3 values (the cache's own type), and stay words until the MMAs: one
 `cvt.rn.f16x2.e4m3x2` turns half a word into an operand's fp16 pair. Loaded as FP8 elements, the next tile (carried
