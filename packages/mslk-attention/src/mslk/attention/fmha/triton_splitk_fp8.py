@@ -30,6 +30,8 @@ pages at most (triton_splitk_int4._tile_pages).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -41,7 +43,7 @@ from mslk.attention.fmha.triton_splitk_int4 import (
     HEAD_DIMS,
     _fp16_queries,
     _fp16_weights,
-    _paged_rows,
+    _rows,
     _softmax_step,
     _store_rows,
     _tile_pages,
@@ -69,8 +71,10 @@ def _key_dim(t):
     return 64 * u + 16 * c + 4 * b + 2 * a + h
 
 
+@functools.cache
 def value_layout(block_n: int, dim: int) -> gl.DistributedLinearLayout:
-    """V's load layout of words [BLOCK_N, D / 4]: lane (g, c) words g · D / 32 + m (a vector) of keys 2c + h + 8r."""
+    """V's load layout of words [BLOCK_N, D / 4]: lane (g, c) words g · D / 32 + m (a vector) of keys 2c + h + 8r
+    (kept: building one took 15 us of a launch's host time)."""
     words = [[0, 1 << i] for i in range((dim // 32).bit_length() - 1)]
     keys = [[1, 0]] + [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]
     return gl.DistributedLinearLayout(
@@ -123,13 +127,7 @@ def _key_rows(first_key, end, k_start, b, lane, page_size, tables_ptr, stride_tb
     `layout`; paged in big pages, from `pages` (the tile's _tile_pages). Keys from `end` on take the row of key
     end - 1 (the part's last): no load is masked, and the scores mask those keys."""
     keys = gl.minimum(first_key + gl.arange(0, BLOCK_N, layout=layout), end - 1)
-    if PAGED:
-        if BIG_PAGES:
-            return _paged_rows(keys, pages, page_size)
-        place = k_start - b * lane + keys
-        page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
-        return page * page_size + place % page_size
-    return k_start + keys
+    return _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED, BIG_PAGES, gl.int32)
 
 
 @gluon.jit

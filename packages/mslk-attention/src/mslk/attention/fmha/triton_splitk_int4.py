@@ -77,16 +77,16 @@ def _value_dim(t, D: tl.constexpr):
 
 @gluon.jit
 def _rows(keys, k_start, b, lane, page_size, tables_ptr, stride_tb, stride_tp, pages, PAGED: gl.constexpr,
-          BIG_PAGES: gl.constexpr):  # fmt: skip
-    """The cache rows (int64) of keys of sequence b: through its page table when PAGED, from their tile's `pages`
-    (_tile_pages) when BIG_PAGES."""
+          BIG_PAGES: gl.constexpr, ROWS: gl.constexpr = gl.int64):  # fmt: skip
+    """The cache rows (of type ROWS) of keys of sequence b: through its page table when PAGED, from their tile's
+    `pages` (_tile_pages, rows of type ROWS) when BIG_PAGES."""
     if PAGED:
         if BIG_PAGES:
             return _paged_rows(keys, pages, page_size)
         place = k_start - b * lane + keys
         page = gl.load(tables_ptr + b.to(gl.int64) * stride_tb + (place // page_size) * stride_tp)
-        return page.to(gl.int64) * page_size + place % page_size
-    return (k_start + keys).to(gl.int64)
+        return page.to(ROWS) * page_size + place % page_size
+    return (k_start + keys).to(ROWS)
 
 
 @gluon.jit
