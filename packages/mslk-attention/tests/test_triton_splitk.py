@@ -4,6 +4,8 @@ and BMGHK, key splits forced from 1 to more than the keys, queries past one prog
 dtype, sequences without keys, the LSE; K/V int4-packed and in FP8 rows (kv_cache's formats). T1 on the CPU
 (interpreter, small shapes), T2 on the GPU (marked gpu)."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from mslk.attention.fmha import (
 )
 from mslk.attention.fmha.common import _BIAS_BY_ID
 from mslk.attention.fmha.reference import attention_reference
-from mslk.core import testing
+from mslk.core import launch, testing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SUPPORTED_IDS = ["None", *[f"B{i}" for i in range(11, 20)], "B21", "B22"]
@@ -469,6 +471,44 @@ def test_gpu_triton_kernel_where_gluon_declines(fmt, monkeypatch):
         monkeypatch.setattr(module, "supports", lambda q: False)
     inputs = _inputs("B16", (16, 1, 1000, 1, 8, 128), torch.float16, True, page_size=64)
     _quantized_check(fmt, *inputs, lse_atol=1e-3 if fmt == "int4" else 5e-3)
+
+
+def _driver_programs_per_sm(compiled) -> int:
+    """The CUDA driver's own count of a compiled kernel's blocks an SM runs at once."""
+    blocks = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(compiled.function), compiled.metadata.num_warps * 32,
+        ctypes.c_size_t(compiled.metadata.shared),
+    )  # fmt: skip
+    assert status == 0
+    return blocks.value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.version.hip is not None, reason="CUDA's occupancy")
+@pytest.mark.parametrize("fmt", ["bf16", *GLUON_FORMATS])
+def test_gpu_parts_follow_the_compiled_kernels_programs_per_sm(fmt, monkeypatch):
+    """The part count fills the SMs with as many programs as the compiled kernel lets run at once: that count
+    (launch.programs_per_sm, from its registers and shared memory) is the driver's own for each kernel variant
+    (dense, paged, a varlen mask; head dims 64 and 128), and the outputs hold."""
+    counted = []
+
+    def programs_per_sm(compiled, device, count=launch.programs_per_sm):
+        counted.append((compiled, count(compiled, device)))
+        return counted[-1][1]
+
+    monkeypatch.setattr(launch, "programs_per_sm", programs_per_sm)
+    monkeypatch.setattr(triton_splitk, "_PROGRAMS_PER_SM", {})  # each variant compiled and counted here
+    cases = [(bias_id, dim) for bias_id in ("None", "B12", "B16") for dim in (64, 128)]
+    for bias_id, dim in cases:
+        inputs = _inputs(bias_id, (16, 1, 2000, 1, 8, dim), torch.bfloat16, True, page_size=64)
+        if fmt == "bf16":
+            _check(*inputs, torch.bfloat16)
+        else:
+            _quantized_check(fmt, *inputs)
+    assert len(counted) == len(cases)
+    for compiled, programs in counted:
+        assert programs == _driver_programs_per_sm(compiled), (compiled.name, compiled.n_regs, programs)
 
 
 @pytest.mark.gpu

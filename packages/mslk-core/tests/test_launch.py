@@ -1,7 +1,9 @@
 """mslk.core.launch: host-side launch arithmetic against Triton's own helpers, and the Launcher's kept kernels."""
 
+import dataclasses
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mslk.core import launch
+from mslk.core import arch, launch
 
 
 @given(a=st.integers(0, 2**40), b=st.integers(1, 2**20))
@@ -32,6 +34,33 @@ def test_fewest_waves(programs, work, splits):
     """On 132 slots: B=32 MLA decode steps' 64 programs split in 2 (128 parts, one wave), not 3 (192: 1.45 waves);
     parts keep at least 256 rows (1 x 300: one part) and at most one a slot (2 x 32768: 66 each)."""
     assert launch.fewest_waves(programs, work, 132) == splits
+
+
+H100 = arch.DeviceInfo(0, "nvidia", "NVIDIA H100 80GB HBM3", (9, 0), 132, None, 232448, 65536, 233472, 2048)
+
+
+@pytest.mark.parametrize(
+    ("registers", "warps", "shared", "device", "programs"),
+    [
+        (168, 1, 2048, H100, 12),  # the int4 split-K kernel: 3 warps in each sub-partition's 16384 registers
+        (142, 1, 2048, H100, 12),  # 4608 registers a warp: still 3 a sub-partition (not 65536 // 4608 = 14)
+        (255, 1, 2048, H100, 8),
+        (128, 1, 0, H100, 16),
+        (76, 8, 73728, H100, 3),  # registers (6 warps a sub-partition) and shared memory (3 blocks) alike
+        (32, 4, 100_000, H100, 2),  # shared memory: 101,120 bytes a block with the driver's
+        (16, 1, 0, H100, 32),  # the SM's block slots
+        (16, 4, 0, H100, 16),  # its 2048 threads
+        (16, 1, 0, dataclasses.replace(H100, capability=(8, 6), threads_per_sm=1536), 16),  # an RTX 3090's slots
+        (0, 1, 0, H100, None),  # no registers reported (a stand-in driver)
+        (168, 1, 2048, dataclasses.replace(H100, vendor="amd"), None),
+        (168, 1, 2048, dataclasses.replace(H100, registers_per_sm=None), None),
+    ],
+)
+def test_programs_per_sm(registers, warps, shared, device, programs, monkeypatch):
+    """CUDA's occupancy rule (cuda_occupancy.h), worked by hand; the GPU tests hold it to the driver's count."""
+    monkeypatch.setattr(arch, "device_info", lambda index: device)
+    kernel = SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(num_warps=warps, shared=shared))
+    assert launch.programs_per_sm(kernel, torch.device("cuda", 0)) == programs
 
 
 # -- Launcher: Triton's compiled kernels kept by the arguments' specialization ------------------------------------
@@ -112,14 +141,14 @@ def _kernel_source(x_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr = Tr
 @pytest.fixture
 def fake_launch(monkeypatch):
     """A real (not interpreted) JITFunction whose Triton launches are recorded, and the runtime launch.Launcher
-    sees: (kernel, Triton's launches, the compiled kernel, the runtime)."""
+    sees: (kernel, Triton's launches and warmups (grid, args, kwargs, warmup?), the compiled kernel, the runtime)."""
     from triton.runtime.jit import JITFunction
 
     kernel = JITFunction(_kernel_source)
     compiled, slow = _FakeCompiled(), []
 
     def triton_run(*args, grid, warmup, **kwargs):
-        slow.append((grid, args, kwargs))
+        slow.append((grid, args, kwargs, warmup))
         return compiled
 
     kernel.run = triton_run
@@ -193,6 +222,19 @@ def test_launcher_goes_through_triton_when_a_property_differs(fake_launch, chang
     assert len(slow) == 2 and len(compiled.calls) == 1
 
 
+def test_compiled_loads_the_kernel_without_launching_it(fake_launch):
+    """launch.compiled: Triton's compile of those arguments (its warmup: no launch), loaded on the GPU, which
+    reports its registers; None for kernels Triton does not compile (the interpreter's)."""
+    kernel, slow, compiled, _ = fake_launch
+    compiled._init_handles = lambda: setattr(compiled, "n_regs", 40)
+    x = torch.empty(64)
+    assert launch.compiled(kernel, x, 32, 0.5, BLOCK=128) is compiled and compiled.n_regs == 40
+    assert slow == [((1,), (x, 32, 0.5), {"BLOCK": 128}, True)] and not compiled.calls
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert launch.compiled(InterpretedFunction(_kernel_source), x, 32, 0.5, BLOCK=128) is None
+
+
 @pytest.mark.parametrize("case", ["launch_hook", "grid_function", "unhashable", "interpreted", "too_many_arguments"])
 def test_launcher_leaves_to_triton(fake_launch, case):
     """Launch hooks (a profiler), grids given as functions, arguments it cannot key, more arguments than the kernel
@@ -243,7 +285,7 @@ def test_launcher_runs_fewer_stages_where_shared_memory_is_short(fake_launch, ho
     with caplog.at_level("INFO", logger="mslk.launch"):
         for _ in range(2):
             assert launcher[(1,)](torch.empty(64), 32, 0.5, BLOCK=128, num_stages=4) is compiled
-    stages = [kwargs["num_stages"] for _, _, kwargs in slow]
+    stages = [kwargs["num_stages"] for _, _, kwargs, _ in slow]
     assert stages == ([4, 3, 2] * 2 if hooks else [4, 3, 2])
     assert len(compiled.calls) == (0 if hooks else 1)
     assert "4 pipeline stages take 196608 bytes of shared memory, this GPU has 101376 a block: trying 3" in caplog.text

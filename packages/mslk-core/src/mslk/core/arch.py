@@ -32,6 +32,10 @@ class DeviceInfo:
     sm_count: int
     gfx_arch: str | None  # ROCm only, e.g. "gfx942" (without the ":sramecc+:xnack-" feature suffix)
     shared_memory: int | None = None  # bytes of shared memory a block may use (opted in); None: not reported
+    # What one SM holds of the blocks running on it (launch.programs_per_sm); None: not reported
+    registers_per_sm: int | None = None
+    shared_memory_per_sm: int | None = None
+    threads_per_sm: int | None = None
 
     @classmethod
     def from_properties(cls, props: Any, *, index: int, hip: bool) -> DeviceInfo:
@@ -47,6 +51,9 @@ class DeviceInfo:
             # ROCm builds of torch lack the opt-in figure; their per-block one is the LDS a block may use
             shared_memory=getattr(props, "shared_memory_per_block_optin", None)
             or getattr(props, "shared_memory_per_block", None),
+            registers_per_sm=getattr(props, "regs_per_multiprocessor", None),
+            shared_memory_per_sm=getattr(props, "shared_memory_per_multiprocessor", None),
+            threads_per_sm=getattr(props, "max_threads_per_multi_processor", None),
         )
 
     def fp8_dtype(self) -> torch.dtype:

@@ -40,6 +40,53 @@ def fewest_waves(programs: int, work: int, slots: int, least: int = 256) -> int:
     return min(range(1, max(1, min(work // least, slots)) + 1), key=time)
 
 
+def compiled(kernel, *args, **kwargs):
+    """The compiled kernel that `kernel[grid](*args, **kwargs)` runs, compiled now if it is new and loaded on the
+    current GPU (not launched), for what it takes of an SM (programs_per_sm); None where Triton does not compile
+    it (the interpreter, autotuners) or the GPU cannot run it as it is (too much shared memory: the launch says
+    why, or runs fewer stages)."""
+    from triton.runtime.errors import OutOfResources
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):
+        return None
+    kept = kernel.warmup(*args, grid=(1,), **kwargs)
+    try:
+        kept._init_handles()  # loading reports the registers (n_regs); Triton's own tutorials read them so
+    except OutOfResources:
+        return None
+    return kept
+
+
+_REGISTER_UNIT = 256  # registers go to a warp in units of 256 (compute capability 3.0 to 12.x)
+_SUB_PARTITIONS = 4  # an SM's register file is split among its 4 sub-partitions, each holding whole warps
+_SHARED_RESERVED = 1024  # bytes of shared memory the driver adds to each block (compute capability 8.0 on)
+_SHARED_UNIT = 128  # bytes: shared memory goes to a block in these units
+# Blocks an SM holds at most, where not 32 (cuda_occupancy.h)
+_BLOCKS_PER_SM = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24, (10, 1): 24, (11, 0): 24, (12, 0): 24, (12, 1): 24}
+
+
+def programs_per_sm(kernel, device: torch.device) -> int | None:
+    """How many programs of a compiled kernel (`compiled`) one SM of `device` runs at once, by CUDA's occupancy rule
+    (cuda_occupancy.h): each of the SM's sub-partitions holds the warps whose registers fit its quarter of the
+    register file, and the SM the blocks its shared memory, threads and block slots hold. None where that is not
+    known: no compiled kernel, ROCm (another register file), a driver or stand-in that reports no registers."""
+    from mslk.core import arch
+
+    registers = getattr(kernel, "n_regs", 0)
+    info = arch.device_info(device)
+    per_sm = (info.registers_per_sm, info.shared_memory_per_sm, info.threads_per_sm)
+    if not registers or info.vendor != "nvidia" or None in per_sm:
+        return None
+    warps = kernel.metadata.num_warps
+    per_warp = cdiv(registers * 32, _REGISTER_UNIT) * _REGISTER_UNIT
+    by_registers = info.registers_per_sm // _SUB_PARTITIONS // per_warp * _SUB_PARTITIONS // warps
+    shared = cdiv(kernel.metadata.shared + _SHARED_RESERVED, _SHARED_UNIT) * _SHARED_UNIT
+    by_shared = info.shared_memory_per_sm // shared
+    by_threads = info.threads_per_sm // (warps * 32)
+    return min(by_registers, by_shared, by_threads, _BLOCKS_PER_SM.get(info.capability, 32))
+
+
 def no_products(out: torch.Tensor, k: int) -> bool:
     """Whether a GEMM into out over a reduction of length k needs no kernel: out is empty, or k == 0 (out is
     zeroed here, as the empty sum)."""

@@ -320,42 +320,53 @@ def _weight(lse_chunk, lse):
 def _merge_kernel(
     attn, attn_strides, attn_chunk_strides, lse, lse_strides, lse_chunk_strides, chunks_per_tensor,
     out, out_strides, lse_out, lse_out_strides, n_rows, M, G, H, Kq,
-    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Out and LSE of BLOCK_R rows. attn[t] / lse[t]: chunks_per_tensor chunks each, attn_chunk_strides[t] /
-    lse_chunk_strides[t] apart, with strides attn_strides[t] (b, m, g, h, k) and lse_strides[t] (b, g, h, m)."""
+    """Out and LSE of BLOCK_R rows, BLOCK_C chunks at a time. attn[t] / lse[t]: chunks_per_tensor chunks each,
+    attn_chunk_strides[t] / lse_chunk_strides[t] apart, with strides attn_strides[t] (b, m, g, h, k) and
+    lse_strides[t] (b, g, h, m)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_ok = rows < n_rows
     b, m, g, h = _row_coordinates(rows, M, G, H)
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     tile_ok = row_ok[:, None] & (cols < Kq)[None, :]  # [BLOCK_R, BLOCK_K]
+    chunks = tl.arange(0, BLOCK_C).to(tl.int64)  # [BLOCK_C] (64-bit: chunk · stride may pass int32)
 
-    # Pass 1, over the LSEs alone: their max, which shifts the exponentials of pass 2 out of overflow.
-    lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    # Pass 1, over the LSEs alone: their max, which shifts the exponentials of pass 2 out of overflow. Sums and
+    # maxima run over a chunk block's positions apart, reduced after the loop (no reduction in it, no shuffles).
+    lse_max = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
     for t in tl.static_range(len(lse)):
-        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)
-        for _ in range(chunks_per_tensor):
-            lse_max = tl.maximum(lse_max, tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32))
-            lse_ptrs += lse_chunk_strides[t]  # pointer steps stay 64-bit where i · stride would overflow int32
+        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)[:, None] + chunks[None, :] * lse_chunk_strides[t]
+        for first in range(0, chunks_per_tensor, BLOCK_C):
+            lse_ok = row_ok[:, None] & (first + chunks < chunks_per_tensor)[None, :]  # [BLOCK_R, BLOCK_C]
+            lse_max = tl.maximum(lse_max, tl.load(lse_ptrs, mask=lse_ok, other=float("-inf")).to(tl.float32))
+            lse_ptrs += lse_chunk_strides[t] * BLOCK_C
+    row_max = tl.max(lse_max, 1)  # [BLOCK_R]
 
     # Pass 2: Σ_i exp(LSE_i − max) and Σ_i exp(LSE_i − max) · Out_i.
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+    weights = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    sums = tl.zeros([BLOCK_R, BLOCK_C, BLOCK_K], tl.float32)
     for t in tl.static_range(len(attn)):
-        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)
-        attn_ptrs = attn[t] + _tile_offsets(attn_strides[t], b, m, g, h, cols)
-        for _ in range(chunks_per_tensor):
-            w = _weight(tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32), lse_max)
-            total += w
-            acc += w[:, None] * tl.load(attn_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
-            lse_ptrs += lse_chunk_strides[t]
-            attn_ptrs += attn_chunk_strides[t]
+        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)[:, None] + chunks[None, :] * lse_chunk_strides[t]
+        attn_ptrs = attn[t] + _tile_offsets(attn_strides[t], b, m, g, h, cols)[:, None, :]
+        attn_ptrs += (chunks * attn_chunk_strides[t])[None, :, None]  # [BLOCK_R, BLOCK_C, BLOCK_K]
+        for first in range(0, chunks_per_tensor, BLOCK_C):
+            chunk_ok = (first + chunks < chunks_per_tensor)[None, :]  # [1, BLOCK_C]
+            lse_tile = tl.load(lse_ptrs, mask=row_ok[:, None] & chunk_ok, other=float("-inf")).to(tl.float32)
+            w = _weight(lse_tile, row_max[:, None])  # [BLOCK_R, BLOCK_C]
+            weights += w
+            values = tl.load(attn_ptrs, mask=tile_ok[:, None, :] & chunk_ok[:, :, None], other=0.0).to(tl.float32)
+            sums += w[:, :, None] * values
+            lse_ptrs += lse_chunk_strides[t] * BLOCK_C
+            attn_ptrs += attn_chunk_strides[t] * BLOCK_C
+    total = tl.sum(weights, 1)  # [BLOCK_R]
+    acc = tl.sum(sums, 1)  # [BLOCK_R, BLOCK_K]
 
     merged = tl.where(total[:, None] == 0.0, 0.0, acc / total[:, None])  # a NaN total stays NaN
     tl.store(out + _tile_offsets(out_strides, b, m, g, h, cols), merged.to(out.dtype.element_ty), mask=tile_ok)
     if WRITE_LSE:
         lse_ptrs = lse_out + _lse_offsets(lse_out_strides, b, m, g, h)
-        tl.store(lse_ptrs, (lse_max + tl.log(total)).to(lse_out.dtype.element_ty), mask=row_ok)
+        tl.store(lse_ptrs, (row_max + tl.log(total)).to(lse_out.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -387,11 +398,19 @@ def _merge_backward_kernel(
                  mask=row_ok)  # fmt: skip
 
 
-def _launch_config(n_rows: int, kq: int) -> tuple[tuple[int], dict]:
-    """Grid and tile: a row's whole head dim per tile, rows stacked up to ~2048 elements (16 per thread)."""
+def _launch_config(n_rows: int, kq: int, chunk_block: int = 1) -> tuple[tuple[int], dict]:
+    """Grid and tile: a row's whole head dim per tile, rows stacked up to ~2048 elements (16 per thread), with
+    chunk_block chunks of each row in a tile."""
     block_k = launch.next_power_of_2(kq)
-    block_r = max(1, min(64, 2048 // block_k))
+    block_r = max(1, min(64, 2048 // (block_k * chunk_block)))
     return (launch.cdiv(n_rows, block_r),), {"BLOCK_R": block_r, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _chunk_block(chunks: int, kq: int) -> int:
+    """Chunks a tile of the merge kernel, loaded at once: up to ~4096 elements (32 per thread). One at a time, each
+    load waited for the last: 0.48 us a chunk, 65 us of a 64K-key decode's 121 in 132 parts (H100, RESULTS.md,
+    sixty-seventh session)."""
+    return min(launch.next_power_of_2(chunks), max(1, 4096 // launch.next_power_of_2(kq)))
 
 
 def _triton_supports(kq: int) -> list[str]:
@@ -406,12 +425,13 @@ def _run_merge(attn: tuple, lse: tuple, chunks_per_tensor: int, outputs: list[to
     n_rows = B * M * G * H
     if n_rows:
         lse_out = outputs[1] if len(outputs) > 1 else None
-        grid, config = _launch_config(n_rows, Kq)
+        chunk_block = _chunk_block(chunks_per_tensor, Kq)
+        grid, config = _launch_config(n_rows, Kq, chunk_block)
         launch.fast(_merge_kernel)[grid](
             attn, tuple(t.stride()[-5:] for t in attn), tuple(t.stride(0) if t.dim() == 6 else 0 for t in attn),
             lse, tuple(t.stride()[-4:] for t in lse), tuple(t.stride(0) if t.dim() == 5 else 0 for t in lse),
             chunks_per_tensor, out, out.stride(), lse_out, (0,) * 4 if lse_out is None else lse_out.stride(),
-            n_rows, M, G, H, Kq, WRITE_LSE=lse_out is not None, **config,
+            n_rows, M, G, H, Kq, WRITE_LSE=lse_out is not None, BLOCK_C=chunk_block, **config,
         )  # fmt: skip
     return outputs
 

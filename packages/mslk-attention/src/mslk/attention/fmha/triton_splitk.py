@@ -6,11 +6,12 @@ the heads (MQA / GQA, stride 0) the query heads of a KV head share each K and V 
 once a KV head, not once a query head. It walks its part of the keys the queries' mask lets them see, BLOCK_N at
 a time, with the online softmax in fp32; keys come from their rows (dense, padded or gappy caches) or through the
 page table (paged masks: key j of lane b is row block_tables[b, j // page_size] · page_size + j % page_size of the
-pool). The part count fills the GPU in the fewest waves (launch.fewest_waves); the parts' outputs and log-sum-exps
-are combined by the merge kernel (merge.triton_merge_attentions_stacked). Masks: none, padded keys (B11-B14),
-gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the bottom right and local windows
-included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more programs);
-output in any dtype and the LSE for partial attention (varlen: packed).
+pool). The part count fills the GPU in the fewest waves (launch.fewest_waves) of as many programs an SM as the
+compiled kernel's registers and shared memory let run at once (launch.programs_per_sm); the parts' outputs and
+log-sum-exps are combined by the merge kernel (merge.triton_merge_attentions_stacked). Masks: none, padded keys
+(B11-B14), gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the bottom right and local
+windows included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more
+programs); output in any dtype and the LSE for partial attention (varlen: packed).
 
 K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarter of the bytes of bf16, plus 4 a
 group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
@@ -358,6 +359,31 @@ def _config(q: torch.Tensor, kv: list[torch.Tensor], max_q: int, fixed: list[int
     }
 
 
+# Programs an SM of each kernel variant compiled here (_parts): keyed by what its compile depends on but the arguments'
+# alignment and integer ranges (which barely move its registers), so that a launch computes no specialization for it.
+_PROGRAMS_PER_SM: dict[tuple, int] = {}
+# Where the compiled kernel's cannot be read (the interpreter, ROCm): 8 one-warp Gluon programs (255 registers), 2 else
+_GLUON_PROGRAMS_PER_SM, _TRITON_PROGRAMS_PER_SM = 8, 2
+
+
+def _parts(kernel, q: torch.Tensor, output_dtype, programs: int, keys: int, least: int, arguments, kwargs) -> int:
+    """The key parts of each of `programs` (`keys` keys, parts of `least` at least) that run in the fewest waves of
+    as many programs an SM as the compiled kernel lets run at once: the Gluon kernels take 128-255 registers of one
+    warp, 8-16 programs an SM (triton_splitk_int4 at head dim 128 dense: 168, 12 an SM; with a varlen mask 255, 8).
+    The kernel is compiled for a provisional count on the first call with its constexprs."""
+    fallback = _TRITON_PROGRAMS_PER_SM if kernel is _splitk_kernel else _GLUON_PROGRAMS_PER_SM
+    if not q.is_cuda:
+        return launch.fewest_waves(programs, keys, 4 * fallback, least)  # 4 SMs: a few parts under the interpreter
+    sms = arch.sm_count(q.device)
+    split_k = launch.fewest_waves(programs, keys, sms * fallback, least)
+    key = (kernel, q.device, q.dtype, output_dtype, split_k == 1, *kwargs.items())
+    per_sm = _PROGRAMS_PER_SM.get(key)
+    if per_sm is None:
+        compiled = launch.compiled(kernel, *arguments(split_k)[2], **kwargs)
+        per_sm = _PROGRAMS_PER_SM[key] = launch.programs_per_sm(compiled, q.device) or fallback
+    return launch.fewest_waves(programs, keys, sms * per_sm, least)
+
+
 def _splitk_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -408,46 +434,46 @@ def _splitk_forward(
     kv = [k, v, *(t for t in scales if t is not None)]
     cfg = _config(q, kv, max_q, config, gluon, _wide_tiles(gluon_int4, dim, block_tables is not None, page_size))
     programs = sequences * groups * launch.cdiv(heads, cfg["HEADS"]) * launch.cdiv(max_q, cfg["QUERIES"])
-    if not split_k:
-        sms = arch.sm_count(q.device) if q.is_cuda else 4  # 4: a few parts under the interpreter
-        slots = sms * (triton_splitk_int4.PROGRAMS_PER_SM if gluon else 2)
-        split_k = launch.fewest_waves(programs, max_k, slots, least=4 * cfg["BLOCK_N"])
-    if split_k == 1:
-        partial, partial_lse = out[None], lse[None]
-    else:
-        partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
-        partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
     tables = block_tables if block_tables is not None else seqstart_q
-    sizes = (seqstart_q, seqstart_k, seqlen_k, tables, groups, heads, launch.cdiv(max_q, cfg["QUERIES"]), mq,
-             k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left, window_right)  # fmt: skip
     table_strides = block_tables.stride() if block_tables is not None else (0, 0)
-    strides = (*partial.stride(), *partial_lse.stride(), *table_strides)  # the outputs' and the page table's
-    flags = {"VARLEN": varlen, "HAS_SEQLEN_K": seqlen_k is not None, "PAGED": block_tables is not None,
-             "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
     if scales[0] is None:  # K in the scales' places, never read
         fp8_scales, scales, scale_strides = 0, [k, k], (0,) * 8
     else:
         fp8_scales = 2 if scales[0].dtype == torch.float32 else 1
         scale_strides = (*scales[0].stride(), *scales[1].stride())
+    kwargs = {"VARLEN": varlen, "HAS_SEQLEN_K": seqlen_k is not None, "PAGED": block_tables is not None,
+              "BOTTOM_RIGHT": bottom_right, **cfg}  # fmt: skip
     # The Gluon kernels read a tile's two pages at most where pages hold a tile (_tile_pages), a key's page otherwise.
     big_pages = block_tables is not None and page_size >= cfg["BLOCK_N"]
     if gluon_int4:
-        launch.fast(triton_splitk_int4.int4_kernel)[(programs, split_k)](
-            q, k, v, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *strides, D=dim,
-            BIG_PAGES=big_pages, **flags,
-        )  # fmt: skip
+        kernel = triton_splitk_int4.int4_kernel
+        kwargs.update(D=dim, BIG_PAGES=big_pages)
     elif gluon_fp8:
-        launch.fast(triton_splitk_fp8.fp8_kernel)[(programs, split_k)](
-            q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
-            *strides, D=dim, V_LAYOUT=triton_splitk_fp8.value_layout(cfg["BLOCK_N"], dim), BIG_PAGES=big_pages,
-            **flags,
-        )  # fmt: skip
+        kernel = triton_splitk_fp8.fp8_kernel
+        kwargs.update(D=dim, V_LAYOUT=triton_splitk_fp8.value_layout(cfg["BLOCK_N"], dim), BIG_PAGES=big_pages)
     else:
-        launch.fast(_splitk_kernel)[(programs, split_k)](
-            q, k, v, *scales, partial, partial_lse, *sizes, *q.stride(), *k.stride(), *v.stride(), *scale_strides,
-            *strides, UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0,
-            GROUPS=max(int4_groups, 1), D=dim, FP8_SCALES=fp8_scales, **flags,
-        )  # fmt: skip
+        kernel = _splitk_kernel
+        kwargs.update(UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda, INT4=int4_groups > 0,
+                      GROUPS=max(int4_groups, 1), D=dim, FP8_SCALES=fp8_scales)  # fmt: skip
+
+    def arguments(split_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """The parts' outputs and log-sum-exps (out and lse themselves for one part) and the kernel's arguments."""
+        if split_k == 1:
+            partial, partial_lse = out[None], lse[None]
+        else:
+            partial = q.new_empty((split_k, batch, mq, groups, heads, dim), dtype=torch.float32)
+            partial_lse = q.new_empty((split_k, batch, groups, heads, mq), dtype=torch.float32)
+        sizes = (seqstart_q, seqstart_k, seqlen_k, tables, groups, heads, launch.cdiv(max_q, cfg["QUERIES"]), mq,
+                 k.shape[1], lane, page_size, split_k, scale * _LOG2E, window_left, window_right)  # fmt: skip
+        strides = (*partial.stride(), *partial_lse.stride(), *table_strides)  # the outputs' and the page table's
+        inputs = (q, k, v) if gluon_int4 else (q, k, v, *scales)
+        kv_strides = (*k.stride(), *v.stride()) if gluon_int4 else (*k.stride(), *v.stride(), *scale_strides)
+        return partial, partial_lse, (*inputs, partial, partial_lse, *sizes, *q.stride(), *kv_strides, *strides)
+
+    if not split_k:
+        split_k = _parts(kernel, q, output_dtype, programs, max_k, 4 * cfg["BLOCK_N"], arguments, kwargs)
+    partial, partial_lse, args = arguments(split_k)
+    launch.fast(kernel)[(programs, split_k)](*args, **kwargs)
     if split_k > 1:
         out, lse = merge.triton_merge_attentions_stacked(partial, partial_lse, True, output_dtype)
     return out, lse

@@ -38,7 +38,6 @@ from mslk.attention.fmha.triton_splitk import _exponent, _half_pair, _masked, _p
 from mslk.core import arch
 
 HEAD_DIMS = (64, 128)  # (at 256 the accumulator and q's operand alone take 192 registers a thread: spills)
-PROGRAMS_PER_SM = 8  # the split count fills the GPU with this many programs an SM (launch.fewest_waves)
 
 # The fp16 pairs (c · 2^-24 of nibbles j and j + 4, low and high half) of the word $4 (given twice), j in $j.
 _WORD_PAIRS_PTX = gl.constexpr(
