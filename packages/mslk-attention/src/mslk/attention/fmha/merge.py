@@ -23,7 +23,8 @@ The ops (layouts with the G dimension; merge_attentions adds G = 1 to BMHK input
 
 One Triton kernel serves both forward forms: it takes a tuple of tensors of `chunks_per_tensor` chunks each, the
 list's tensors with one chunk each or the stacked tensor with all n. Triton specializes it on the tuple's length,
-so the list form compiles once per number of chunks.
+so the list form compiles once per number of chunks. A stacked tensor's chunks load a block at a time (_chunk_block):
+split-K decoding merges up to a few hundred parts of a few rows each.
 """
 
 from __future__ import annotations

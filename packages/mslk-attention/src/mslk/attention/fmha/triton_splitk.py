@@ -17,9 +17,9 @@ K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarte
 group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
 bytes, plus 4 a row for its scale; e4m3 conversions need SM89 or newer). On NVIDIA GPUs, int4 rows of one scale
 group and FP8 rows at head dims 64 and 128 go to Gluon kernels (triton_splitk_int4, triton_splitk_fp8: one warp a
-program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.087 ms
-against this kernel's 0.334, in pages of 64 0.090; FP8 rows 0.106 against 0.128, in pages of 64 0.116 against
-0.175; SDPA on the bf16 cache 0.171-0.173; RESULTS.md, sixty-fifth and sixty-sixth sessions). Here FP8 rows are
+program, K/V loaded straight into the MMA's operands, never dequantized; H100, PERF.md's decode shape: int4 0.075 ms
+against this kernel's 0.334, in pages of 64 0.086; FP8 rows 0.102 against 0.128, in pages of 64 0.112 against
+0.175; SDPA on the bf16 cache 0.170-0.173; RESULTS.md, sixty-fifth to sixty-seventh sessions). Here FP8 rows are
 dequantized in fp32 as their tiles load, and int4 rows never are: their codes go to fp16 MMAs as they unpack, against
 the queries in fp16 (each row scaled by a power of two) and the probabilities times V's scales, and a row's scale and
 shift apply to the products (scale · (q · codes) + shift · Σ q), exact where dequantized K/V had been rounded to 16
