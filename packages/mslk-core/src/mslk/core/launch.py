@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from mslk.core import arch
+
 log = logging.getLogger("mslk.launch")
 
 
@@ -71,12 +73,11 @@ def programs_per_sm(kernel, device: torch.device) -> int | None:
     (cuda_occupancy.h): each of the SM's sub-partitions holds the warps whose registers fit its quarter of the
     register file, and the SM the blocks its shared memory, threads and block slots hold. None where that is not
     known: no compiled kernel, ROCm (another register file), a driver or stand-in that reports no registers."""
-    from mslk.core import arch
-
     registers = getattr(kernel, "n_regs", 0)
+    if not registers:
+        return None
     info = arch.device_info(device)
-    per_sm = (info.registers_per_sm, info.shared_memory_per_sm, info.threads_per_sm)
-    if not registers or info.vendor != "nvidia" or None in per_sm:
+    if info.vendor != "nvidia" or None in (info.registers_per_sm, info.shared_memory_per_sm, info.threads_per_sm):
         return None
     warps = kernel.metadata.num_warps
     per_warp = cdiv(registers * 32, _REGISTER_UNIT) * _REGISTER_UNIT
