@@ -312,6 +312,12 @@ def _lse_offsets(strides, b, m, g, h):
 
 
 @triton.jit
+def _chunk_lse_offsets(strides, chunk_stride, b, m, g, h, chunks):
+    """Element offsets [BLOCK_R, BLOCK_C] of rows (b, m, g, h) of the LSEs of `chunks` (chunk_stride apart)."""
+    return _lse_offsets(strides, b, m, g, h)[:, None] + chunks[None, :] * chunk_stride
+
+
+@triton.jit
 def _weight(lse_chunk, lse):
     """w_i = exp(LSE_i − LSE), 0 for an empty chunk (whose row's LSE may be −inf too: −inf − −inf is NaN)."""
     return tl.where(lse_chunk == float("-inf"), 0.0, tl.exp(lse_chunk - lse))
@@ -337,7 +343,7 @@ def _merge_kernel(
     # maxima run over a chunk block's positions apart, reduced after the loop (no reduction in it, no shuffles).
     lse_max = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
     for t in tl.static_range(len(lse)):
-        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)[:, None] + chunks[None, :] * lse_chunk_strides[t]
+        lse_ptrs = lse[t] + _chunk_lse_offsets(lse_strides[t], lse_chunk_strides[t], b, m, g, h, chunks)
         for first in range(0, chunks_per_tensor, BLOCK_C):
             lse_ok = row_ok[:, None] & (first + chunks < chunks_per_tensor)[None, :]  # [BLOCK_R, BLOCK_C]
             lse_max = tl.maximum(lse_max, tl.load(lse_ptrs, mask=lse_ok, other=float("-inf")).to(tl.float32))
@@ -348,7 +354,7 @@ def _merge_kernel(
     weights = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     sums = tl.zeros([BLOCK_R, BLOCK_C, BLOCK_K], tl.float32)
     for t in tl.static_range(len(attn)):
-        lse_ptrs = lse[t] + _lse_offsets(lse_strides[t], b, m, g, h)[:, None] + chunks[None, :] * lse_chunk_strides[t]
+        lse_ptrs = lse[t] + _chunk_lse_offsets(lse_strides[t], lse_chunk_strides[t], b, m, g, h, chunks)
         attn_ptrs = attn[t] + _tile_offsets(attn_strides[t], b, m, g, h, cols)[:, None, :]
         attn_ptrs += (chunks * attn_chunk_strides[t])[None, :, None]  # [BLOCK_R, BLOCK_C, BLOCK_K]
         for first in range(0, chunks_per_tensor, BLOCK_C):
