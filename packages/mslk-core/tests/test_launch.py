@@ -109,6 +109,24 @@ def test_specialization_is_at_least_as_fine_as_tritons():
     assert len(seen) > 20  # the samples do differ
 
 
+def test_launch_keys_are_at_least_as_fine_as_tritons(fake_launch):
+    """The key a launch computes (by a function written for the arguments' types) tells apart whatever Triton's
+    specialization does, argument by argument, with one launcher across every kind of argument."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    kernel, *_ = fake_launch
+    launcher = launch.Launcher(kernel)
+    launcher._first_launch()
+    seen = {}
+    for value in _specialization_samples():
+        theirs = native_specialize_impl(BaseBackend, value, False, True, True)
+        ours = launcher._key((value, 32, 0.5), {"BLOCK": 128})
+        assert seen.setdefault(ours, theirs) == theirs, (value, ours, theirs, seen[ours])
+    assert len(seen) > 20
+    assert len(launcher._key_functions) > 5  # one a type: tensors, ints, bools, floats, descriptors, tuples
+
+
 class _FakeCompiled:
     """What a Triton launch returns: its launcher records the calls."""
 

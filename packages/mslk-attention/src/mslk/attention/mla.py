@@ -22,7 +22,7 @@ blocks, reading cache rows through the block table (on Hopper by TMA where the p
 pointers): the 512 latent dims of a loaded row serve both products (scores against Kᵀ, then the weights times V),
 so the cache is read once per head block. Where the (token, head block) programs are too few to fill the GPU
 (decode), each token's visible keys are split in equal parts over more programs, whose partial outputs and
-log-sum-exps `merge.triton_merge_attentions_stacked` combines.
+log-sum-exps `merge.merge_stacked_into` combines.
 
 The metadata's values (cu_seqlens_q monotone from 0 to T, seqused_k[b] within the table's pages and at least
 the sequence's query tokens, page ids below num_pages) are checked by the reference (the CPU kernel); on the GPU
@@ -343,10 +343,8 @@ def _run(query, kv_buffer, block_tables, cu_seqlens_q, seqused_k, softmax_scale=
     if splits == 1:
         return out
     # The merge's stacked form: chunks [n, B, M, G, H, K] and LSEs [n, B, G, H, M], here B = G = 1 and M = T.
-    merged = merge.triton_merge_attentions_stacked(
-        partial[:, None, :, None], lse.transpose(1, 2)[:, None, None], False, torch.bfloat16
-    )[0]
-    return merged.view(tokens, heads, MLA_V_HEAD_DIM)
+    merge.merge_stacked_into(partial[:, None, :, None], lse.transpose(1, 2)[:, None, None], out[None, :, None])
+    return out
 
 
 def random_cache(

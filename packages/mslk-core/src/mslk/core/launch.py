@@ -128,7 +128,8 @@ class Launcher:
         self._runtime: _TritonRuntime | None = None  # after the first launch, None: Triton's path every launch
         self._first = True
         self._params: list[tuple[str, bool, object]] = []  # (name, constexpr?, default) in the kernel's order
-        self._constexpr: dict[str, bool] = {}
+        self._runtime_names: frozenset[str] = frozenset()  # the parameters Triton specializes on (not constexprs)
+        self._key_functions: dict[tuple[type, ...], Callable] = {}  # the positional arguments' types: _key_function
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -151,6 +152,7 @@ class Launcher:
             if compiled is not None and not hasattr(compiled, "result"):  # (a future under async compilation)
                 if len(self._kept) >= self.MAX_KEPT:
                     self._kept.clear()
+                    self._key_functions.clear()
                 self._kept[key] = compiled
             return compiled
         # Every parameter in order, constexprs included, as Triton's launcher takes them (it skips constexprs).
@@ -187,20 +189,24 @@ class Launcher:
         if not isinstance(self.kernel, JITFunction) or self.kernel.pre_run_hooks:
             return None
         self._params = [(p.name, p.is_constexpr, p.default) for p in self.kernel.params]
-        self._constexpr = {name: is_constexpr for name, is_constexpr, _ in self._params}
+        self._runtime_names = frozenset(name for name, is_constexpr, _ in self._params if not is_constexpr)
         return _TritonRuntime.get()
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """The arguments' types and specialization (see `specialization`), computed by a function written for the
+        positional arguments' types (_key_function): the 58 arguments of a split-K decoding launch took 12.0 us through
+        specialization's function a value, 8.4 us so (CPU machine; RESULTS.md, sixty-eighth session)."""
         if len(args) > len(self._params):  # Triton's path, which raises
             raise TypeError
-        specializer, constexpr = _specializers.get, self._constexpr
-        key = [  # specialization(value), written out: this runs for every argument of every launch
-            value if param[1] else (specializer(type(value)) or _specializer(value))(value)
-            for value, param in zip(args, self._params, strict=False)
-        ]
-        for name, value in kwargs.items():  # launch options (num_warps, ...) are not parameters: kept as they are
-            key.append((name, value if constexpr.get(name, True) else specialization(value)))
-        return tuple(key)
+        types = tuple(map(type, args))
+        key_function = self._key_functions.get(types)
+        if key_function is None:
+            key_function = self._key_functions[types] = _key_function(args, [p[1] for p in self._params])
+        if self._runtime_names.isdisjoint(kwargs):  # launch options and constexprs by name: kept as they are
+            named = tuple(kwargs.items())
+        else:
+            named = tuple((name, specialization(v) if name in self._runtime_names else v) for name, v in kwargs.items())
+        return types, key_function(*args), named
 
 
 def _out_of_resources() -> type[Exception]:
@@ -254,12 +260,10 @@ def _specializer(value):
     10.0 us with them, 6.3 us without (CPU machine; RESULTS.md, forty-eighth session)."""
     if isinstance(value, torch.Tensor):
         function = _tensor_specialization
-    elif isinstance(value, bool):
-        function = _same_for_all(bool)
+    elif isinstance(value, (bool, float)):
+        function = _type_of
     elif isinstance(value, int):
         function = _int_specialization
-    elif isinstance(value, float):
-        function = _same_for_all(float)
     elif getattr(value, "block_shape", None) is not None and hasattr(value, "base"):
         function = _descriptor_specialization  # a TMA descriptor, triton.tools' or Gluon's
     elif isinstance(value, tuple):
@@ -270,8 +274,8 @@ def _specializer(value):
     return function
 
 
-def _same_for_all(answer):
-    return lambda value: answer
+def _type_of(value):
+    return type(value)
 
 
 def _itself(value):
@@ -279,6 +283,35 @@ def _itself(value):
 
 
 _specializers: dict[type, Callable[[object], object]] = {}
+
+# specialization's functions as expressions of an argument `{0}`, inlined in _key_function's functions (a function
+# call a value cost most of a key); the argument's type, which _type_of returns, is in the key already: nothing.
+_INLINE = {
+    _tensor_specialization: "{0}.dtype, {0}.data_ptr() % 16 == 0",
+    _int_specialization: "-2147483648 <= {0} < 2147483648, {0} < 9223372036854775808, {0} == 1, {0} % 16 == 0",
+    _type_of: "",
+}
+
+
+def _key_function(args: tuple, constexpr: list[bool]) -> Callable[..., tuple]:
+    """A function of arguments of args' types that returns their specialization, flat: constexprs as they are, the
+    others as `specialization` keys them (with the types, which this function is written for, the flat tuple tells
+    the same arguments apart; a tuple's key holds its items' structure)."""
+    names, body, namespace = [], [], {}
+    for i, (value, is_constexpr) in enumerate(zip(args, constexpr, strict=False)):
+        name = f"a{i}"
+        names.append(name)
+        specializer = None if is_constexpr else _specializers.get(type(value)) or _specializer(value)
+        if specializer is None:
+            body.append(name)
+        elif specializer in _INLINE:
+            body.append(_INLINE[specializer].format(name))
+        else:  # tuples, descriptors, other values: their function
+            namespace[f"s{i}"] = specializer
+            body.append(f"s{i}({name})")
+    expressions = ", ".join(part for part in body if part)
+    exec(f"def key({', '.join(names)}):\n    return ({expressions}{',' if expressions else ''})", namespace)
+    return namespace["key"]
 
 
 class _TritonRuntime:

@@ -457,7 +457,16 @@ def triton_merge_attentions_varargs(attn_split, lse_split, write_lse, output_dty
 )
 def triton_merge_attentions_stacked(attn_split, lse_split, write_lse, output_dtype):
     """The Triton kernel behind fmha_merge_attentions_stacked; same arguments and results."""
-    outputs = _stacked_outputs(attn_split, lse_split, write_lse, output_dtype)
+    return merge_stacked_into(attn_split, lse_split, *_stacked_outputs(attn_split, lse_split, write_lse, output_dtype))
+
+
+def merge_stacked_into(
+    attn_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The Triton merge of stacked chunks attn_split [n, B, M, G, H, K] and lse_split [n, B, G, H, M] (fp32) into
+    out [B, M, G, H, K] (and lse_out [B, G, H, M]), any strides; [out (, lse_out)]. Split-K kernels call it on their
+    parts with outputs they made: no checks, no allocations (host time, on every decoding step)."""
+    outputs = [out] if lse_out is None else [out, lse_out]
     return _run_merge((attn_split,), (lse_split,), attn_split.shape[0], outputs)
 
 

@@ -8,7 +8,7 @@ a time, with the online softmax in fp32; keys come from their rows (dense, padde
 page table (paged masks: key j of lane b is row block_tables[b, j // page_size] · page_size + j % page_size of the
 pool). The part count fills the GPU in the fewest waves (launch.fewest_waves) of as many programs an SM as the
 compiled kernel's registers and shared memory let run at once (launch.programs_per_sm); the parts' outputs and
-log-sum-exps are combined by the merge kernel (merge.triton_merge_attentions_stacked). Masks: none, padded keys
+log-sum-exps are combined by the merge kernel (merge.merge_stacked_into). Masks: none, padded keys
 (B11-B14), gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the bottom right and local
 windows included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more
 programs); output in any dtype and the LSE for partial attention (varlen: packed).
@@ -475,7 +475,7 @@ def _splitk_forward(
     partial, partial_lse, args = arguments(split_k)
     launch.fast(kernel)[(programs, split_k)](*args, **kwargs)
     if split_k > 1:
-        out, lse = merge.triton_merge_attentions_stacked(partial, partial_lse, True, output_dtype)
+        merge.merge_stacked_into(partial, partial_lse, out, lse)
     return out, lse
 
 
