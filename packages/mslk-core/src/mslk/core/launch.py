@@ -251,7 +251,7 @@ def _descriptor_specialization(value):
 def _tuple_specialization(value: tuple):
     """Element by element, as Triton specializes a tuple: a tuple of tensors keyed as itself would hold the tensors
     in the kept kernels' keys, and miss at every launch of new ones."""
-    return type(value), tuple(specialization(item) for item in value)
+    return type(value), tuple(map(specialization, value))
 
 
 def _specializer(value):
@@ -290,6 +290,7 @@ _INLINE = {
     _tensor_specialization: "{0}.dtype, {0}.data_ptr() % 16 == 0",
     _int_specialization: "-2147483648 <= {0} < 2147483648, {0} < 9223372036854775808, {0} == 1, {0} % 16 == 0",
     _type_of: "",
+    _itself: "{0}",
 }
 
 
@@ -306,7 +307,7 @@ def _key_function(args: tuple, constexpr: list[bool]) -> Callable[..., tuple]:
             body.append(name)
         elif specializer in _INLINE:
             body.append(_INLINE[specializer].format(name))
-        else:  # tuples, descriptors, other values: their function
+        else:  # tuples, descriptors: their function
             namespace[f"s{i}"] = specializer
             body.append(f"s{i}({name})")
     expressions = ", ".join(part for part in body if part)
