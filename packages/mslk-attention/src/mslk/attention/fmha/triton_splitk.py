@@ -374,13 +374,14 @@ def _parts(kernel, q: torch.Tensor, output_dtype, programs: int, keys: int, leas
     fallback = _TRITON_PROGRAMS_PER_SM if kernel is _splitk_kernel else _GLUON_PROGRAMS_PER_SM
     if not q.is_cuda:
         return launch.fewest_waves(programs, keys, 4 * fallback, least)  # 4 SMs: a few parts under the interpreter
-    sms = arch.sm_count(q.device)
+    device = q.device
+    sms = arch.sm_count(device)
     split_k = launch.fewest_waves(programs, keys, sms * fallback, least)
-    key = (kernel, q.device, q.dtype, output_dtype, split_k == 1, *kwargs.items())
+    key = (kernel, device, q.dtype, output_dtype, split_k == 1, *kwargs.items())
     per_sm = _PROGRAMS_PER_SM.get(key)
     if per_sm is None:
         compiled = launch.compiled(kernel, *arguments(split_k)[2], **kwargs)
-        per_sm = _PROGRAMS_PER_SM[key] = launch.programs_per_sm(compiled, q.device) or fallback
+        per_sm = _PROGRAMS_PER_SM[key] = launch.programs_per_sm(compiled, device) or fallback
     return launch.fewest_waves(programs, keys, sms * per_sm, least)
 
 
