@@ -344,11 +344,11 @@ def test_cutlass_declines_queries_that_see_no_key(monkeypatch):
 # ------------------------------------------------------------------------------------ priority lists
 
 
-def _decoding(b=2, heads=8, mq=1, mk=512, grouped=False):
+def _decoding(b=2, heads=8, mq=1, mk=512, grouped=False, dim=64):
     """MQA decoding inputs: K/V heads expanded with stride 0."""
-    shape = (b, mq, 2, heads // 2, 64) if grouped else (b, mq, heads, 64)
+    shape = (b, mq, 2, heads // 2, dim) if grouped else (b, mq, heads, dim)
     q = torch.randn(*shape)
-    kv_shape = (*shape[:-2], 1, 64)
+    kv_shape = (*shape[:-2], 1, dim)
     k = torch.randn(b, mk, *kv_shape[2:]).expand(b, mk, *shape[2:])
     return q, k, k
 
@@ -368,15 +368,29 @@ def test_priority_lists(monkeypatch):
     assert triton_flash.BwOp not in dispatch._dispatch_bw_priority_list("cpu"), "the interpreter is for tests"
     assert triton_flash.FwOp not in fw(inp, False), "CPU inputs: the reference, never the interpreter"
     decoding = fmha.Inputs(*_decoding())
-    assert fw(decoding, False) == [flash.FwOp, triton_splitk.FwOp, cudnn.FwOp, cutlass.FwOp, ref]
+    # One query a sequence: cuDNN's GQA and FlashAttention-2 before split-K (the spec: flash alone)
+    assert fw(decoding, False) == [cudnn.FwOp, flash.FwOp, triton_splitk.FwOp, cutlass.FwOp, ref]
     assert fw(decoding, True)[0] is flash3.FwOp, "no reordering when the backward follows"
-    assert fw(fmha.Inputs(*_decoding(grouped=True)), False)[:2] == [flash.FwOp, triton_splitk.FwOp]
+    assert fw(fmha.Inputs(*_decoding(grouped=True)), False)[:3] == [cudnn.FwOp, flash.FwOp, triton_splitk.FwOp]
+    assert fw(fmha.Inputs(*_decoding(dim=256)), False)[:2] == [flash.FwOp, triton_splitk.FwOp], "cuDNN: K <= 128"
     assert fw(fmha.Inputs(*_decoding(b=8)), False)[0] is flash3.FwOp, "B·H = 64: enough parallelism"
     assert fw(fmha.Inputs(*_decoding(mk=255)), False)[0] is flash3.FwOp
+    # 2 to 32 queries a sequence (16 past head dim 128): split-K first at any parallelism, flash where it was
+    for mq, dim, b in ((2, 64, 2), (4, 128, 64), (32, 128, 8), (16, 256, 8)):
+        assert fw(fmha.Inputs(*_decoding(b=b, mq=mq, dim=dim)), False) == [
+            triton_splitk.FwOp, flash3.FwOp, cudnn.FwOp, flash.FwOp, cutlass.FwOp, ref
+        ], (mq, dim, b)  # fmt: skip
+    for mq, dim, mk in ((33, 64, 512), (17, 256, 512), (4, 64, 255), (4, 64, 0)):
+        assert fw(fmha.Inputs(*_decoding(b=8, mq=mq, dim=dim, mk=mk)), False)[0] is flash3.FwOp, (mq, dim, mk)
+    assert fw(fmha.Inputs(*_decoding(b=0, mq=4)), False)[0] is flash3.FwOp, "no sequence"
     q, k, v = _decoding(b=1, mq=2)
     padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 256, [100, 256], device="cpu")
-    # flash leads unless the mask is a BlockDiagonalMask (B06-B10); padded keys (B11-B14) are not one
-    assert fw(fmha.Inputs(q, k, v, padded), False) == [flash.FwOp, triton_splitk.FwOp, cudnn.FwOp, cutlass.FwOp, ref]
+    # cudnn and flash lead unless the mask is a BlockDiagonalMask (B06-B10); padded keys (B11-B14) are not one
+    assert fw(fmha.Inputs(q, k, v, padded), False) == [cudnn.FwOp, flash.FwOp, triton_splitk.FwOp, cutlass.FwOp, ref]
+    two_each = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([2, 2], 256, [100, 256], device="cpu")
+    q, k, v = _decoding(b=1, mq=4)  # two queries a sequence: split-K
+    assert fw(fmha.Inputs(q, k, v, two_each), False)[:2] == [triton_splitk.FwOp, flash3.FwOp]
+    q, k, v = _decoding(b=1, mq=2)
     packed = ab.BlockDiagonalMask.from_seqlens([1, 1], [256, 256], device="cpu").make_causal_from_bottomright()
     assert fw(fmha.Inputs(q, k, v, packed), False) == [
         triton_splitk.FwOp,
@@ -396,6 +410,7 @@ def test_priority_lists(monkeypatch):
     monkeypatch.setattr(arch, "hip_version", lambda: (6, 4))
     assert fw(inp, False) == [ck.FwOp, flydsl.FwOp, triton_splitk.FwOp, ref]
     assert fw(decoding, False) == [triton_splitk.FwOp, ck.FwOp, flydsl.FwOp, ref]
+    assert fw(fmha.Inputs(*_decoding(b=8, mq=4)), False)[0] is ck.FwOp, "the spec's rule: B·H = 64"
     assert dispatch._dispatch_bw_priority_list() == [ck.BwOp, triton_flash.BwOp, torch_reference.BwOp]
     monkeypatch.setattr(flash_mtia.FwOp, "OPERATOR", object())
     assert fw(inp, False)[-2:] == [flash_mtia.FwOp, ref], "MTIA kernels come before the reference"
@@ -584,9 +599,22 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         with monkeypatch.context() as compiling:  # Inductor copies misaligned inputs; Dynamo cannot trace the check
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)
             assert cudnn.FwOp.not_supported_reasons(fmha.Inputs(off, k, v)) == []
-        expanded = k[:, :, :1].expand(k.shape)
-        reasons = cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, expanded, expanded))
-        assert any("stride of 0" in reason for reason in reasons)
+        # K/V expanded over the heads (MQA/GQA): the forward reads one head a group (cuDNN's GQA), the backward
+        # declines them; K/V expanded over anything else, or K alone, still get the reason.
+        seen, kernel = [], cudnn.FwOp.OPERATOR
+        monkeypatch.setattr(cudnn.FwOp, "OPERATOR", lambda *a, **kw: seen.append(a[:3]) or kernel(*a, **kw))
+        for heads in ((4,), (2, 3)):
+            q, k, v = cuda_qkv(heads=heads)
+            key, value = (t[..., :1, :].expand(t.shape) for t in (k, v))
+            gqa = fmha.Inputs(q, key, value)
+            assert cudnn.FwOp.not_supported_reasons(gqa) == []
+            assert "stride of 0" in " ".join(cudnn.BwOp.not_supported_reasons(gqa))
+            out, ctx = cudnn.FwOp.apply(gqa, needs_gradient=True)
+            assert out.shape == q.shape and ctx.lse.shape == (2, *heads, 16)
+            kv_heads = 1 if len(heads) == 1 else heads[0]
+            assert [t.shape for t in seen.pop()] == [(2, math.prod(heads), 16, 64), *[(2, kv_heads, 16, 64)] * 2]
+            for other in ((key, v), (k[:1].expand(k.shape), v[:1].expand(v.shape))):
+                assert "stride of 0" in " ".join(cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, *other)))
         # One query and one key: cuDNN's backward raised a RuntimeError (the H200, torch 2.11); declined instead.
         single = fmha.Inputs(*cuda_qkv(mq=1, mk=1))
         assert cudnn.FwOp.not_supported_reasons(single) == []

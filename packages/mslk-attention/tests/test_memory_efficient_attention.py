@@ -602,6 +602,35 @@ def test_gpu_cudnn_past_head_dim_128(head_dim, causal, dtype):
         testing.assert_rel_close(got, want, 2 * testing.default_tolerance(dtype))
 
 
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(2, 3), (5,)], ids=["GQA", "MQA"])
+@pytest.mark.parametrize("case", ["decode", "4-queries", "prefill", "prefill-causal"])
+def test_gpu_expanded_kv_dispatch(case, heads, dtype, head_dim):
+    """K/V of 2 heads under 6 query heads (BMGHK) or of one under 5 (BMHK), expanded with stride 0: on Hopper one
+    query a sequence and prefill take cuDNN's own GQA, 2 to 32 queries a sequence split-K; the dispatched forward
+    (and cuDNN's LSE) match the float64 oracle, with K/V read once a K/V head."""
+    mq = {"decode": 1, "4-queries": 4}.get(case, 333)
+    mask = ab.LowerTriangularMask() if case == "prefill-causal" else None
+    q = testing.randn(3, mq, *heads, head_dim, dtype=dtype, device="cuda")
+    k, v = (testing.randn(3, 333, *heads[:-1], 1, head_dim, dtype=dtype, device="cuda").expand(3, 333, *heads,
+            head_dim) for _ in "kv")  # fmt: skip
+    inp = fmha.Inputs(q, k, v, mask)
+    if arch.capability() == (9, 0):
+        chosen = fmha.dispatch._dispatch_fw(inp, needs_gradient=False)
+        assert chosen is (fmha.triton_splitk.FwOp if case == "4-queries" else cudnn.FwOp), chosen
+    ref_out, ref_lse = attention_reference(q, k, v, mask)
+    out = fmha.memory_efficient_attention_forward(q, k, v, mask)
+    testing.assert_rel_close(out, ref_out)
+    if cudnn.FwOp.not_supported_reasons(inp):
+        return
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, mask, op=cudnn.FwOp)
+    testing.assert_rel_close(out, ref_out)
+    testing.assert_rel_close(lse, ref_lse, 1e-5)
+
+
 def _no_key_case(case: str, head_dim: int, dtype: torch.dtype):
     """(q, k, v, mask) in which some queries see no key."""
     if case == "bottom-right":  # the first 260 of 300 queries

@@ -545,18 +545,18 @@ def test_gpu_paged_decode_is_dispatched_here_and_replays_in_a_graph():
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int4", "fp8"])
-@pytest.mark.parametrize("page", [0, 16])
-def test_bench_baselines_compute_the_op(page, kv, monkeypatch):
+@pytest.mark.parametrize(("page", "queries"), [(0, 1), (16, 1), (0, 3)])
+def test_bench_baselines_compute_the_op(page, queries, kv, monkeypatch):
     """The decode bench's SDPA over the gathered cache and FlexAttention over its own cache (through the page table
     when paged; eager here) give the op's output (the reference's on the CPU; a quantized cache's dequantized values,
-    as the kernel computes them)."""
+    as the kernel computes them), with one query a sequence or several."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from mslk.attention import bench
 
     monkeypatch.setattr(bench, "_compiled_flex", lambda: flex_attention)
 
-    shape = {"B": 3, "L": 64, "Hq": 8, "Hkv": 2, "K": 32, "page": page, "kv": kv}
+    shape = {"B": 3, "L": 64, "Hq": 8, "Hkv": 2, "K": 32, "page": page, "kv": kv, "Mq": queries}
     inputs = bench._decode_inputs(shape, torch.device("cpu"))
     q, k, v, mask = inputs[0].query, inputs[0].key, inputs[0].value, inputs[0].attn_bias
     if kv == "int4":
@@ -566,6 +566,7 @@ def test_bench_baselines_compute_the_op(page, kv, monkeypatch):
                                                                (v, inputs[0].v_fp8_scale_shift)))  # fmt: skip
     out = fmha.memory_efficient_attention_forward(q.float(), k.float(), v.float(), mask)
     sdpa = bench._decode_sdpa((None, [t.float() for t in inputs[1]]))
-    testing.assert_rel_close(out.reshape(sdpa.shape), sdpa, 1e-5 if kv == "bf16" else 1e-2)  # (SDPA's bf16 values)
+    out = out.reshape(3, queries, 8, 32).transpose(1, 2)  # (paged: [1, 3 queries, ...])
+    testing.assert_rel_close(out, sdpa, 1e-5 if kv == "bf16" else 1e-2)  # (SDPA's bf16 values)
     flex = bench._decode_flex((None, None, [t.float() if isinstance(t, torch.Tensor) else t for t in inputs[2]]))
     testing.assert_rel_close(flex, sdpa, 1e-5)

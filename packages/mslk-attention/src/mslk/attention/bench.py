@@ -268,8 +268,9 @@ def _register_mla():
         )
 
 
-# Decoding over a KV cache (PERF.md's decode row: B=16, one query, 8192 keys, 32 query heads over 8 KV heads, K=128),
-# the cache dense ([B, L, 8, 4 expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
+# Decoding over a KV cache (PERF.md's decode row: B=16, one query, 8192 keys, 32 query heads over 8 KV heads, K=128;
+# "Mq": that many queries a sequence, a speculative step, all seeing every key), the cache dense ([B, L, 8, 4
+# expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
 # PaddedKeysMask). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
 # kernel pinned. Baselines: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
 # a quantized cache's dequantized values, in bf16), and FlexAttention (compiled, enable_gqa) over the same values in
@@ -288,6 +289,7 @@ DECODE = [
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "fp8"},
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 64, "page": 64, "kv": "fp8"},
     {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 64, "page": 0, "kv": "int4"},
+    {"B": 16, "L": 8192, "Hq": 32, "Hkv": 8, "K": 128, "page": 0, "kv": "bf16", "Mq": 4},
 ]
 
 
@@ -304,10 +306,12 @@ def _round_trip(t: torch.Tensor, kv: str) -> torch.Tensor:
 
 def _decode_inputs(s: dict, device: torch.device):
     """(the op's Inputs, (q, k, v) of SDPA, (q, k, v, block mask) of FlexAttention)."""
-    batch, keys, kv_heads, dim, page = s["B"], s["L"], s["Hkv"], s["K"], s["page"]
+    batch, keys, kv_heads, dim, page, queries = s["B"], s["L"], s["Hkv"], s["K"], s["page"], s.get("Mq", 1)
     shared = s["Hq"] // kv_heads
-    q = testing.randn(batch, 1, kv_heads, shared, dim, dtype=torch.bfloat16, device=device)
-    sdpa_q = q.reshape(batch, s["Hq"], 1, dim)
+    q = testing.randn(batch, queries, kv_heads, shared, dim, dtype=torch.bfloat16, device=device)
+    sdpa_q = q.view(batch, queries, s["Hq"], dim).transpose(1, 2).contiguous()
+    if page and queries > 1:
+        raise ValueError("several queries a sequence: dense caches only")
     if page:
         pages = keys // page
         tables = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
@@ -379,7 +383,7 @@ def _register_decode():
                     "FlexAttention (its own cache: through the page table where paged)": _decode_flex,
                 },
                 cuda_graph=True,
-                flops=lambda s: 4 * s["B"] * s["Hq"] * s["L"] * s["K"],
+                flops=lambda s: 4 * s["B"] * s["Hq"] * s.get("Mq", 1) * s["L"] * s["K"],
                 bytes=lambda s: 2 * s["B"] * s["L"] * s["Hkv"] * _kv_row_bytes(s),
                 domain="attention",
             )

@@ -6,8 +6,11 @@ B=4 M=4096 H=16 K=128, forward and backward), so the dispatcher tries it before 
 NVIDIA SM90+, f16/bf16, K == Kv a multiple of 8 up to 128 (up to 256 on Hopper, where cuDNN 9 has such kernels:
 B=2 M=4096 H=16 K=256 causal forward 0.49 ms against FlashAttention-2's 0.97, RESULTS.md, forty-ninth session), no
 mask or a causal one with as many keys as queries (where top-left and bottom-right causality agree), no dropout,
-BMHK or BMGHK with mergeable heads (no stride-0 K/V). The kernels take [B, H, M, K] views of the BMHK tensors, so
-nothing is copied; LSE is [B, H, Mq].
+BMHK or BMGHK with mergeable heads. The kernels take [B, H, M, K] views of the BMHK tensors, so nothing is copied;
+LSE is [B, H, Mq]. K/V expanded over the query heads with stride 0 (MQA/GQA) reach the forward with one head a
+group (cuDNN's own GQA, which reads each K/V head once: H100, K/V of 8 heads under 32 query heads, decoding 16 x
+8192 keys 0.171 ms against FlashAttention-2's 0.176, prefill B=4 M=4096 1.86 ms against 3.25; RESULTS.md,
+sixty-ninth session); the backward takes no stride-0 K/V.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from mslk.attention.fmha.common import (
     check_lastdim_alignment_stride1,
     check_not_expanded,
 )
-from mslk.attention.fmha.flash import _mergeable_heads
+from mslk.attention.fmha.flash import _mergeable_heads, kv_heads
 from mslk.core import arch
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -40,12 +43,14 @@ else:
     _NOT_BUILT_REASON = None
 
 
-def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
+def _kernel_reasons(d: Inputs, reasons: list[str], gqa: bool = False) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
-    8-element aligned rows, square causal masks, real K/V rows."""
+    8-element aligned rows, square causal masks, real K/V rows (gqa: K/V expanded over the heads count as the
+    one head a group they pass with, flash.kv_heads)."""
     if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not arch.on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
-    for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
+    key, value = kv_heads(d) if gqa else (d.key, d.value)
+    for name, t in (("query", d.query), ("key", key), ("value", value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
         check_16_byte_aligned(reasons, name, t)
         expanded = check_not_expanded(reasons, name, t)
@@ -86,11 +91,11 @@ class FwOp(AttentionFwOpBase):
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
-        return _kernel_reasons(d, super().not_supported_reasons(d))
+        return _kernel_reasons(d, super().not_supported_reasons(d), gqa=True)
 
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
-        q, k, v = (_bhmk(t) for t in (inp.query, inp.key, inp.value))
+        q, k, v = (_bhmk(t) for t in (inp.query, *kv_heads(inp)))
         out, lse, *_ = cls.OPERATOR(
             q, k, v, None, needs_gradient, 0.0, inp.attn_bias is not None, False, scale=inp.scale_float
         )

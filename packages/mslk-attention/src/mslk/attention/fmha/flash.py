@@ -50,7 +50,7 @@ else:
 
 def _mergeable_heads(t: torch.Tensor) -> bool:
     """Whether [B, M, G, H, K] views as [B, M, G·H, K] without a copy."""
-    return t.stride(2) == t.shape[3] * t.stride(3)
+    return t.shape[3] == 1 or t.stride(2) == t.shape[3] * t.stride(3)
 
 
 def _kv_expanded(d: Inputs) -> bool:
@@ -87,12 +87,16 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     return reasons
 
 
+def kv_heads(d: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as forward kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group)
+    where they are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
+    return tuple(t[..., 0, :].unsqueeze(-2) for t in (d.key, d.value)) if _kv_expanded(d) else (d.key, d.value)
+
+
 def _forward_qkv(d: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as the forward kernel takes them: K/V expanded over the heads passed with one head (per group),
-    FlashAttention's MQA/GQA path; BMGHK merged into G·H query heads (and G K/V heads)."""
-    q, k, v = d.query, d.key, d.value
-    if _kv_expanded(d):
-        k, v = k[..., :1, :], v[..., :1, :]
+    """q, k, v as the forward kernel takes them: K/V with one head a group (kv_heads), BMGHK merged into G·H query
+    heads (and G K/V heads)."""
+    q, (k, v) = d.query, kv_heads(d)
     if q.dim() == 5:
         q, k, v = (t.flatten(2, 3) for t in (q, k, v))
     return q, k, v
