@@ -607,20 +607,26 @@ def test_gpu_cudnn_past_head_dim_128(head_dim, causal, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(2, 3), (5,)], ids=["GQA", "MQA"])
-@pytest.mark.parametrize("case", ["decode", "4-queries", "prefill", "prefill-causal"])
+@pytest.mark.parametrize("case", ["decode", "4-queries", "padded-decode", "prefill", "prefill-causal"])
 def test_gpu_expanded_kv_dispatch(case, heads, dtype, head_dim):
     """K/V of 2 heads under 6 query heads (BMGHK) or of one under 5 (BMHK), expanded with stride 0: on Hopper one
-    query a sequence and prefill take cuDNN's own GQA, 2 to 32 queries a sequence split-K; the dispatched forward
-    (and cuDNN's LSE) match the float64 oracle, with K/V read once a K/V head."""
-    mq = {"decode": 1, "4-queries": 4}.get(case, 333)
-    mask = ab.LowerTriangularMask() if case == "prefill-causal" else None
-    q = testing.randn(3, mq, *heads, head_dim, dtype=dtype, device="cuda")
-    k, v = (testing.randn(3, 333, *heads[:-1], 1, head_dim, dtype=dtype, device="cuda").expand(3, 333, *heads,
+    query a sequence and prefill take cuDNN's own GQA, 2 to 32 queries a sequence and sequences packed with padded
+    keys (B12) split-K; the dispatched forward (and cuDNN's LSE) match the float64 oracle, with K/V read once a K/V
+    head."""
+    batch, mq, mk, mask = 3, {"decode": 1, "4-queries": 4}.get(case, 333), 333, None
+    if case == "prefill-causal":
+        mask = ab.LowerTriangularMask()
+    elif case == "padded-decode":  # three sequences of one query, packed
+        batch, mq, mk = 1, 3, 3 * 333
+        mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1] * 3, 333, [333, 200, 7], device="cuda")
+    q = testing.randn(batch, mq, *heads, head_dim, dtype=dtype, device="cuda")
+    k, v = (testing.randn(batch, mk, *heads[:-1], 1, head_dim, dtype=dtype, device="cuda").expand(batch, mk, *heads,
             head_dim) for _ in "kv")  # fmt: skip
     inp = fmha.Inputs(q, k, v, mask)
     if arch.capability() == (9, 0):
         chosen = fmha.dispatch._dispatch_fw(inp, needs_gradient=False)
-        assert chosen is (fmha.triton_splitk.FwOp if case == "4-queries" else cudnn.FwOp), chosen
+        splitk = case in ("4-queries", "padded-decode")
+        assert chosen is (fmha.triton_splitk.FwOp if splitk else cudnn.FwOp), chosen
     ref_out, ref_lse = attention_reference(q, k, v, mask)
     out = fmha.memory_efficient_attention_forward(q, k, v, mask)
     testing.assert_rel_close(out, ref_out)

@@ -7,8 +7,9 @@ to 128 without one, where MSLK's Gluon forward comes before it (triton_flash.glu
 and causal attention of 2^30 to 2^33 scores, where MSLK's Gluon backward comes before cuDNN's
 (triton_flash.gluon_backward_before_cudnn).
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first
-(on NVIDIA at any parallelism where sequences have 2 to 32 queries: _is_mqa_decoding), and on NVIDIA with one query
-a sequence puts cudnn (up to head dim 128) and flash before it unless the batch is varlen. Backward, NVIDIA:
+(on NVIDIA at any parallelism where sequences have 2 to 32 queries or are packed: _is_mqa_decoding), and on NVIDIA
+with one query a sequence puts cudnn (up to head dim 128) and flash before it unless the mask packs the sequences
+(varlen, paged). Backward, NVIDIA:
 [flash3, cudnn, flash, cutlass]; ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash
 attention (`triton_flash`: any GPU Triton runs on, fp32 included, so that GPUs the kernels above do not cover,
 Blackwell's fp32 among them, and deterministic backward passes get a GPU kernel; on Hopper it comes before cutlass
@@ -23,7 +24,6 @@ import logging
 
 import torch
 
-from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha import (
     ck,
     cudnn,
@@ -43,7 +43,6 @@ from mslk.attention.fmha.common import (
     Inputs,
     bias_type,
     rocm_build,
-    varlen_args,
 )
 from mslk.core import arch, env
 from mslk.core.registry import dispatch_logging, format_not_supported
@@ -124,27 +123,32 @@ def _run_priority_list(
 
 def _is_mqa_decoding(inp: Inputs) -> bool:
     """Few queries against many keys shared by several heads (K expanded over heads with stride 0), with little
-    parallelism over batch × heads (batch × groups in BMGHK): splitting the keys pays (spec §4). On NVIDIA
-    GPUs also at any parallelism where sequences have 2 to 32 queries (16 past head dim 128): triton_splitk's
-    programs take the queries of all the heads that share a K/V head as the rows of one tile, where cuDNN and
-    FlashAttention-2 read K/V once a query head (H100, K/V of 8 heads under 32, 16 x 8192 keys, 4 queries: split-K
-    0.182 ms, cuDNN 0.422, FlashAttention-2 0.802; RESULTS.md, sixty-ninth session)."""
+    parallelism over batch × heads (batch × groups in BMGHK): splitting the keys pays (spec §4). On NVIDIA GPUs
+    also at any parallelism where sequences have 2 to 32 queries (16 past head dim 128), or are packed (varlen or
+    paged masks): triton_splitk's programs take the queries of all the heads that share a K/V head as the rows of
+    one tile, where cuDNN and FlashAttention-2 read K/V once a query head (H100, K/V of 8 heads under 32, K=128,
+    16 x 8192 keys: 4 queries split-K 0.182 ms, cuDNN 0.422, FlashAttention-2 0.802; one query a sequence, keys
+    padded (B12), split-K 0.175, FlashAttention-2 0.818; RESULTS.md, sixty-ninth session)."""
     key, query = inp.key, inp.query
     if key.dim() <= 3 or key.stride(-2) != 0 or key.shape[-2] <= 1 or query.device.type == "mtia":
         return False
     parallelism = query.shape[0] * query.shape[2]  # B·H, or B·G for BMGHK
-    if query.shape[1] > 32 or key.shape[1] < 256 or parallelism == 0:
+    if key.shape[1] < 256 or parallelism == 0:
         return False
     queries = _queries_a_sequence(inp)
-    if queries > 1 and not rocm_build():
-        return queries <= (32 if query.shape[-1] <= 128 else 16)
-    return parallelism < 64
+    if rocm_build() or (queries == 1 and not _packed(inp)):
+        return query.shape[1] <= 32 and parallelism < 64
+    return queries <= (32 if query.shape[-1] <= 128 else 16)
+
+
+def _packed(inp: Inputs) -> bool:
+    """Whether the mask packs the sequences into one batch element (varlen and paged masks)."""
+    return hasattr(inp.attn_bias, "q_seqinfo")
 
 
 def _queries_a_sequence(inp: Inputs) -> int:
-    """The most queries a sequence has: Mq, or the varlen mask's longest sequence of queries."""
-    varlen = varlen_args(inp.attn_bias)
-    return inp.query.shape[1] if varlen is None else varlen.max_seqlen_q
+    """The most queries a sequence has: Mq, or a packing mask's longest sequence of queries."""
+    return inp.attn_bias.q_seqinfo.max_seqlen if _packed(inp) else inp.query.shape[1]
 
 
 def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[AttentionFwOpBase]]:
@@ -155,11 +159,10 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
         ops += [cudnn.FwOp, flash.FwOp, cutlass.FwOp, triton_splitk.FwOp]
     if not needs_gradient and _is_mqa_decoding(inp):
         ops = [triton_splitk.FwOp] + [op for op in ops if op is not triton_splitk.FwOp]
-        one_query = _queries_a_sequence(inp) == 1
-        if not rocm_build() and one_query and not isinstance(inp.attn_bias, ab.BlockDiagonalMask):
-            # One query a sequence: cuDNN's GQA (up to head dim 128), then FlashAttention-2's, are faster then (H100,
-            # 32 query heads over 8, K=128: 1 x 8192 keys cuDNN 12.0 us, split-K 13.7, FlashAttention-2 20.6; at
-            # K=256 16 x 8192 keys 100.5, 94.9 and 97.3; RESULTS.md, sixty-ninth session).
+        if not rocm_build() and not _packed(inp) and inp.query.shape[1] == 1:
+            # One query a sequence, unpacked: cuDNN's GQA (up to head dim 128), then FlashAttention-2's, are faster
+            # (H100, 32 query heads over 8, K=128: 1 x 8192 keys cuDNN 12.0 us, split-K 13.7, FlashAttention-2 20.6;
+            # at K=256 16 x 8192 keys 100.5, 94.9 and 97.3; RESULTS.md, sixty-ninth session).
             lead = [cudnn.FwOp, flash.FwOp] if inp.query.shape[-1] <= 128 else [flash.FwOp]
             ops = lead + [op for op in ops if op not in (*lead, flash3.FwOp)]
     if flash_mtia.FwOp.is_available():
