@@ -384,19 +384,19 @@ def test_priority_lists(monkeypatch):
         assert fw(fmha.Inputs(*_decoding(b=8, mq=mq, dim=dim, mk=mk)), False)[0] is flash3.FwOp, (mq, dim, mk)
     assert fw(fmha.Inputs(*_decoding(b=0, mq=4)), False)[0] is flash3.FwOp, "no sequence"
     # Sequences packed by the mask (varlen, paged): split-K first (the spec: flash, unless a BlockDiagonalMask), for
-    # up to 32 queries a sequence however many in all
+    # up to 32 queries and 256 keys or more a sequence, however many in all
     splitk_first = [triton_splitk.FwOp, flash3.FwOp, cudnn.FwOp, flash.FwOp, cutlass.FwOp, ref]
     for each, sequences in ((1, 2), (1, 40), (2, 2), (32, 2)):
-        padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-            [each] * sequences, 256, [100] * sequences, device="cpu"
-        )
-        q, k, v = _decoding(b=1, mq=each * sequences)
+        lengths = [100] * (sequences - 1) + [256]
+        padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([each] * sequences, 256, lengths)
+        q, k, v = _decoding(b=1, mq=each * sequences, mk=256 * sequences)
         assert fw(fmha.Inputs(q, k, v, padded), False) == splitk_first, (each, sequences)
     tables = torch.zeros(40, 4, dtype=torch.int32)
-    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1] * 40, [100] * 40, tables, 64, device="cpu")
+    paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1] * 40, [256] * 40, tables, 64, device="cpu")
     assert fw(fmha.Inputs(*_decoding(b=1, mq=40), paged), False) == splitk_first
-    padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([33, 1], 256, [100, 256], device="cpu")
-    assert fw(fmha.Inputs(*_decoding(b=1, mq=34), padded), False)[0] is flash3.FwOp, "33 queries a sequence"
+    for each, keys in ((33, 256), (2, 255)):
+        padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([each, 1], 256, [keys, 100])
+        assert fw(fmha.Inputs(*_decoding(b=1, mq=each + 1), padded), False)[0] is flash3.FwOp, (each, keys)
     q, k, v = _decoding(b=1, mq=2)
     packed = ab.BlockDiagonalMask.from_seqlens([1, 1], [256, 256], device="cpu").make_causal_from_bottomright()
     assert fw(fmha.Inputs(q, k, v, packed), False) == [

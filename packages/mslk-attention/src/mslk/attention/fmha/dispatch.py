@@ -133,12 +133,10 @@ def _is_mqa_decoding(inp: Inputs) -> bool:
     if key.dim() <= 3 or key.stride(-2) != 0 or key.shape[-2] <= 1 or query.device.type == "mtia":
         return False
     parallelism = query.shape[0] * query.shape[2]  # B·H, or B·G for BMGHK
-    if key.shape[1] < 256 or parallelism == 0:
-        return False
-    queries = _queries_a_sequence(inp)
+    queries, keys = _a_sequence(inp)
     if rocm_build() or (queries == 1 and not _packed(inp)):
-        return query.shape[1] <= 32 and parallelism < 64
-    return queries <= (32 if query.shape[-1] <= 128 else 16)
+        return query.shape[1] <= 32 and key.shape[1] >= 256 and 0 < parallelism < 64
+    return keys >= 256 and queries <= (32 if query.shape[-1] <= 128 else 16) and parallelism > 0
 
 
 def _packed(inp: Inputs) -> bool:
@@ -146,9 +144,11 @@ def _packed(inp: Inputs) -> bool:
     return hasattr(inp.attn_bias, "q_seqinfo")
 
 
-def _queries_a_sequence(inp: Inputs) -> int:
-    """The most queries a sequence has: Mq, or a packing mask's longest sequence of queries."""
-    return inp.attn_bias.q_seqinfo.max_seqlen if _packed(inp) else inp.query.shape[1]
+def _a_sequence(inp: Inputs) -> tuple[int, int]:
+    """The most queries and keys a sequence has: Mq and Mk, or a packing mask's longest sequences."""
+    if _packed(inp):
+        return inp.attn_bias.q_seqinfo.max_seqlen, inp.attn_bias.k_seqinfo.max_seqlen
+    return inp.query.shape[1], inp.key.shape[1]
 
 
 def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[AttentionFwOpBase]]:
