@@ -270,8 +270,8 @@ def _register_mla():
 
 # Decoding over a KV cache (PERF.md's decode row: B=16, one query, 8192 keys, 32 query heads over 8 KV heads, K=128;
 # "Mq": that many queries a sequence, a speculative step, all seeing every key), the cache dense ([B, L, 8, 4
-# expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffset-
-# PaddedKeysMask). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
+# expanded, K]) or paged (pages of 64 or 256 rows, PagedBlockDiagonalCausalWithOffsetPaddedKeysMask; one query a
+# sequence). `attention_decode` is memory_efficient_attention as called, `triton_splitk_decode` MSLK's split-K
 # kernel pinned. Baselines: SDPA with enable_gqa over the same keys gathered into [B, 8, L, K] beforehand (not timed;
 # a quantized cache's dequantized values, in bf16), and FlexAttention (compiled, enable_gqa) over the same values in
 # its own layout, a pool [1, 8, pages · page, K] read through the page table (a BlockMask whose key blocks are the

@@ -9,13 +9,12 @@ and causal attention of 2^30 to 2^33 scores, where MSLK's Gluon backward comes b
 Decoding with heads expanded over K/V (MQA/GQA, stride 0), few queries and many keys moves triton_splitk first
 (on NVIDIA at any parallelism where sequences have 2 to 32 queries or are packed: _is_mqa_decoding), and on NVIDIA
 with one query a sequence puts cudnn (up to head dim 128) and flash before it unless the mask packs the sequences
-(varlen, paged). Backward, NVIDIA:
-[flash3, cudnn, flash, cutlass]; ROCm: [ck]. MTIA kernels come next where they exist, then MSLK's Triton flash
-attention (`triton_flash`: any GPU Triton runs on, fp32 included, so that GPUs the kernels above do not cover,
-Blackwell's fp32 among them, and deterministic backward passes get a GPU kernel; on Hopper it comes before cutlass
-where measured faster), then MSLK's reference, which serves any device (the CPU path) and so comes last. When
-nothing fits, NotImplementedError lists the inputs and every backend's reasons; a pinned backend that does not fit
-raises ValueError with its reasons.
+(varlen, paged). Backward, NVIDIA: [flash3, cudnn, flash, cutlass]; ROCm: [ck]. MTIA kernels come next where they
+exist, then MSLK's Triton flash attention (`triton_flash`: any GPU Triton runs on, fp32 included, so that GPUs the
+kernels above do not cover, Blackwell's fp32 among them, and deterministic backward passes get a GPU kernel; on
+Hopper it comes before cutlass where measured faster), then MSLK's reference, which serves any device (the CPU path)
+and so comes last. When nothing fits, NotImplementedError lists the inputs and every backend's reasons; a pinned
+backend that does not fit raises ValueError with its reasons.
 """
 
 from __future__ import annotations
