@@ -375,7 +375,7 @@ def test_priority_lists(monkeypatch):
     assert fw(fmha.Inputs(*_decoding(dim=256)), False)[:2] == [flash.FwOp, triton_splitk.FwOp], "cuDNN: K <= 128"
     assert fw(fmha.Inputs(*_decoding(b=8)), False)[0] is flash3.FwOp, "B·H = 64: enough parallelism"
     assert fw(fmha.Inputs(*_decoding(mk=255)), False)[0] is flash3.FwOp
-    # 2 to 32 queries a sequence (16 past head dim 128): split-K first at any parallelism, flash where it was
+    # 2 to 32 queries a sequence (16 past head dim 128): split-K first at any parallelism, the rest in order
     for mq, dim, b in ((2, 64, 2), (4, 128, 64), (32, 128, 8), (16, 256, 8)):
         assert fw(fmha.Inputs(*_decoding(b=b, mq=mq, dim=dim)), False) == [
             triton_splitk.FwOp, flash3.FwOp, cudnn.FwOp, flash.FwOp, cutlass.FwOp, ref
