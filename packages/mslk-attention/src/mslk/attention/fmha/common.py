@@ -488,10 +488,10 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if _bytes_past_16(x) else x
 
 
-def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor) -> bool:
+def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor, heads_shared: bool = False) -> bool:
     """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA); whether
-    it is."""
-    expanded = 0 in x.stride()[:-1]
+    it is. heads_shared: but over its head dim (-2), which a kernel with its own GQA reads once (flash.kv_heads)."""
+    expanded = 0 in x.stride()[: -2 if heads_shared else -1]
     if expanded:
         reasons.append(f"{name} is expanded with a stride of 0 (stride() = {x.stride()})")
     return expanded

@@ -29,7 +29,7 @@ from mslk.attention.fmha.common import (
     check_lastdim_alignment_stride1,
     check_not_expanded,
 )
-from mslk.attention.fmha.flash import _mergeable_heads, kv_heads
+from mslk.attention.fmha.flash import _kv_expanded, _mergeable_heads, kv_heads
 from mslk.core import arch
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -45,16 +45,17 @@ else:
 
 def _kernel_reasons(d: Inputs, reasons: list[str], gqa: bool = False) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
-    8-element aligned rows, square causal masks, real K/V rows (gqa: K/V expanded over the heads count as the
-    one head a group they pass with, flash.kv_heads)."""
+    8-element aligned rows, square causal masks, real K/V rows (gqa: but K/V expanded over the heads, which pass
+    with one head a group, flash.kv_heads)."""
     if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not arch.on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
-    key, value = kv_heads(d) if gqa else (d.key, d.value)
-    for name, t in (("query", d.query), ("key", key), ("value", value)):
+    shared = gqa and _kv_expanded(d)  # (checked as they are: views of one head a call cost 12 us of host time)
+    for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
         check_16_byte_aligned(reasons, name, t)
-        expanded = check_not_expanded(reasons, name, t)
-        if not expanded and t.dim() == 5 and not _mergeable_heads(t):
+        one_head = shared and name != "query"  # (one head a group is mergeable)
+        expanded = check_not_expanded(reasons, name, t, heads_shared=one_head)
+        if not expanded and not one_head and t.dim() == 5 and not _mergeable_heads(t):
             reasons.append(f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3): BMGHK needs mergeable heads")
     if d.attn_bias is not None and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support causal masks if equal number of keys and queries")

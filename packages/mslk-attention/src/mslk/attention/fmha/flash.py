@@ -90,7 +90,9 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
 def kv_heads(d: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as forward kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group)
     where they are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
-    return tuple(t[..., 0, :].unsqueeze(-2) for t in (d.key, d.value)) if _kv_expanded(d) else (d.key, d.value)
+    if not _kv_expanded(d):
+        return d.key, d.value
+    return d.key[..., 0, :].unsqueeze(-2), d.value[..., 0, :].unsqueeze(-2)
 
 
 def _forward_qkv(d: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
