@@ -332,13 +332,16 @@ def test_cutlass_declines_queries_that_see_no_key(monkeypatch):
             assert common.queries_without_keys(inp) == declined, mask
             for op in (cutlass.FwOp, cutlass.BwOp):
                 assert (no_key in op.not_supported_reasons(inp)) == declined, (op, mask)
+        # (the tensors made first: with CUDA "initialized", FakeTensorMode asks the missing driver for the device)
+        captured_varlen = fmha.Inputs(*cuda_qkv(b=1, mq=8, mk=8), varlen.to("cuda"))
+        captured_causal = fmha.Inputs(*cuda_qkv(), ab.LowerTriangularMask())
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(*cuda_qkv(b=1, mq=8, mk=8), varlen.to("cuda"))) == [
+        assert cutlass.FwOp.not_supported_reasons(captured_varlen) == [
             "varlen mask in a CUDA graph capture: in-place updates may leave a sequence without keys, which this "
             "kernel gets wrong"
         ]
-        assert cutlass.FwOp.not_supported_reasons(fmha.Inputs(*cuda_qkv(), ab.LowerTriangularMask())) == []
+        assert cutlass.FwOp.not_supported_reasons(captured_causal) == []
 
 
 # ------------------------------------------------------------------------------------ priority lists
@@ -606,10 +609,12 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         with monkeypatch.context() as compiling:  # Inductor copies misaligned inputs; Dynamo cannot trace the check
             compiling.setattr(torch.compiler, "is_compiling", lambda: True)
             assert cudnn.FwOp.not_supported_reasons(fmha.Inputs(off, k, v)) == []
-        # K/V expanded over the heads (MQA/GQA): the forward reads one head a group (cuDNN's GQA), the backward
-        # declines them; K/V expanded over anything else, or K alone, still get the reason.
-        seen, kernel = [], cudnn.FwOp.OPERATOR
+        # K/V expanded over the heads (MQA/GQA): the forward reads one head a group (cuDNN's GQA), and so does the
+        # backward where autograd sums the heads' gradients (kv_grads_summed: dK/dV a K/V head), else it declines
+        # them; K/V expanded over anything else, or K alone, still get the reason.
+        seen, kernel, kernel_bw = [], cudnn.FwOp.OPERATOR, cudnn.BwOp.OPERATOR
         monkeypatch.setattr(cudnn.FwOp, "OPERATOR", lambda *a, **kw: seen.append(a[:3]) or kernel(*a, **kw))
+        monkeypatch.setattr(cudnn.BwOp, "OPERATOR", lambda *a, **kw: seen.append(a[1:4]) or kernel_bw(*a, **kw))
         for heads in ((4,), (2, 3)):
             q, k, v = cuda_qkv(heads=heads)
             key, value = (t[..., :1, :].expand(t.shape) for t in (k, v))
@@ -619,7 +624,13 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
             out, ctx = cudnn.FwOp.apply(gqa, needs_gradient=True)
             assert out.shape == q.shape and ctx.lse.shape == (2, *heads, 16)
             kv_heads = 1 if len(heads) == 1 else heads[0]
-            assert [t.shape for t in seen.pop()] == [(2, math.prod(heads), 16, 64), *[(2, kv_heads, 16, 64)] * 2]
+            kernel_shapes = [(2, math.prod(heads), 16, 64), *[(2, kv_heads, 16, 64)] * 2]
+            assert [t.shape for t in seen.pop()] == kernel_shapes
+            summed = fmha.Inputs(q, key, value, kv_grads_summed=True)
+            assert cudnn.BwOp.not_supported_reasons(summed) == []
+            grads = cudnn.BwOp.apply(ctx, summed, torch.randn_like(out))
+            assert [t.shape for t in seen.pop()] == kernel_shapes
+            assert grads.dq.shape == q.shape and grads.dk.shape == grads.dv.shape == (*k.shape[:-2], 1, 64)
             for other in ((key, v), (k[:1].expand(k.shape), v[:1].expand(v.shape))):
                 assert "stride of 0" in " ".join(cudnn.FwOp.not_supported_reasons(fmha.Inputs(q, *other)))
         # One query and one key: cuDNN's backward raised a RuntimeError (the H200, torch 2.11); declined instead.

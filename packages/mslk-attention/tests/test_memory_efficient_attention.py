@@ -176,10 +176,48 @@ def test_gqa_and_bmk_gradients():
     testing.assert_rel_close(q.grad, dq, GRAD_TOL)
     testing.assert_rel_close(k_base.grad, dk.sum(3, keepdim=True), GRAD_TOL)
     testing.assert_rel_close(v_base.grad, dv.sum(3, keepdim=True), GRAD_TOL)
+    # Leaves expanded with stride 0 get a gradient a head, as the reference's (no expansion sums them).
+    k_leaf, v_leaf = (t.detach().expand(1, 6, 2, 3, 8).requires_grad_() for t in (k_base, v_base))
+    fmha.memory_efficient_attention(q.detach(), k_leaf, v_leaf, ab.LowerTriangularFromBottomRightMask()).backward(grad)
+    testing.assert_rel_close(k_leaf.grad, dk, GRAD_TOL)
+    testing.assert_rel_close(v_leaf.grad, dv, GRAD_TOL)
     q, k, v = qkv((3, 5, 8), (3, 6, 8), requires_grad=True)
     out = fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularMask())
     out.backward(grad := testing.randn(*out.shape))
     testing.assert_rel_close(k.grad, reference_grads(q, k, v, ab.LowerTriangularMask(), grad)[1], GRAD_TOL)
+
+
+def test_gqa_gradients_reach_what_kv_were_expanded_from():
+    """K/V expanded over the heads from a projection's view, a slice of a fused projection, and a view made a leaf
+    of a tensor without gradient: autograd takes one head (the projection's own view where it can, no zeros filled
+    for the expansion's sum), and every gradient equals the one through K/V copied out a head."""
+    g, h, d = 2, 3, 8
+    x, q = testing.randn(1, 6, 16), testing.randn(1, 4, g, h, d).requires_grad_()
+    w = testing.randn(16, 3 * g * d).requires_grad_()
+    b0 = testing.randn(1, 6, g * d)
+    leaf = b0.view(1, 6, g, 1, d).requires_grad_()  # a view made a leaf: its base gets no gradient
+
+    def kv(pair: int, contiguous: bool) -> list[torch.Tensor]:
+        fused = x @ w
+        k = (x @ w[:, : g * d]).view(1, 6, g, 1, d)  # a projection of K alone, viewed a head a group
+        v = fused[..., g * d : 2 * g * d].view(1, 6, g, 1, d)  # a slice of one fused projection
+        expanded = [t.expand(1, 6, g, h, d) for t in ((k, v), (k, leaf))[pair]]
+        return [t.contiguous() for t in expanded] if contiguous else expanded
+
+    k, v = kv(0, contiguous=False)
+    on_leaf = kv(1, contiguous=False)[1]
+    assert [type(fmha._one_head(t).grad_fn).__name__ for t in (k, v, on_leaf)] == [
+        "ViewBackward0", "SliceBackward0", "SliceBackward0"]  # fmt: skip
+    grad = testing.randn(1, 4, g, h, d)
+    results = []
+    for contiguous in (False, True):
+        for pair in (0, 1):
+            out = fmha.memory_efficient_attention(q, *kv(pair, contiguous), ab.LowerTriangularFromBottomRightMask())
+            out.backward(grad)
+        results.append([t.grad for t in (q, w, leaf)])
+        q.grad = w.grad = leaf.grad = None
+    for got, want, name in zip(*results, ("dq", "dw", "d(leaf)"), strict=True):
+        testing.assert_rel_close(got, want, GRAD_TOL, what=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
@@ -440,6 +478,25 @@ def test_torch_compile_fullgraph():
     testing.assert_rel_close(q.grad, causal_grads[0], GRAD_TOL)
 
 
+def test_torch_compile_gqa_gradients():
+    """K/V expanded over the heads inside a compiled function: autograd takes a head's slice (Dynamo cannot look
+    at what K/V are views of), gradients as in eager mode."""
+
+    def attention(q, k_base, v_base):
+        k, v = (t.expand(1, 6, 2, 3, 8) for t in (k_base, v_base))
+        return fmha.memory_efficient_attention(q, k, v, ab.LowerTriangularFromBottomRightMask())
+
+    leaves = [testing.randn(1, 4, 2, 3, 8), testing.randn(1, 6, 2, 1, 8), testing.randn(1, 6, 2, 1, 8)]
+    leaves = [t.requires_grad_() for t in leaves]
+    grad = testing.randn(1, 4, 2, 3, 8)
+    torch._dynamo.reset()
+    torch.compile(attention, fullgraph=True, backend="aot_eager")(*leaves).backward(grad)
+    compiled = [t.grad for t in leaves]
+    eager = torch.autograd.grad(attention(*leaves), leaves, grad)
+    for got, want, name in zip(compiled, eager, ("dq", "dk", "dv"), strict=True):
+        testing.assert_rel_close(got, want, 1e-6, what=name)
+
+
 def test_dispatch_log(monkeypatch, caplog):
     monkeypatch.setenv("MSLK_FMHA_LOG_DISPATCH", "1")
     q, k, v = qkv((1, 3, 1, 8), (1, 4, 1, 8))
@@ -635,6 +692,37 @@ def test_gpu_expanded_kv_dispatch(case, heads, dtype, head_dim):
     out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v, mask, op=cudnn.FwOp)
     testing.assert_rel_close(out, ref_out)
     testing.assert_rel_close(lse, ref_lse, 1e-5)
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(2, 3), (5,)], ids=["GQA", "MQA"])
+@pytest.mark.parametrize(("mq", "mk", "causal"), [(333, 333, True), (200, 333, False), (1, 77, False)])
+def test_gpu_gqa_training(mq, mk, causal, heads, dtype):
+    """K/V of one head a group expanded over the query heads (non-leaf: autograd sums the heads' gradients): on
+    Hopper the backward is cuDNN's own GQA (dK/dV a K/V head); the dispatched forward and backward match the float64
+    oracle, and a pinned backward without its own GQA gives the same gradients through _fMHA's sum."""
+    q = testing.randn(2, mq, *heads, 128, dtype=dtype, device="cuda").requires_grad_()
+    k_base, v_base = (
+        testing.randn(2, mk, *heads[:-1], 1, 128, dtype=dtype, device="cuda").requires_grad_() for _ in "kv"
+    )
+    mask = ab.LowerTriangularMask() if causal else None
+    grad = testing.randn(2, mq, *heads, 128, dtype=dtype, device="cuda")
+    k, v = (t.expand(2, mk, *heads, 128) for t in (k_base, v_base))
+    want = reference_grads(q, k, v, mask, grad)
+    want = [want[0], *(w.sum(-2, keepdim=True) for w in want[1:])]
+    if arch.capability() == (9, 0):
+        inp = fmha.Inputs(q, k, v, mask, kv_grads_summed=True)
+        assert fmha.dispatch._dispatch_bw(inp, None) is cudnn.BwOp
+    tol = 2 * testing.default_tolerance(dtype)
+    for op in (None, (None, triton_flash.BwOp)):
+        out = fmha.memory_efficient_attention(q, k, v, mask, op=op)
+        testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0], tol)
+        out.backward(grad)
+        for got, w, name in zip((q.grad, k_base.grad, v_base.grad), want, "qkv", strict=True):
+            testing.assert_rel_close(got, w, tol, what=f"d{name} ({op})")
+        q.grad = k_base.grad = v_base.grad = None
 
 
 def _no_key_case(case: str, head_dim: int, dtype: torch.dtype):

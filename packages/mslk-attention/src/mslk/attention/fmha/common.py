@@ -191,7 +191,9 @@ def _stored_bytes(t: torch.Tensor) -> int:
 
 @dataclass
 class Inputs:
-    """The arguments of one attention call. BMK inputs become BMHK (H = 1) in `normalize_bmhk`."""
+    """The arguments of one attention call. BMK inputs become BMHK (H = 1) in `normalize_bmhk`. `kv_grads_summed`:
+    K and V are expanded over the heads with stride 0 and autograd sums their heads' gradients anyway (`_fMHA`), so a
+    backward may return dK and dV summed over the heads that share them ([..., 1, K]), as cuDNN's own GQA does."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -205,6 +207,7 @@ class Inputs:
     quantize_qk_to_fp8: bool = False
     use_fp32_scales: bool = False
     num_splits: int = 0
+    kv_grads_summed: bool = False
 
     @property
     def device(self) -> torch.device:

@@ -10,7 +10,8 @@ BMHK or BMGHK with mergeable heads. The kernels take [B, H, M, K] views of the B
 LSE is [B, H, Mq]. K/V expanded over the query heads with stride 0 (MQA/GQA) reach the forward with one head a
 group (cuDNN's own GQA, which reads each K/V head once: H100, K/V of 8 heads under 32 query heads, decoding 16 x
 8192 keys 0.171 ms against FlashAttention-2's 0.176, prefill B=4 M=4096 1.86 ms against 3.25; RESULTS.md,
-sixty-ninth session); the backward takes no stride-0 K/V.
+sixty-ninth session); so do they to the backward where autograd sums their heads' gradients anyway
+(`Inputs.kv_grads_summed`), which returns dK/dV a K/V head; otherwise it takes no stride-0 K/V.
 """
 
 from __future__ import annotations
@@ -127,14 +128,15 @@ class BwOp(AttentionBwOpBase):
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
-        reasons = _kernel_reasons(d, super().not_supported_reasons(d))
+        reasons = _kernel_reasons(d, super().not_supported_reasons(d), gqa=d.kv_grads_summed)
         if d.query.shape[1] == d.key.shape[1] == 1:  # (cuDNN frontend's words: it raised them as a RuntimeError)
             reasons.append("s_q = s_kv = 1 is not supported")
         return reasons
 
     @classmethod
     def apply(cls, ctx: Context, inp: Inputs, grad: torch.Tensor) -> Gradients:
-        q, k, v = (_bhmk(t) for t in (inp.query, inp.key, inp.value))
+        key, value = kv_heads(inp) if inp.kv_grads_summed else (inp.key, inp.value)
+        q, k, v = (_bhmk(t) for t in (inp.query, key, value))
         # The kernel reads out and grad in one layout, in query's dtype (a merged partial's are fp32), 16-byte aligned.
         out, grad = (_bhmk(aligned(t.to(inp.query.dtype).contiguous())) for t in (ctx.out, grad))
         lse = (ctx.lse.flatten(1, 2) if ctx.lse.dim() == 4 else ctx.lse)[..., : q.shape[2], None].float()
@@ -144,4 +146,4 @@ class BwOp(AttentionBwOpBase):
             grad, q, k, v, out, lse.contiguous(), seed, offset, None, None, None, mq, mk, 0.0,
             inp.attn_bias is not None, scale=inp.scale_float,
         )  # fmt: skip
-        return Gradients(*(_bmhk(t, inp.query) for t in (dq, dk, dv)))
+        return Gradients(_bmhk(dq, inp.query), _bmhk(dk, key), _bmhk(dv, value))
