@@ -497,6 +497,27 @@ def test_torch_compile_gqa_gradients():
         testing.assert_rel_close(got, want, 1e-6, what=name)
 
 
+def test_bench_gqa_row_compares_like_with_like():
+    """The bench's GQA row: MSLK (K/V expanded over the query heads, BMGHK) and SDPA's enable_gqa get the same
+    tensors and agree on the output and on every gradient (K/V's a K/V head); the CPU runs SDPA's math backend."""
+    from torch.nn.attention import SDPBackend
+
+    from mslk.attention import bench
+
+    s = {"B": 2, "M": 7, "H": 6, "Hkv": 2, "K": 16, "mask": "causal"}
+    inputs = bench._inputs(s, torch.device("cpu"), requires_grad=True)
+    q, k, v, _, flex_kwargs, grad = inputs
+    assert k.shape == v.shape == (2, 7, 2, 16) and flex_kwargs["enable_gqa"]
+    results = []
+    for run in (bench._mslk(None), bench._sdpa(SDPBackend.MATH)):
+        out = run(inputs)
+        out.backward(grad)
+        results.append([out, *(t.grad for t in (q, k, v))])
+        q.grad = k.grad = v.grad = None
+    for got, want, name in zip(*results, ("output", "dq", "dk", "dv"), strict=True):
+        testing.assert_rel_close(got, want, 1e-2, what=name)  # (bf16)
+
+
 def test_dispatch_log(monkeypatch, caplog):
     monkeypatch.setenv("MSLK_FMHA_LOG_DISPATCH", "1")
     q, k, v = qkv((1, 3, 1, 8), (1, 4, 1, 8))

@@ -32,6 +32,9 @@ DENSE = [
     {"B": 2, "M": 4096, "H": 16, "K": 256, "mask": "causal"},
     {"B": 16, "M": 1024, "H": 16, "K": 128, "mask": "none"},
     {"B": 1, "M": 32768, "H": 16, "K": 128, "mask": "causal"},
+    # GQA (Llama-3 70B's 64 query heads over 8 K/V heads, a shard of two): K/V [B, M, Hkv, K], expanded over the
+    # query heads for MSLK (BMGHK), SDPA's and FlexAttention's enable_gqa for the baselines.
+    {"B": 4, "M": 4096, "H": 32, "Hkv": 8, "K": 128, "mask": "causal"},
 ]
 # Masks cuDNN cannot take: FlexAttention with the same mask is the comparison (PERF.md); "bias" adds a tensor
 # [B, H, M, M] to the scores (a score_mod for FlexAttention).
@@ -97,12 +100,15 @@ def _compiled_flex():
 
 
 def _inputs(s: dict, device: torch.device, requires_grad: bool):
-    """q, k, v [B, M, H, K] bf16, the MSLK mask, FlexAttention's keyword arguments for the same mask (block_mask,
-    or score_mod adding the tensor bias), and the output gradient."""
+    """q [B, M, H, K], k, v [B, M, Hkv, K] bf16 (Hkv = H unless the shape says), the MSLK mask, FlexAttention's
+    keyword arguments for the same mask (block_mask, or score_mod adding the tensor bias), and the output gradient."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     shape = (s["B"], s["M"], s["H"], s["K"])
-    q, k, v = (testing.randn(*shape, dtype=torch.bfloat16, device=device).requires_grad_(requires_grad) for _ in "qkv")
+    q, k, v = (
+        testing.randn(*shape[:2], heads, s["K"], dtype=torch.bfloat16, device=device).requires_grad_(requires_grad)
+        for heads in (s["H"], s.get("Hkv", s["H"]), s.get("Hkv", s["H"]))
+    )
     bias = _attn_bias(s, device)
     mod = _mask_mod(s)
     flex_kwargs = {}
@@ -110,6 +116,8 @@ def _inputs(s: dict, device: torch.device, requires_grad: bool):
         flex_kwargs["block_mask"] = create_block_mask(mod, None, None, s["M"], s["M"], device=device)
     if isinstance(bias, torch.Tensor):
         flex_kwargs["score_mod"] = lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
+    if "Hkv" in s:
+        flex_kwargs["enable_gqa"] = True
     grad = testing.randn(*shape, dtype=torch.bfloat16, device=device)
     return q, k, v, bias, flex_kwargs, grad
 
@@ -121,8 +129,9 @@ def _sdpa(backend):
         q, k, v, bias, _, _ = i
         with sdpa_kernel(backend):
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=bias is not None
-            )
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=bias is not None,
+                enable_gqa=k.shape[2] != q.shape[2],
+            )  # fmt: skip
         return out.transpose(1, 2)
 
     return call
@@ -146,10 +155,18 @@ def _backward(forward):
     return call
 
 
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, M, H, K] and K/V of fewer heads as MSLK takes GQA: BMGHK, K/V's G heads expanded over H / G each."""
+    if k.shape[2] == q.shape[2]:
+        return q, k, v
+    q = q.unflatten(2, (k.shape[2], -1))
+    return q, *(t.unsqueeze(3).expand(*q.shape[:-1], t.shape[-1]) for t in (k, v))
+
+
 def _mslk_forward(fw_op):
     def call(i):
         q, k, v, bias, _, _ = i
-        return fmha.memory_efficient_attention_forward(q, k, v, attn_bias=bias, op=fw_op)
+        return fmha.memory_efficient_attention_forward(*_grouped(q, k, v), attn_bias=bias, op=fw_op).flatten(2, -2)
 
     return call
 
@@ -157,7 +174,7 @@ def _mslk_forward(fw_op):
 def _mslk(ops):
     def call(i):
         q, k, v, bias, _, _ = i
-        return fmha.memory_efficient_attention(q, k, v, attn_bias=bias, op=ops)
+        return fmha.memory_efficient_attention(*_grouped(q, k, v), attn_bias=bias, op=ops).flatten(2, -2)
 
     return call
 
