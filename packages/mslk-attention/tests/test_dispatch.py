@@ -639,6 +639,17 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         assert cudnn.BwOp.not_supported_reasons(single) == ["s_q = s_kv = 1 is not supported"]
 
 
+def test_gqa_training_backward_on_faked_gpu(monkeypatch):
+    """GQA training on Hopper: K/V expanded over the heads whose gradients autograd sums (kv_grads_summed) go to
+    cuDNN's own GQA backward; expanded leaves, which get a gradient a head, to MSLK's Triton backward."""
+    with fake_gpu(monkeypatch):
+        q, k, v = cuda_qkv(heads=(8, 4), k=128, dtype=torch.bfloat16)
+        key, value = (t[..., :1, :].expand(t.shape) for t in (k, v))
+        for summed, backward in ((True, cudnn.BwOp), (False, triton_flash.BwOp)):
+            inp = fmha.Inputs(q, key, value, ab.LowerTriangularMask(), kv_grads_summed=summed)
+            assert dispatch._dispatch_bw(inp, None) is backward, summed
+
+
 def test_alignment_read_from_the_data_pointer():
     """A buffer that starts off a 16-byte boundary (torch.frombuffer, DLPack) has storage offset 0, yet the kernels
     that read 16 bytes at a time get the reason, and the backward's out and grad an aligned copy."""
