@@ -105,9 +105,10 @@ def _inputs(s: dict, device: torch.device, requires_grad: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
     shape = (s["B"], s["M"], s["H"], s["K"])
+    kv_heads = s.get("Hkv", s["H"])
     q, k, v = (
         testing.randn(*shape[:2], heads, s["K"], dtype=torch.bfloat16, device=device).requires_grad_(requires_grad)
-        for heads in (s["H"], s.get("Hkv", s["H"]), s.get("Hkv", s["H"]))
+        for heads in (s["H"], kv_heads, kv_heads)
     )
     bias = _attn_bias(s, device)
     mod = _mask_mod(s)

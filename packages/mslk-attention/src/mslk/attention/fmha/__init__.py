@@ -320,12 +320,15 @@ def _one_head(t: torch.Tensor) -> torch.Tensor:
     return head
 
 
-def _kv_over_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, one_head: bool):
+def _kv_over_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, one_head: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as the kernels take them: one head's slices (`_kv_grads_summable`) expanded over query's heads again,
     out of autograd's sight, or as they are."""
     if not one_head:
         return key, value
-    return (t.expand(*t.shape[:-2], query.shape[-2], t.shape[-1]) for t in (key, value))
+    key, value = (t.expand(*t.shape[:-2], query.shape[-2], t.shape[-1]) for t in (key, value))
+    return key, value
 
 
 def _requires_grad(inp: Inputs) -> bool:
