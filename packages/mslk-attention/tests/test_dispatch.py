@@ -195,7 +195,7 @@ def test_generic_reasons_on_cpu():
         "quantized inputs (int32 K/V, FP8 scales or quantize_*_to_fp8) not supported"
     ]
     q5 = q[:, :, None]
-    assert "operator does not support BMGHK format" in flash.BwOp.not_supported_reasons(fmha.Inputs(q5, q5, q5))
+    assert "operator does not support BMGHK format" in cutlass.BwOp.not_supported_reasons(fmha.Inputs(q5, q5, q5))
     not_built = ck.FwOp.not_supported_reasons(fmha.Inputs(q, k, v))
     assert not_built[-2:] == ["operator wasn't built", ck.FwOp.NOT_BUILT_REASON]
 
@@ -648,6 +648,23 @@ def test_gqa_training_backward_on_faked_gpu(monkeypatch):
         for summed, backward in ((True, cudnn.BwOp), (False, triton_flash.BwOp)):
             inp = fmha.Inputs(q, key, value, ab.LowerTriangularMask(), kv_grads_summed=summed)
             assert dispatch._dispatch_bw(inp, None) is backward, summed
+    with fake_gpu(monkeypatch, capability=(8, 0)):
+        # Before Hopper, FlashAttention-2's own GQA where gradients a K/V head will do; expanded leaves of BMGHK,
+        # which get a gradient a query head, are not mergeable into its one head dim (nor does cutlass read stride 0):
+        # MSLK's Triton backward serves them.
+        q, k, v = cuda_qkv(heads=(8, 4), k=128, dtype=torch.bfloat16)
+        key, value = (t[..., :1, :].expand(t.shape) for t in (k, v))
+        for summed, backward in ((True, flash.BwOp), (False, triton_flash.BwOp)):
+            inp = fmha.Inputs(q, key, value, ab.LowerTriangularMask(), kv_grads_summed=summed)
+            assert dispatch._dispatch_bw(inp, None) is backward, summed
+        unmerged = fmha.Inputs(q, key, value, ab.LowerTriangularMask())
+        assert flash.BwOp.not_supported_reasons(unmerged) == [
+            f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3) ({name}.stride() = (65536, 4096, 512, 0, 1)): "
+            "BMGHK needs G and H mergeable into one head dim (or K/V expanded over H with stride 0, in a backward "
+            "where autograd sums their heads' gradients)"
+            for name in ("key", "value")
+        ]
+        assert flash.BwOp.not_supported_reasons(fmha.Inputs(q, k, v, ab.LowerTriangularMask())) == [], "BMGHK"
 
 
 def test_alignment_read_from_the_data_pointer():

@@ -11,7 +11,7 @@ import torch
 
 from mslk.attention import fmha
 from mslk.attention.fmha import attn_bias as ab
-from mslk.attention.fmha import cudnn, cutlass, torch_reference, triton_flash
+from mslk.attention.fmha import cudnn, cutlass, flash, torch_reference, triton_flash
 from mslk.attention.fmha.attn_bias_utils import MASK_CLASSES, create_attn_bias
 from mslk.attention.fmha.reference import attention_reference
 from mslk.core import arch, testing
@@ -719,25 +719,29 @@ def test_gpu_expanded_kv_dispatch(case, heads, dtype, head_dim):
 @testing.skipUnlessCuda()
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(2, 3), (5,)], ids=["GQA", "MQA"])
-@pytest.mark.parametrize(("mq", "mk", "causal"), [(333, 333, True), (200, 333, False), (1, 77, False)])
-def test_gpu_gqa_training(mq, mk, causal, heads, dtype):
+@pytest.mark.parametrize(
+    ("mq", "mk", "mask"), [(333, 333, "causal"), (200, 333, None), (1, 77, None), (333, 333, "window")]
+)
+def test_gpu_gqa_training(mq, mk, mask, heads, dtype):
     """K/V of one head a group expanded over the query heads (non-leaf: autograd sums the heads' gradients): on
-    Hopper the backward is cuDNN's own GQA (dK/dV a K/V head); the dispatched forward and backward match the float64
-    oracle, and a pinned backward without its own GQA gives the same gradients through _fMHA's sum."""
+    Hopper the backward of dense and causal attention is cuDNN's own GQA (dK/dV a K/V head); the dispatched forward
+    and backward match the float64 oracle, as do FlashAttention-2's own GQA pinned and a pinned backward without its
+    own GQA (its gradients summed by _fMHA)."""
     q = testing.randn(2, mq, *heads, 128, dtype=dtype, device="cuda").requires_grad_()
     k_base, v_base = (
         testing.randn(2, mk, *heads[:-1], 1, 128, dtype=dtype, device="cuda").requires_grad_() for _ in "kv"
     )
-    mask = ab.LowerTriangularMask() if causal else None
+    window = ab.LowerTriangularFromBottomRightLocalAttentionMask(64)
+    mask = {"causal": ab.LowerTriangularMask(), "window": window}.get(mask)
     grad = testing.randn(2, mq, *heads, 128, dtype=dtype, device="cuda")
     k, v = (t.expand(2, mk, *heads, 128) for t in (k_base, v_base))
     want = reference_grads(q, k, v, mask, grad)
     want = [want[0], *(w.sum(-2, keepdim=True) for w in want[1:])]
-    if arch.capability() == (9, 0):
+    if arch.capability() == (9, 0) and mask is not window:
         inp = fmha.Inputs(q, k, v, mask, kv_grads_summed=True)
         assert fmha.dispatch._dispatch_bw(inp, None) is cudnn.BwOp
     tol = 2 * testing.default_tolerance(dtype)
-    for op in (None, (None, triton_flash.BwOp)):
+    for op in (None, (None, triton_flash.BwOp), (flash.FwOp, flash.BwOp)):
         out = fmha.memory_efficient_attention(q, k, v, mask, op=op)
         testing.assert_rel_close(out, attention_reference(q, k, v, mask)[0], tol)
         out.backward(grad)

@@ -58,9 +58,9 @@ def _kv_expanded(d: Inputs) -> bool:
     return d.key.stride(-2) == 0 and d.value.stride(-2) == 0
 
 
-def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
+def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> list[str]:
     """The kernel's own limits: 8-element loads from 16-byte aligned operands, bottom-right causality, BMGHK head
-    merging."""
+    merging (one_head_a_group: K/V expanded over H pass as one head a group, kv_heads)."""
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
         check_16_byte_aligned(reasons, name, t)
@@ -77,12 +77,14 @@ def _kernel_reasons(d: Inputs, reasons: list[str]) -> list[str]:
     elif isinstance(bias, ab.LowerTriangularMask) and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support LowerTriangularMask if equal number of keys and queries")
     if d.query.dim() == 5:
-        merged = (("query", d.query),) if _kv_expanded(d) else (("query", d.query), ("key", d.key), ("value", d.value))
+        shared = one_head_a_group and _kv_expanded(d)
+        merged = (("query", d.query),) if shared else (("query", d.query), ("key", d.key), ("value", d.value))
         for name, t in merged:
             if not _mergeable_heads(t):
                 reasons.append(
                     f"{name}.stride(2) != {name}.shape[3] * {name}.stride(3) ({name}.stride() = {t.stride()}): BMGHK "
-                    "needs G and H mergeable into one head dim (or K/V expanded over H with stride 0)"
+                    "needs G and H mergeable into one head dim (or K/V expanded over H with stride 0, in a backward "
+                    "where autograd sums their heads' gradients)"
                 )
     return reasons
 
@@ -95,13 +97,14 @@ def kv_heads(d: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return d.key[..., 0, :].unsqueeze(-2), d.value[..., 0, :].unsqueeze(-2)
 
 
-def _forward_qkv(d: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as the forward kernel takes them: K/V with one head a group (kv_heads), BMGHK merged into G·H query
-    heads (and G K/V heads)."""
-    q, (k, v) = d.query, kv_heads(d)
-    if q.dim() == 5:
-        q, k, v = (t.flatten(2, 3) for t in (q, k, v))
-    return q, k, v
+def _merged_heads(query: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """BMGHK tensors with G and H merged into one head dim (as FlashAttention-2 takes them), BMHK ones as they are."""
+    return [t.flatten(2, 3) for t in tensors] if query.dim() == 5 else list(tensors)
+
+
+def _split_heads(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A kernel's [B, M, G·H, K] result back as `like`'s BMGHK [B, M, G, H, K] (BMHK as it is)."""
+    return t.unflatten(2, like.shape[2:4]) if like.dim() == 5 else t
 
 
 def _kernel_layout(inp: Inputs, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -139,7 +142,7 @@ class FwOp(AttentionFwOpBase):
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
-        return _kernel_reasons(d, super().not_supported_reasons(d))
+        return _kernel_reasons(d, super().not_supported_reasons(d), one_head_a_group=True)
 
     @classmethod
     def apply(cls, inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
@@ -147,11 +150,13 @@ class FwOp(AttentionFwOpBase):
         varlen = varlen_args(inp.attn_bias)
         if varlen is not None and varlen.seqlen_k is not None:
             kwargs["seqused_k"] = varlen.seqlen_k
-        out, lse, rng_state, unused, _ = cls.OPERATOR(*_kernel_layout(inp, *_forward_qkv(inp)), *args, False, **kwargs)
+        qkv = _merged_heads(inp.query, inp.query, *kv_heads(inp))
+        out, lse, rng_state, unused, _ = cls.OPERATOR(*_kernel_layout(inp, *qkv), *args, False, **kwargs)
         if varlen is not None:  # [ΣM, heads, Kv] and LSE [heads, ΣM]
             out, lse = out[None], lse[None]
+        out = _split_heads(out, inp.query)
         if inp.query.dim() == 5:
-            out, lse = out.unflatten(2, inp.query.shape[2:4]), lse.unflatten(1, inp.query.shape[2:4])
+            lse = lse.unflatten(1, inp.query.shape[2:4])
         if not needs_gradient:
             return out, None
         ctx = Context(lse=lse, out=out)
@@ -161,7 +166,10 @@ class FwOp(AttentionFwOpBase):
 
 
 class BwOp(AttentionBwOpBase):
-    """PyTorch's FlashAttention-2 backward (non-deterministic: dQ is accumulated with atomics)."""
+    """PyTorch's FlashAttention-2 backward (non-deterministic: dQ is accumulated with atomics). K/V expanded over the
+    query heads with stride 0 reach it with one head a group where autograd sums their heads' gradients anyway
+    (`Inputs.kv_grads_summed`): its own GQA returns dK/dV a K/V head. Otherwise it gives them a gradient a query head
+    (BMHK; BMGHK needs mergeable heads)."""
 
     OPERATOR = torch.ops.aten._flash_attention_backward if _NOT_BUILT_REASON is None else None
     NOT_BUILT_REASON = _NOT_BUILT_REASON or ""
@@ -174,10 +182,11 @@ class BwOp(AttentionBwOpBase):
     SUPPORTS_DROPOUT = True
     SUPPORTS_CUSTOM_SCALE = True
     IS_DETERMINISTIC = False
+    SUPPORTS_BMGHK = True
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
-        reasons = _kernel_reasons(d, super().not_supported_reasons(d))
+        reasons = _kernel_reasons(d, super().not_supported_reasons(d), one_head_a_group=d.kv_grads_summed)
         if d.device.type == "cuda" and d.p != 0.0 and d.query.shape[-1] > 224:
             if arch.capability(d.device) not in ((8, 0), (9, 0)):
                 reasons.append(
@@ -194,11 +203,14 @@ class BwOp(AttentionBwOpBase):
         else:  # no dropout: the kernel reads neither
             rng_state = torch.empty(2, dtype=torch.int64, device=inp.device)
             unused = torch.empty((), dtype=torch.int64, device=inp.device)
-        lse = ctx.lse[0] if varlen_args(inp.attn_bias) is not None else ctx.lse
+        lse = ctx.lse.flatten(1, 2) if inp.query.dim() == 5 else ctx.lse
+        lse = lse[0] if varlen_args(inp.attn_bias) is not None else lse
+        key, value = kv_heads(inp) if inp.kv_grads_summed else (inp.key, inp.value)
         # The kernel takes out and grad in query's dtype (a merged partial's are fp32).
-        out, grad = aligned(ctx.out.to(inp.query.dtype)), aligned(grad.to(inp.query.dtype))
-        q, k, v, out, grad = _kernel_layout(inp, inp.query, inp.key, inp.value, out, grad)
+        out, grad = (aligned(t.to(inp.query.dtype)) for t in (ctx.out, grad))
+        tensors = _merged_heads(inp.query, inp.query, key, value, out, grad)
+        q, k, v, out, grad = _kernel_layout(inp, *tensors)
         dq, dk, dv = cls.OPERATOR(grad, q, k, v, out, lse.contiguous(), *args, rng_state, unused, **kwargs)
         if varlen_args(inp.attn_bias) is not None:
             dq, dk, dv = dq[None], dk[None], dv[None]
-        return Gradients(dq, dk, dv)
+        return Gradients(_split_heads(dq, inp.query), _split_heads(dk, key), _split_heads(dv, value))
