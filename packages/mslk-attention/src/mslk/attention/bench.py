@@ -40,6 +40,7 @@ DENSE = [
 # [B, H, M, M] to the scores (a score_mod for FlexAttention).
 SPARSE = [
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "window", "window": 4096},
+    {"B": 1, "M": 16384, "H": 32, "Hkv": 8, "K": 128, "mask": "window", "window": 4096},  # Mistral-7B's GQA window
     {"B": 2, "M": 4096, "H": 16, "K": 128, "mask": "bias"},
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "varlen", "seqlen": 512},
     {"B": 1, "M": 16384, "H": 16, "K": 128, "mask": "varlen", "seqlen": 2048},
