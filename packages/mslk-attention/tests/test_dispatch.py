@@ -639,6 +639,55 @@ def test_cudnn_kernel_calls_on_faked_gpu(monkeypatch):
         assert cudnn.BwOp.not_supported_reasons(single) == ["s_q = s_kv = 1 is not supported"]
 
 
+def test_triton_before_flash_on_faked_gpu(monkeypatch):
+    """On Hopper, what cuDNN declines and FlashAttention-2 takes (windows, varlen, bottom-right causality over more
+    keys than queries) goes to MSLK's kernels where they are measured faster: forwards at head dims 64-256, training
+    at 64 and 128, sequences of 128 queries or more, 2^27 scores or more unless a CUDA graph is being captured; not
+    with dropout, at other head dims or before Hopper."""
+    window = ab.LowerTriangularFromBottomRightLocalAttentionMask(1024)
+    varlen_masks = {  # (made before faking: their metadata is read from real tensors)
+        (n, each): ab.BlockDiagonalCausalMask.from_seqlens([each] * n, device="cpu")
+        for n, each in ((8, 2048), (32, 512), (256, 64))
+    }
+
+    def varlen(sequences, each):
+        return varlen_masks[sequences, each].to("cuda")
+
+    def inputs(mask, b=4, mq=4096, mk=4096, heads=(16,), k=128, p=0.0, dtype=torch.bfloat16):
+        return fmha.Inputs(*cuda_qkv(b=b, mq=mq, mk=mk, heads=heads, k=k, dtype=dtype), mask, p)
+
+    def chosen(inp):
+        """(the forward alone, the forward and the backward of training)"""
+        return dispatch._dispatch_fw(inp, False), dispatch._dispatch_fw(inp, True), dispatch._dispatch_bw(inp, None)
+
+    triton_ops = (triton_flash.FwOp, triton_flash.FwOp, triton_flash.BwOp)
+    flash_ops = (flash.FwOp, flash.FwOp, flash.BwOp)
+    with fake_gpu(monkeypatch):
+        for inp, why in (
+            (inputs(window), "window"),
+            (inputs(window, k=64, dtype=torch.float16), "window, head dim 64, fp16"),
+            (inputs(ab.LocalAttentionFromBottomRightMask(512, 512)), "local"),
+            (inputs(window, heads=(8, 4)), "GQA"),
+            (inputs(ab.LowerTriangularFromBottomRightMask(), mq=1024), "bottom-right, more keys than queries"),
+            (inputs(varlen(8, 2048), b=1, mq=16384, mk=16384), "varlen 8 x 2048"),
+        ):
+            assert chosen(inp) == triton_ops, why
+        for inp, why in (
+            (inputs(window, p=0.1), "dropout"),
+            (inputs(window, k=96), "head dim 96"),
+            (inputs(varlen(32, 512), b=1, mq=16384, mk=16384), "varlen 32 x 512: 2^26 scores, the host's time decides"),
+            (inputs(window, b=1, heads=(4,)), "2^24 scores"),
+            (inputs(varlen(256, 64), b=1, mq=16384, mk=16384, heads=(256,)), "sequences of 64 queries"),
+        ):
+            assert chosen(inp) == flash_ops, why
+        wide = inputs(window, b=2, k=256)
+        assert chosen(wide) == (triton_flash.FwOp, flash.FwOp, flash.BwOp), "forward alone at head dim 256"
+        monkeypatch.setattr(triton_flash, "capturing_cuda_graph", lambda inp: True)
+        assert chosen(inputs(varlen(32, 512), b=1, mq=16384, mk=16384)) == triton_ops, "captured: the kernels decide"
+    with fake_gpu(monkeypatch, capability=(8, 0)):
+        assert chosen(inputs(window)) == flash_ops, "Hopper only"
+
+
 def test_gqa_training_backward_on_faked_gpu(monkeypatch):
     """GQA training on Hopper: K/V expanded over the heads whose gradients autograd sums (kv_grads_summed) go to
     cuDNN's own GQA backward; expanded leaves, which get a gradient a head, to MSLK's Triton backward."""

@@ -170,7 +170,16 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
     ops = _with_triton_flash(ops, triton_flash.FwOp, cutlass.FwOp, inp.device.type, first)
     if first and cudnn.FwOp in ops and triton_flash.gluon_forward_before_cudnn(inp):
         _move_before(ops, triton_flash.FwOp, cudnn.FwOp)
+    elif _triton_flash_before_flash(ops, triton_flash.FwOp, flash.FwOp, inp, needs_gradient):
+        _move_before(ops, triton_flash.FwOp, flash.FwOp)
     return [*ops, torch_reference.FwOp]
+
+
+def _triton_flash_before_flash(ops: list, op: type[AttentionOpBase], flash_op: type[AttentionOpBase], inp: Inputs,
+                               needs_gradient: bool) -> bool:  # fmt: skip
+    """Whether MSLK's Triton kernel `op` moves before FlashAttention-2's `flash_op` in ops (both there, after
+    cuDNN's): where it is measured faster (triton_flash.before_flash)."""
+    return op in ops and flash_op in ops and triton_flash.before_flash(inp, needs_gradient)
 
 
 def _move_before(ops: list, op: type[AttentionOpBase], other: type[AttentionOpBase]) -> None:
@@ -229,6 +238,8 @@ def _dispatch_bw(inp: Inputs, varlen_lse_packed: bool | None) -> type[AttentionB
     ops = _dispatch_bw_priority_list(inp.device.type, first)
     if first and cudnn.BwOp in ops and triton_flash.gluon_backward_before_cudnn(inp):
         _move_before(ops, triton_flash.BwOp, cudnn.BwOp)
+    elif _triton_flash_before_flash(ops, triton_flash.BwOp, flash.BwOp, inp, needs_gradient=True):
+        _move_before(ops, triton_flash.BwOp, flash.BwOp)
     extra_reasons = {}
     if varlen_lse_packed is not None:
         layout = "packed" if varlen_lse_packed else "padded"

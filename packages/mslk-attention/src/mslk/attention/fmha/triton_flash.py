@@ -49,6 +49,7 @@ from mslk.attention.fmha.common import (
     Inputs,
     VarlenArgs,
     bias_types,
+    capturing_cuda_graph,
     causal_window,
     tensor_bias,
     varlen_args,
@@ -1117,6 +1118,44 @@ def gluon_backward_before_cudnn(inp: Inputs) -> bool:
 
     q, k, v = _five_dim_views(inp)
     return triton_flash_hopper.supports(q, k, v, q, pointers=False)
+
+
+# Where MSLK's kernels are measured faster than FlashAttention-2's, which serves what cuDNN's decline (H100, bf16 and
+# fp16; RESULTS.md, seventy-first session): sliding windows, varlen, bottom-right causality over more keys than
+# queries, GQA with those, forward 1.08-2.22x at head dims 64-256, forward + backward 1.06-1.80x at 64 and 128 (0.97x:
+# varlen at 64). Not: forward + backward at head dim 256 (0.75x), dropout (0.34-0.46x: the Triton kernel's RNG), and
+# eager calls under about 2^27 scores, where the host's time decides (varlen 32 x 512 x 16 heads: forward 0.92x,
+# forward + backward 0.71x; in a CUDA graph the forward 1.54x).
+_BEFORE_FLASH_HEAD_DIMS = {False: (64, 128, 256), True: (64, 128)}  # by needs_gradient
+_BEFORE_FLASH_MIN_QUERIES = 128  # a sequence, on average: not decoding
+_BEFORE_FLASH_MIN_SCORES = 2**27
+
+
+def before_flash(inp: Inputs, needs_gradient: bool) -> bool:
+    """Whether MSLK's kernels come before FlashAttention-2's for these inputs (the dispatcher asks for the inputs
+    cuDNN's decline): Hopper, 16-bit, no dropout, the head dims measured, sequences of _BEFORE_FLASH_MIN_QUERIES
+    queries or more, _BEFORE_FLASH_MIN_SCORES scores or more unless a CUDA graph is being captured."""
+    q = inp.query
+    if inp.p > 0.0 or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != inp.value.shape[-1]:
+        return False
+    if q.shape[-1] not in _BEFORE_FLASH_HEAD_DIMS[needs_gradient] or not arch.on_hopper(q):
+        return False
+    sequences = len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen_args(inp.attn_bias) is not None else 1
+    if q.shape[1] < _BEFORE_FLASH_MIN_QUERIES * sequences:
+        return False
+    return capturing_cuda_graph(inp) or _scores(inp, sequences) >= _BEFORE_FLASH_MIN_SCORES
+
+
+def _scores(inp: Inputs, sequences: int) -> float:
+    """About how many scores the mask keeps over all (batch x head) pairs, from the shapes: the queries, each seeing
+    its sequence's keys (on average), half of them under causality, at most its window's."""
+    keys = inp.key.shape[1] / sequences
+    causal, window_left, window_right = causal_window(inp.attn_bias)
+    if window_left >= 0:
+        keys = min(keys, window_left + 1 + max(window_right, 0))
+    elif causal is not None:
+        keys /= 2
+    return _pairs(inp.query) * inp.query.shape[1] * keys
 
 
 def _pairs(q: torch.Tensor) -> int:
