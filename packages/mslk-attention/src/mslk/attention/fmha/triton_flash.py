@@ -1143,10 +1143,10 @@ def before_flash(inp: Inputs, needs_gradient: bool) -> bool:
     sequences = len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen_args(inp.attn_bias) is not None else 1
     if q.shape[1] < _BEFORE_FLASH_MIN_QUERIES * sequences:
         return False
-    return capturing_cuda_graph(inp) or _scores(inp, sequences) >= _BEFORE_FLASH_MIN_SCORES
+    return capturing_cuda_graph(inp) or _visible_scores(inp, sequences) >= _BEFORE_FLASH_MIN_SCORES
 
 
-def _scores(inp: Inputs, sequences: int) -> float:
+def _visible_scores(inp: Inputs, sequences: int) -> float:
     """About how many scores the mask keeps over all (batch x head) pairs, from the shapes: the queries, each seeing
     its sequence's keys (on average), half of them under causality, at most its window's."""
     keys = inp.key.shape[1] / sequences
