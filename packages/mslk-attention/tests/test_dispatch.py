@@ -680,6 +680,8 @@ def test_triton_before_flash_on_faked_gpu(monkeypatch):
             (inputs(varlen(256, 64), b=1, mq=16384, mk=16384, heads=(256,)), "sequences of 64 queries"),
         ):
             assert chosen(inp) == flash_ops, why
+        bias = torch.randn(4, 16, 4096, 4096, device="cuda", dtype=torch.bfloat16)
+        assert chosen(inputs(bias, k=64))[1:] == (cutlass.FwOp, cutlass.BwOp), "what FA2 declines keeps its order"
         wide = inputs(window, b=2, k=256)
         assert chosen(wide) == (triton_flash.FwOp, flash.FwOp, flash.BwOp), "forward alone at head dim 256"
         monkeypatch.setattr(triton_flash, "capturing_cuda_graph", lambda inp: True)

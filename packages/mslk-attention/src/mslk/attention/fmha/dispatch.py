@@ -178,8 +178,9 @@ def _dispatch_fw_priority_list(inp: Inputs, needs_gradient: bool) -> list[type[A
 def _triton_flash_before_flash(ops: list, op: type[AttentionOpBase], flash_op: type[AttentionOpBase], inp: Inputs,
                                needs_gradient: bool) -> bool:  # fmt: skip
     """Whether MSLK's Triton kernel `op` moves before FlashAttention-2's `flash_op` in ops (both there, after
-    cuDNN's): where it is measured faster (triton_flash.before_flash)."""
-    return op in ops and flash_op in ops and triton_flash.before_flash(inp, needs_gradient)
+    cuDNN's): where it is measured faster (triton_flash.before_flash) than FlashAttention-2 serving these inputs
+    (what it declines keeps the order the lists give, where `cutlass` may come before MSLK's kernel)."""
+    return op in ops and flash_op in ops and triton_flash.before_flash(inp, needs_gradient) and flash_op.supports(inp)
 
 
 def _move_before(ops: list, op: type[AttentionOpBase], other: type[AttentionOpBase]) -> None:
