@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mslk.attention.fmha import attn_bias as ab
 from mslk.attention.fmha._triton import available
 from mslk.attention.fmha.common import (
     AttentionBwOpBase,
@@ -1140,7 +1141,8 @@ def before_flash(inp: Inputs, needs_gradient: bool) -> bool:
         return False
     if q.shape[-1] not in _BEFORE_FLASH_HEAD_DIMS[needs_gradient] or not arch.on_hopper(q):
         return False
-    sequences = len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen_args(inp.attn_bias) is not None else 1
+    bias = inp.attn_bias  # (its sequences read from the host list: no VarlenArgs built on this hot path)
+    sequences = len(bias.q_seqinfo.seqstart_py) - 1 if isinstance(bias, ab._BlockDiagonal) else 1
     if q.shape[1] < _BEFORE_FLASH_MIN_QUERIES * sequences:
         return False
     return capturing_cuda_graph(inp) or _visible_scores(inp, sequences) >= _BEFORE_FLASH_MIN_SCORES
