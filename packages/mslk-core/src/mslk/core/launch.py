@@ -235,13 +235,21 @@ def specialization(value):
     return (_specializers.get(type(value)) or _specializer(value))(value)
 
 
-def _tensor_specialization(value: torch.Tensor):
-    return value.dtype, value.data_ptr() % 16 == 0
+# What Triton specializes a tensor and an int on, as expressions of the value `{0}` (an int's width as two tests:
+# 32-bit, 64-bit or unsigned 64): `specialization`'s functions are made of them, and _key_function writes them inline
+# (a function call a value cost most of a key).
+_TENSOR_KEY = "{0}.dtype, {0}.data_ptr() % 16 == 0"
+_INT_KEY = "-2147483648 <= {0} < 2147483648, {0} < 9223372036854775808, {0} == 1, {0} % 16 == 0"
 
 
-def _int_specialization(value: int):
-    width = 32 if -(2**31) <= value < 2**31 else 64 if value < 2**63 else "u64"
-    return width, value == 1, value % 16 == 0
+def _function_of(expression: str) -> Callable[[object], tuple]:
+    namespace = {}
+    exec(f"def key(value):\n    return ({expression.format('value')},)", namespace)
+    return namespace["key"]
+
+
+_tensor_specialization = _function_of(_TENSOR_KEY)
+_int_specialization = _function_of(_INT_KEY)
 
 
 def _descriptor_specialization(value):
@@ -284,14 +292,9 @@ def _itself(value):
 
 _specializers: dict[type, Callable[[object], object]] = {}
 
-# specialization's functions as expressions of an argument `{0}`, inlined in _key_function's functions (a function
-# call a value cost most of a key); the argument's type, which _type_of returns, is in the key already: nothing.
-_INLINE = {
-    _tensor_specialization: "{0}.dtype, {0}.data_ptr() % 16 == 0",
-    _int_specialization: "-2147483648 <= {0} < 2147483648, {0} < 9223372036854775808, {0} == 1, {0} % 16 == 0",
-    _type_of: "",
-    _itself: "{0}",
-}
+# specialization's functions as expressions of an argument `{0}`, inlined in _key_function's functions; the
+# argument's type, which _type_of returns, is in the key already: nothing.
+_INLINE = {_tensor_specialization: _TENSOR_KEY, _int_specialization: _INT_KEY, _type_of: "", _itself: "{0}"}
 
 
 def _key_function(args: tuple, constexpr: list[bool]) -> Callable[..., tuple]:
