@@ -516,6 +516,18 @@ def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, gluon_backward_runs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B04", "B07"])
+@pytest.mark.parametrize(("fmt", "sizes"), [("BMGHK", (2, 300, 513, 2, 3, 128)), ("BMHK", (1, 1000, 1000, 1, 4, 64))])
+def test_hopper_backward_gqa_gpu(bias_id, fmt, sizes, gluon_backward_runs):
+    """The Gluon backward with K/V expanded over the heads with stride 0 (GQA and MQA): the group's query heads read
+    its one K/V head through TMA; dK and dV are still a query head's (their sum is autograd's or _fMHA's)."""
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
+    k, v = (t[..., :1, :].expand(t.shape) for t in (k, v))
+    _check_backward(q, k, v, bias, 3e-2)
+    assert len(gluon_backward_runs) == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", [*BIAS_LAYOUTS, "masked-rows", "B02"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_backward_bias_gpu(layout, head_dim, gluon_backward_runs):

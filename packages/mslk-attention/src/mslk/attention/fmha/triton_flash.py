@@ -1105,8 +1105,10 @@ def gluon_backward_before_cudnn(inp: Inputs) -> bool:
     keys as queries, _MIN_ROWS or more, a causal mask (top-left or bottom-right) over _BACKWARD_MIN_SCORES to
     _BACKWARD_MAX_SCORES scores, head dim 128, no dropout nor deterministic mode, operands the Gluon backward takes
     (their shapes and strides; the output's gradient, unknown yet, is checked at launch, where one TMA cannot read
-    takes the Triton kernel)."""
+    takes the Triton kernel). Not K/V expanded over the heads: cuDNN's own GQA sums their gradients in the kernel."""
     if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0 or torch.are_deterministic_algorithms_enabled():
+        return False
+    if inp.key.stride(-2) == 0 and inp.key.shape[-2] > 1:
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]

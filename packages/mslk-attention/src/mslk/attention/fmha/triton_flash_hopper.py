@@ -164,18 +164,19 @@ def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
 
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
-                    lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, stat_row,
+                    lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, kv_col, stat_row,
                     bias_at, parts, HAS_BIAS: gl.constexpr):  # fmt: skip
     """The loading warp: K and V once, then the query blocks' Q, dO, their LSE and delta (and bias tile) in order,
     query block i into slot i % STAGES once the multiplying warps have released the block before it there. The
-    sequence's tiles start at row q_row0 and column head_col of every tile descriptor, its statistics at stat_row
-    (row, column), the bias tiles of the program's keys at bias_at (batch element, group, head, key)."""
+    sequence's tiles start at row q_row0 and column head_col of Q's and dO's descriptors (K's and V's at k_row and
+    kv_col), its statistics at stat_row (row, column), the bias tiles of the program's keys at bias_at (batch
+    element, group, head, key)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_bufs.shape[0]
     NBYTES: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, head_col], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row, head_col], kv_ready, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_ready, v_smem)
     i = 0
     for part in gl.static_range(3):
         for start in range(parts[part], parts[part + 1], BM):
@@ -328,14 +329,16 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
 @gluon.jit
 def _flash_backward_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, bias_desc, dk_ptr, dv_ptr,
-    seqstart_q_ptr, seqstart_k_ptr, G, H, Mq, Mk, qk_scale, sm_scale, window_left, window_right, stride_bb, stride_bg,
-    stride_bh, blocks, section, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+    seqstart_q_ptr, seqstart_k_ptr, G, H, KV_HEADS, Mq, Mk, qk_scale, sm_scale, window_left, window_right, stride_bb,
+    stride_bg, stride_bh, blocks, section, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr,
     DQ_SLOTS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes, or dk_ptr and
     dv_ptr) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K]
-    tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]), from
-    the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the sequences that
+    tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]; K and V
+    of KV_HEADS heads a group, H or 1: GQA's one K/V head for the group's H query heads, whose dK and dV are still a
+    query head's), from the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the
+    sequences that
     seqstart_q and seqstart_k bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N] tiles
     (triton_flash._bias_view; its dimensions of stride 0 read at index 0). Programs: (key block,
     sequence·group·head) in triton_flash's order."""
@@ -399,7 +402,7 @@ def _flash_backward_hopper_kernel(
                 q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_tiles, k_smem, v_smem, q_bufs, do_bufs,
                 lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty,
                 (batch * Mk + k_start + first_col).to(gl.int32), (batch * Mq + q_start).to(gl.int32),
-                (g * H + h) * HEAD_DIM,
+                (g * H + h) * HEAD_DIM, (g * KV_HEADS + h % KV_HEADS) * HEAD_DIM,
                 (((batch * G + g) * H + h).to(gl.int32), q_start - q_start % 4), bias_at, (lo, full_lo, full_hi, hi),
                 HAS_BIAS,
             )),
@@ -427,11 +430,21 @@ def _tma_operands(*tensors: torch.Tensor, pointers: bool = True) -> bool:
     )
 
 
+def _kv_read(t: torch.Tensor) -> torch.Tensor:
+    """K or V [B, M, G, H, K] as the kernel reads it: one head a group where it is expanded over H with stride 0
+    (GQA: the group's query heads read that head; its size-1 head dim given a nonzero stride, as TMA wants), else
+    as it is."""
+    return t.select(3, 0).unsqueeze(3) if t.shape[3] > 1 and t.stride(3) == 0 else t
+
+
 def supports(q, k, v, do, pointers: bool = True) -> bool:
     """Whether the kernel serves these [B, M, G, H, K] operands (triton_flash checks the rest: mask, bias, dropout,
-    determinism): _tma_operands (pointers: whether it reads the data pointers), and one head dim of HEAD_DIMS."""
+    determinism): _tma_operands (pointers: whether it reads the data pointers; K and V as _kv_read reads them, both
+    expanded over H or neither), and one head dim of HEAD_DIMS."""
+    k_read, v_read = _kv_read(k), _kv_read(v)
     return (
-        _tma_operands(q, k, v, do, pointers=pointers)
+        k_read.shape[3] == v_read.shape[3]
+        and _tma_operands(q, k_read, v_read, do, pointers=pointers)
         and q.shape[-1] == v.shape[-1] in HEAD_DIMS
         # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
         and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31
@@ -491,12 +504,13 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
     bias_desc = None if bias is None else _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
+    k, v = _kv_read(k), _kv_read(v)
     launch.fast(_flash_backward_hopper_kernel)[(blocks * sequences * groups * heads,)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),
         _box_descriptor(dq_sum, BLOCK_M),
         _box_descriptor(dk, BLOCK_N), _box_descriptor(dv, BLOCK_N), bias_desc, dk, dv,
-        *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), groups, heads, mq, mk,
+        *(None, None) if varlen is None else (varlen.seqstart_q, varlen.seqstart_k), groups, heads, k.shape[3], mq, mk,
         scale * _LOG2E.value, scale, window_left, window_right, *(bias.stride()[:3] if bias is not None else (0,) * 3),
         blocks, _heads_per_section(blocks, q.device), VARLEN=varlen is not None, BOTTOM_RIGHT=bottom_right,
         STAGES=STAGES, DQ_SLOTS=1 if bias is not None and dim > 64 else 2, LOAD_REGISTERS=LOAD_REGISTERS,
