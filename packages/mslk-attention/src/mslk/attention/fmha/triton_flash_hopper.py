@@ -432,9 +432,13 @@ def _tma_operands(*tensors: torch.Tensor, pointers: bool = True) -> bool:
 
 def _kv_read(t: torch.Tensor) -> torch.Tensor:
     """K or V [B, M, G, H, K] as the kernel reads it: one head a group where it is expanded over H with stride 0
-    (GQA: the group's query heads read that head; its size-1 head dim given a nonzero stride, as TMA wants), else
-    as it is."""
-    return t.select(3, 0).unsqueeze(3) if t.shape[3] > 1 and t.stride(3) == 0 else t
+    (GQA: the group's query heads read that head), else as it is. The view's dims of one element (its head, a BMHK
+    input's group, expanded too) get the packed stride K: never stepped, and TMA's checks refuse stride 0."""
+    b, m, g, h, k = t.shape
+    strides = t.stride()
+    if h == 1 or strides[3] != 0:
+        return t
+    return t.as_strided((b, m, g, 1, k), (*strides[:2], strides[2] if g > 1 else k, k, strides[4]))
 
 
 def supports(q, k, v, do, pointers: bool = True) -> bool:
