@@ -338,9 +338,8 @@ def _flash_backward_hopper_kernel(
     tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]; K and V
     of KV_HEADS heads a group, H or 1: GQA's one K/V head for the group's H query heads, whose dK and dV are still a
     query head's), from the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the
-    sequences that
-    seqstart_q and seqstart_k bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N] tiles
-    (triton_flash._bias_view; its dimensions of stride 0 read at index 0). Programs: (key block,
+    sequences that seqstart_q and seqstart_k bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N]
+    tiles (triton_flash._bias_view; its dimensions of stride 0 read at index 0). Programs: (key block,
     sequence·group·head) in triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
