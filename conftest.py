@@ -23,3 +23,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned(request):
+    """The GPU tier's pytest-xdist workers share one card: after a GPU test, the memory its tensors took goes back
+    to the card, so that a worker does not keep a big test's blocks cached while the others run out (one worker
+    held 25 GiB of an 80 GB H100 when another's 896 MiB allocation failed; RESULTS.md, seventy-second session)."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
