@@ -522,8 +522,8 @@ def test_hopper_backward_gpu(bias_id, dtype, fmt, sizes, gluon_backward_runs):
 def test_hopper_backward_gqa_gpu(sliced, bias_id, fmt, sizes, gluon_backward_runs):
     """The Gluon backward with K/V expanded over the heads with stride 0 (GQA and MQA): the group's query heads read
     its one K/V head through TMA; dK and dV are still a query head's (their sum is autograd's or _fMHA's). K/V heads
-    of their own tensor ([B, M, G, 1, K] expanded) or sliced from a wider one: there groups more than one apart rows
-    of a [B·M, G·K] matrix no more, which the Triton kernel serves."""
+    of their own tensor ([B, M, G, 1, K] expanded), or sliced from a wider one: over several groups those heads are
+    no rows of one [B·M, G·K] matrix, and the Triton kernel serves them."""
     q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
     k, v = (t[..., :1, :] if sliced else t[..., :1, :].contiguous() for t in (k, v))
     k, v = (t.expand(*t.shape[:-2], q.shape[-2], t.shape[-1]) for t in (k, v))
