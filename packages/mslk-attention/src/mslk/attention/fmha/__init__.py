@@ -78,6 +78,7 @@ from mslk.attention.fmha.common import (
     Gradients,
     Inputs,
     bmk2bmhk,
+    kv_expanded,
     rocm_build,
     tensor_bias,
     varlen_lse_packed,
@@ -294,10 +295,7 @@ def _kv_grads_summable(inp: Inputs) -> bool:
     which a backward with its own GQA computes without dK/dV a head: cuDNN's). Both must be expanded over the head
     dim with stride 0 and neither a leaf that gets a gradient: a leaf's .grad is a gradient a head, the reference's;
     any other tensor passes its gradient on to what it was made from, which the expansion's backward sums to."""
-    return all(
-        t.dim() >= 4 and t.shape[-2] > 1 and t.stride(-2) == 0 and not (t.is_leaf and t.requires_grad)
-        for t in (inp.key, inp.value)
-    )
+    return kv_expanded(inp) and not any(t.is_leaf and t.requires_grad for t in (inp.key, inp.value))
 
 
 def _one_head(t: torch.Tensor) -> torch.Tensor:

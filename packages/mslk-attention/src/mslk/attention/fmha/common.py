@@ -491,6 +491,12 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if _bytes_past_16(x) else x
 
 
+def kv_expanded(inp: Inputs) -> bool:
+    """Whether K and V are expanded over their heads with stride 0 (MQA/GQA: one K/V head serves several query
+    heads), which kernels with their own GQA read as one head a group."""
+    return all(t.dim() >= 4 and t.shape[-2] > 1 and t.stride(-2) == 0 for t in (inp.key, inp.value))
+
+
 def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor, heads_shared: bool = False) -> bool:
     """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA); whether
     it is. heads_shared: but over its head dim (-2), which a kernel with its own GQA reads once (flash.kv_heads)."""

@@ -29,8 +29,9 @@ from mslk.attention.fmha.common import (
     check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     check_not_expanded,
+    kv_expanded,
 )
-from mslk.attention.fmha.flash import _kv_expanded, _mergeable_heads, kv_heads
+from mslk.attention.fmha.flash import _mergeable_heads, kv_heads
 from mslk.core import arch
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -50,7 +51,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str], gqa: bool = False) -> list[st
     with one head a group, flash.kv_heads)."""
     if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not arch.on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
-    shared = gqa and _kv_expanded(d)  # (checked as they are: views of one head a call cost 12 us of host time)
+    shared = gqa and kv_expanded(d)  # (checked as they are: views of one head a call cost 12 us of host time)
     for name, t in (("query", d.query), ("key", d.key), ("value", d.value)):
         check_lastdim_alignment_stride1(reasons, name, t, 8)
         check_16_byte_aligned(reasons, name, t)

@@ -25,6 +25,7 @@ from mslk.attention.fmha.common import (
     causal_window,
     check_16_byte_aligned,
     check_lastdim_alignment_stride1,
+    kv_expanded,
     varlen_args,
 )
 from mslk.core import arch
@@ -53,11 +54,6 @@ def _mergeable_heads(t: torch.Tensor) -> bool:
     return t.shape[3] == 1 or t.stride(2) == t.shape[3] * t.stride(3)
 
 
-def _kv_expanded(d: Inputs) -> bool:
-    """K/V expanded over the (last) head dim with stride 0: one K/V head serves several query heads."""
-    return d.key.stride(-2) == 0 and d.value.stride(-2) == 0
-
-
 def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> list[str]:
     """The kernel's own limits: 8-element loads from 16-byte aligned operands, bottom-right causality, BMGHK head
     merging (one_head_a_group: K/V expanded over H pass as one head a group, kv_heads)."""
@@ -77,7 +73,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> li
     elif isinstance(bias, ab.LowerTriangularMask) and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support LowerTriangularMask if equal number of keys and queries")
     if d.query.dim() == 5:
-        shared = one_head_a_group and _kv_expanded(d)
+        shared = one_head_a_group and kv_expanded(d)
         merged = (("query", d.query),) if shared else (("query", d.query), ("key", d.key), ("value", d.value))
         for name, t in merged:
             if not _mergeable_heads(t):
@@ -92,7 +88,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> li
 def kv_heads(d: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as forward kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group)
     where they are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
-    if not _kv_expanded(d):
+    if not kv_expanded(d):
         return d.key, d.value
     return d.key[..., 0, :].unsqueeze(-2), d.value[..., 0, :].unsqueeze(-2)
 

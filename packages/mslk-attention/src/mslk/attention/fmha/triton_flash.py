@@ -52,6 +52,7 @@ from mslk.attention.fmha.common import (
     bias_types,
     capturing_cuda_graph,
     causal_window,
+    kv_expanded,
     tensor_bias,
     varlen_args,
 )
@@ -1108,7 +1109,7 @@ def gluon_backward_before_cudnn(inp: Inputs) -> bool:
     takes the Triton kernel). Not K/V expanded over the heads: cuDNN's own GQA sums their gradients in the kernel."""
     if type(inp.attn_bias) not in _CAUSAL or inp.p > 0.0 or torch.are_deterministic_algorithms_enabled():
         return False
-    if inp.key.stride(-2) == 0 and inp.key.shape[-2] > 1:
+    if kv_expanded(inp):
         return False
     q = inp.query
     mq, mk = q.shape[1], inp.key.shape[1]
