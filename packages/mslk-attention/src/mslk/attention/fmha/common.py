@@ -497,9 +497,17 @@ def kv_expanded(inp: Inputs) -> bool:
     return all(t.dim() >= 4 and t.shape[-2] > 1 and t.stride(-2) == 0 for t in (inp.key, inp.value))
 
 
+def kv_heads(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group) where they
+    are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
+    if not kv_expanded(inp):
+        return inp.key, inp.value
+    return inp.key[..., 0, :].unsqueeze(-2), inp.value[..., 0, :].unsqueeze(-2)
+
+
 def check_not_expanded(reasons: list[str], name: str, x: torch.Tensor, heads_shared: bool = False) -> bool:
     """The reason a kernel cannot read `x` expanded with a stride of 0 (K/V heads broadcast for MQA/GQA); whether
-    it is. heads_shared: but over its head dim (-2), which a kernel with its own GQA reads once (flash.kv_heads)."""
+    it is. heads_shared: but over its head dim (-2), which a kernel with its own GQA reads once (kv_heads)."""
     expanded = 0 in x.stride()[: -2 if heads_shared else -1]
     if expanded:
         reasons.append(f"{name} is expanded with a stride of 0 (stride() = {x.stride()})")

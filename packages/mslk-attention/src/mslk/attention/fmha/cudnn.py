@@ -30,8 +30,9 @@ from mslk.attention.fmha.common import (
     check_lastdim_alignment_stride1,
     check_not_expanded,
     kv_expanded,
+    kv_heads,
 )
-from mslk.attention.fmha.flash import _mergeable_heads, kv_heads
+from mslk.attention.fmha.flash import _mergeable_heads
 from mslk.core import arch
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -48,7 +49,7 @@ else:
 def _kernel_reasons(d: Inputs, reasons: list[str], gqa: bool = False) -> list[str]:
     """cuDNN's limits beyond the class attributes: head dims over 128 on Hopper only, 16-byte aligned operands with
     8-element aligned rows, square causal masks, real K/V rows (gqa: but K/V expanded over the heads, which pass
-    with one head a group, flash.kv_heads)."""
+    with one head a group, kv_heads)."""
     if d.query.shape[-1] > _MAX_K_BEYOND_HOPPER and not arch.on_hopper(d.query):  # (the device asked only then)
         reasons.append(f"query.shape[-1] > {_MAX_K_BEYOND_HOPPER} needs Hopper (SM90) here")
     shared = gqa and kv_expanded(d)  # (checked as they are: views of one head a call cost 12 us of host time)

@@ -26,6 +26,7 @@ from mslk.attention.fmha.common import (
     check_16_byte_aligned,
     check_lastdim_alignment_stride1,
     kv_expanded,
+    kv_heads,
     varlen_args,
 )
 from mslk.core import arch
@@ -83,14 +84,6 @@ def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> li
                     "where autograd sums their heads' gradients)"
                 )
     return reasons
-
-
-def kv_heads(d: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as forward kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group)
-    where they are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
-    if not kv_expanded(d):
-        return d.key, d.value
-    return d.key[..., 0, :].unsqueeze(-2), d.value[..., 0, :].unsqueeze(-2)
 
 
 def _merged_heads(query: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
