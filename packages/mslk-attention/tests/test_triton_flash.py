@@ -227,15 +227,15 @@ def _poisoned_allocations():
         yield
 
 
-def _check_backward(q, k, v, bias, tolerance, bias_grad=True, reference_bias=None):
+def _check_backward(q, k, v, bias, tolerance, bias_grad=True, reference_bias=None, kv_grads_summed=False):
     """The Triton backward from the Triton forward's output and LSE, against float64 autograd of the oracle
     (a tensor bias gets its gradient too, unless not bias_grad; reference_bias as in _check); the backward's
-    allocations poisoned."""
+    allocations poisoned. kv_grads_summed: K/V expanded over the heads get dK/dV of one head, the heads' sum."""
     dtype = q.dtype
     dense = common.tensor_bias(bias)
     if dense is not None:
         dense.requires_grad_(bias_grad)
-    inp = common.Inputs(q, k, v, bias)
+    inp = common.Inputs(q, k, v, bias, kv_grads_summed=kv_grads_summed)
     out, ctx = triton_flash.FwOp.apply(inp, needs_gradient=True)
     do = testing.randn(*out.shape, dtype=dtype, device=q.device)
     with _poisoned_allocations():
@@ -247,7 +247,8 @@ def _check_backward(q, k, v, bias, tolerance, bias_grad=True, reference_bias=Non
         bias64 = dense64 if isinstance(bias, torch.Tensor) else type(bias)(dense64)
     ref, _ = attention_reference(q64, k64, v64, bias64)
     ref.backward(do.double())
-    pairs = [("dq", grads.dq, q64.grad), ("dk", grads.dk, k64.grad), ("dv", grads.dv, v64.grad)]
+    dk64, dv64 = (t.grad.sum(-2, keepdim=True) if kv_grads_summed else t.grad for t in (k64, v64))
+    pairs = [("dq", grads.dq, q64.grad), ("dk", grads.dk, dk64), ("dv", grads.dv, dv64)]
     if dense is not None and bias_grad:
         pairs.append(("db", grads.db, dense64.grad))
     else:
@@ -349,6 +350,15 @@ def test_backward_through_memory_efficient_attention_and_gqa():
     ref.backward(do.double())
     for got, want in ((q.grad, q64.grad), (k1.grad, k64.grad), (v1.grad, v64.grad)):
         testing.assert_rel_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("bias_id", ["None", "T", "B07"])
+def test_backward_kv_grads_summed(bias_id):
+    """GQA whose dK and dV autograd takes a K/V head (Inputs.kv_grads_summed): the backward takes one K/V head a group
+    (kv_heads) and returns dK and dV of that head, the sums over the group's query heads."""
+    q, k, v, bias = _inputs(bias_id, "BMGHK", (2, 20, 33, 2, 3, 16), torch.float32, DEVICE)
+    k, v = (t[..., :1, :].contiguous().expand(*t.shape) for t in (k, v))
+    _check_backward(q, k, v, bias, 1e-5, kv_grads_summed=True)
 
 
 @pytest.mark.parametrize("operand", ["query", "key", "value"])
@@ -529,6 +539,24 @@ def test_hopper_backward_gqa_gpu(sliced, bias_id, fmt, sizes, gluon_backward_run
     k, v = (t.expand(*t.shape[:-2], q.shape[-2], t.shape[-1]) for t in (k, v))
     _check_backward(q, k, v, bias, 3e-2)
     assert len(gluon_backward_runs) == (0 if sliced and fmt == "BMGHK" else 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_loop", [True, False], ids=["kernel-sums", "torch-sums"])
+@pytest.mark.parametrize("bias_id", ["None", "B01", "B04", "B07"])
+@pytest.mark.parametrize(("fmt", "sizes"), [("BMGHK", (2, 300, 513, 2, 3, 128)), ("BMHK", (1, 1000, 1000, 1, 4, 64))])
+def test_hopper_backward_gqa_summed_gpu(head_loop, bias_id, fmt, sizes, gluon_backward_runs, monkeypatch):
+    """GQA whose dK and dV autograd takes a K/V head (Inputs.kv_grads_summed): the Gluon backward sums the group's
+    query heads in a program (kernel-sums: dK and dV of one head written), or a program a head and torch sums them
+    (torch-sums: too few programs, HEAD_LOOP_MIN_PROGRAMS; a tensor bias always, test_backward_kv_grads_summed)."""
+    from mslk.attention.fmha import triton_flash_hopper
+
+    monkeypatch.setattr(triton_flash_hopper, "HEAD_LOOP_MIN_PROGRAMS", 0 if head_loop else 2**31)
+    q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
+    k, v = (t[..., :1, :].contiguous().expand(*t.shape) for t in (k, v))
+    _check_backward(q, k, v, bias, 3e-2, bias_grad=False, kv_grads_summed=True)
+    [run] = gluon_backward_runs
+    assert run["dk"].shape[3] == (1 if head_loop else q.shape[-2])
 
 
 @pytest.mark.gpu

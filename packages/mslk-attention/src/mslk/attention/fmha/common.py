@@ -498,8 +498,9 @@ def kv_expanded(inp: Inputs) -> bool:
 
 
 def kv_heads(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's): one head (a group) where they
-    are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0 left)."""
+    """K and V as kernels with their own MQA/GQA take them (FlashAttention's, cuDNN's, MSLK's backward): one head (a
+    group) where they are expanded over the heads with stride 0, so that each K/V head is read once (no stride 0
+    left)."""
     if not kv_expanded(inp):
         return inp.key, inp.value
     return inp.key[..., 0, :].unsqueeze(-2), inp.value[..., 0, :].unsqueeze(-2)

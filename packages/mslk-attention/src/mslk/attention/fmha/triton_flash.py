@@ -53,6 +53,7 @@ from mslk.attention.fmha.common import (
     capturing_cuda_graph,
     causal_window,
     kv_expanded,
+    kv_heads,
     tensor_bias,
     varlen_args,
 )
@@ -331,7 +332,7 @@ def _zero_rows(ptr, row_starts, mask, width, BLOCK: tl.constexpr):
 
 @triton.jit
 def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqstart_k_ptr, sequences,
-                              G, H, Mq, Mk, K, Kv,
+                              G, H, KV_H, Mq, Mk, K, Kv,
                               stride_ob, stride_om, stride_og, stride_oh,
                               stride_gb, stride_gm, stride_gg, stride_gh,
                               stride_db, stride_dg, stride_dh,
@@ -339,10 +340,10 @@ def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr
                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr):  # fmt: skip
     """What the backward needs before its main pass, in one launch: delta = rowsum(dO ∘ O) in fp32 [B, G, H, Mq]
     (dS = P ∘ (dP − delta)), one read of each; with ZERO_DQ zeros in dQ's fp32 sum (contiguous [B, Mq, G, H, K]),
-    which the main pass adds to; with ZERO_KEYS_OUTSIDE zeros in the rows of dK and dV (contiguous [B, Mk, G, H, K]
-    and [.., Kv]) outside the varlen sequences' keys [seqstart_k[0], seqstart_k[sequences]), which no program of
-    the main pass writes (a mask updated in place to fewer rows leaves some). One grid axis (the others take at
-    most 65535 programs): blocks of BLOCK_M rows, head by head."""
+    which the main pass adds to; with ZERO_KEYS_OUTSIDE zeros in the rows of dK and dV (contiguous
+    [B, Mk, G, KV_H, K] and [.., Kv], KV_H = H or 1) outside the varlen sequences' keys [seqstart_k[0],
+    seqstart_k[sequences]), which no program of the main pass writes (a mask updated in place to fewer rows leaves
+    some). One grid axis (the others take at most 65535 programs): blocks of BLOCK_M rows, head by head."""
     blocks = tl.cdiv(tl.maximum(Mq, Mk) if ZERO_KEYS_OUTSIDE else Mq, BLOCK_M)
     pid_bgh = tl.program_id(0) // blocks
     b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
@@ -360,9 +361,10 @@ def _backward_prologue_kernel(out_ptr, do_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr
         _zero_rows(dq_ptr, ((b * Mq + rows) * G * H + head) * K, rows < Mq, K, BLOCK_K)
     if ZERO_KEYS_OUTSIDE:
         outside = (rows < tl.load(seqstart_k_ptr)) | (rows >= tl.load(seqstart_k_ptr + sequences))
-        key_rows = (b * Mk + rows) * G * H + head
-        _zero_rows(dk_ptr, key_rows * K, outside & (rows < Mk), K, BLOCK_K)
-        _zero_rows(dv_ptr, key_rows * Kv, outside & (rows < Mk), Kv, BLOCK_KV)
+        outside &= (rows < Mk) & (h < KV_H)
+        key_rows = (b * Mk + rows) * G * KV_H + g.to(tl.int64) * KV_H + h
+        _zero_rows(dk_ptr, key_rows * K, outside, K, BLOCK_K)
+        _zero_rows(dv_ptr, key_rows * Kv, outside, Kv, BLOCK_KV)
 
 
 @triton.jit
@@ -834,21 +836,32 @@ def _flash_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's launches: dQ, dK, dV [B, M, G, H, K] of [B, M, (G,) H, K] inputs, and the bias's gradient
-    (empty unless bias_requires_grad)."""
+    (empty unless bias_requires_grad). K and V of one head for H query heads (GQA, where autograd takes dK and dV
+    a K/V head: Inputs.kv_grads_summed) are read expanded over H, and their dK and dV are the heads' sums."""
     q, k, v, out, do = (_bmghk(t) for t in (query, key, value, out, grad))
     batch, mq, groups, heads, dim = q.shape
+    heads_summed = k.shape[3] == 1 < heads
+    if heads_summed:
+        k, v = (t.expand(*t.shape[:3], heads, t.shape[4]) for t in (k, v))
     mk, dim_v = k.shape[1], v.shape[-1]
     varlen = _varlen(seqstart_q, seqstart_k, seqlen_k, max_seqlen_q, max_seqlen_k, key_capacity)
     sequences = batch if varlen is None else varlen.num_sequences
     # Key blocks up to the capacity: a CUDA graph replays this launch after padded keys grew in place.
     max_q, max_k = (mq, mk) if varlen is None else (varlen.max_seqlen_q, varlen.key_capacity)
-    # dK and dV per query head: an expanded (stride-0) K/V gets its heads' sum from autograd's expand.
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    runs = bool(max_q and max_k and dim)
+    db = torch.zeros(bias.shape, dtype=bias.dtype, device=q.device) if bias_requires_grad else q.new_empty(0)
+    bias, *bias_strides = _bias_args(bias)
+    gluon = _gluon_backward(q, k, v, do, bias, bias_requires_grad, p, varlen, deterministic) if runs else None
+    # dK and dV a query head, summed over the heads after the kernels where K/V are one head's, unless the Gluon
+    # kernel sums them itself.
+    kernel_sums = heads_summed and gluon is not None and gluon.sums_heads(q, k, bias, varlen)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = (torch.empty((*t.shape[:3], 1 if kernel_sums else heads, t.shape[4]), dtype=t.dtype, device=t.device)
+              for t in (k, v))  # fmt: skip
     # The one-pass backward sums dQ in fp32 (in dQ itself for fp32 inputs), from zeros (the prologue's).
     dq_sum = dq
     if not deterministic and dq.dtype != torch.float32:
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    runs = bool(max_q and max_k and dim)
     # Rows outside every varlen sequence, which no program writes, must read zero: the prologue zeroes the dK
     # and dV ones where the keys are not padded (it knows only the bounds of all sequences), fills the rest.
     keys_outside_in_prologue = runs and varlen is not None and varlen.seqlen_k is None
@@ -860,15 +873,12 @@ def _flash_backward(
         zeroed = []
     for t in zeroed:
         t.zero_()
-    db = torch.zeros(bias.shape, dtype=bias.dtype, device=q.device) if bias_requires_grad else q.new_empty(0)
     if runs:
         lse = lse if lse.dim() == 4 else lse.unsqueeze(1)
         lse = lse[..., :mq].float().contiguous()  # some forwards pad the query dim
         delta = _backward_prologue(
             out, do, None if deterministic else dq_sum, dk, dv, varlen if keys_outside_in_prologue else None
         )
-        bias, *bias_strides = _bias_args(bias)
-        gluon = _gluon_backward(q, k, v, do, bias, bias_requires_grad, p, varlen, deterministic)
         if gluon is not None:  # the common case on Hopper: one pass, its products overlapped
             gluon.run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_right, bottom_right, varlen,
                       bias)  # fmt: skip
@@ -908,6 +918,8 @@ def _flash_backward(
                 )  # fmt: skip
     if dq_sum is not dq:
         dq.copy_(dq_sum)
+    if heads_summed and not kernel_sums:
+        dk, dv = dk.sum(3, keepdim=True), dv.sum(3, keepdim=True)
     return dq, dk, dv, db
 
 
@@ -1027,8 +1039,10 @@ class BwOp(AttentionBwOpBase):
         bias_grad = bias is not None and bias.requires_grad
         # An output of another dtype (a partial's fp32 one) and its gradient: the kernels multiply in the inputs'.
         out, grad = ctx.out.to(inp.query.dtype), grad.to(inp.query.dtype)
+        # K/V whose gradients autograd takes a K/V head: one head, dK and dV summed over the query heads
+        key, value = kv_heads(inp) if inp.kv_grads_summed else (inp.key, inp.value)
         dq, dk, dv, db = _launches(_flash_backward_op, _flash_backward)(
-            inp.query, inp.key, inp.value, out, grad, ctx.lse, bias, bias_grad,
+            inp.query, key, value, out, grad, ctx.lse, bias, bias_grad,
             *_varlen_fields(inp.attn_bias), inp.scale_float, inp.p, ctx.rng_state, window_left, window_right,
             alignment == "bottom-right", torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
@@ -1198,7 +1212,8 @@ def _backward_prologue(
 ) -> torch.Tensor:
     """delta = rowsum(dO ∘ O) in fp32, [B, G, H, Mq] like the LSE, from [B, Mq, G, H, Kv] output and its gradient;
     in the same launch zeros in dQ's fp32 sum (unless None) and, given varlen (sequences without padded keys), in
-    the rows of dK and dV outside its sequences. dq_sum, dk and dv are contiguous [B, M, G, H, K]."""
+    the rows of dK and dV outside its sequences. dq_sum, dk and dv are contiguous [B, M, G, H, K] (dK and dV: or of one
+    head a group)."""
     batch, mq, groups, heads, dim_v = out.shape
     mk, dim = dk.shape[1], dk.shape[-1]
     delta = torch.empty((batch, groups, heads, mq), dtype=torch.float32, device=out.device)
@@ -1206,7 +1221,7 @@ def _backward_prologue(
     blocks = launch.cdiv(mq if varlen is None else max(mq, mk), block_m)
     launch.fast(_backward_prologue_kernel)[(blocks * batch * groups * heads,)](
         out, do, delta, dq_sum, dk, dv, *(None, 0) if varlen is None else (varlen.seqstart_k, varlen.num_sequences),
-        groups, heads, mq, mk, dim, dim_v, *_strides(out, do), *delta.stride()[:3],
+        groups, heads, dk.shape[3], mq, mk, dim, dim_v, *_strides(out, do), *delta.stride()[:3],
         ZERO_DQ=dq_sum is not None, ZERO_KEYS_OUTSIDE=varlen is not None, BLOCK_M=block_m,
         BLOCK_K=launch.next_power_of_2(max(dim, 16)), BLOCK_KV=launch.next_power_of_2(max(dim_v, 16)),
     )  # fmt: skip

@@ -165,49 +165,55 @@ def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, kv_col, stat_row,
-                    bias_at, parts, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The loading warp: K and V once, then the query blocks' Q, dO, their LSE and delta (and bias tile) in order,
-    query block i into slot i % STAGES once the multiplying warps have released the block before it there. The
-    sequence's tiles start at row q_row0 and column head_col of Q's and dO's descriptors (K's and V's at k_row and
-    kv_col), its statistics at stat_row (row, column), the bias tiles of the program's keys at bias_at (batch
-    element, group, head, key)."""
+                    bias_at, parts, heads, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """The loading warp: K and V once, then, head by head (`heads` of them), the query blocks' Q, dO, their LSE and
+    delta (and bias tile) in order, query block i into slot i % STAGES once the multiplying warps have released the
+    block before it there. The sequence's tiles start at row q_row0 and column head_col of Q's and dO's descriptors
+    (the next head's a head dim further; K's and V's at k_row and kv_col), its statistics at stat_row (row, column;
+    the next head's a row further), the bias tiles of the program's keys at bias_at (batch element, group, head,
+    key; one head)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_bufs.shape[0]
     NBYTES: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_ready, v_smem)
     i = 0
-    for part in gl.static_range(3):
-        for start in range(parts[part], parts[part + 1], BM):
-            slot = i % STAGES
-            # The first turn through the ring finds the slots free: a fresh barrier counts its phase before the
-            # first as complete.
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            if HAS_BIAS:
-                mbarrier.expect(bar, NBYTES + bias_desc.block_type.nbytes)
-                at = [bias_at[0], bias_at[1], bias_at[2], start, bias_at[3]]
-                tma.async_copy_global_to_shared(bias_desc, at, bar, _box(bias_desc, bias_bufs.index(slot)))
-            else:
-                mbarrier.expect(bar, NBYTES)
-            tma.async_copy_global_to_shared(lse_desc, [stat_row[0], stat_row[1] + start], bar, lse_bufs.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [stat_row[0], stat_row[1] + start], bar, delta_bufs.index(slot))
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + start, head_col], bar, q_bufs.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [q_row0 + start, head_col], bar, do_bufs.index(slot))
-            i += 1
+    for head in range(heads):
+        col = head_col + head * HEAD_DIM
+        stat_at = [stat_row[0] + head, stat_row[1]]
+        for part in gl.static_range(3):
+            for start in range(parts[part], parts[part + 1], BM):
+                slot = i % STAGES
+                # The first turn through the ring finds the slots free: a fresh barrier counts its phase before the
+                # first as complete.
+                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                if HAS_BIAS:
+                    mbarrier.expect(bar, NBYTES + bias_desc.block_type.nbytes)
+                    at = [bias_at[0], bias_at[1], bias_at[2], start, bias_at[3]]
+                    tma.async_copy_global_to_shared(bias_desc, at, bar, _box(bias_desc, bias_bufs.index(slot)))
+                else:
+                    mbarrier.expect(bar, NBYTES)
+                stat_col = stat_at[1] + start
+                tma.async_copy_global_to_shared(lse_desc, [stat_at[0], stat_col], bar, lse_bufs.index(slot))
+                tma.async_copy_global_to_shared(delta_desc, [stat_at[0], stat_col], bar, delta_bufs.index(slot))
+                tma.async_copy_global_to_shared(q_desc, [q_row0 + start, col], bar, q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [q_row0 + start, col], bar, do_bufs.index(slot))
+                i += 1
 
 
 @gluon.jit
-def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
+def _query_blocks(dk, dv, i, last_at, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
                   lse_rows, delta_rows, dq_desc, box_at, start_row, end_row, cols, q_start, q_len, k_len, shift,
                   window_left, window_right, qk_scale, sm_scale, MASKED: gl.constexpr, VARLEN: gl.constexpr,
                   HAS_BIAS: gl.constexpr):  # fmt: skip
     """dK and dV of the program's keys `cols` over the query blocks [start_row, end_row) of the sequence from row
-    q_start (ring blocks i on, the block before them from row last_start); each block's dQ share goes to dq_bufs and
-    is added to dq_desc's rows (batch element and column box_at) by TMA while the next block runs (with one dq_bufs
-    slot, before the next share is stored there). Only MASKED blocks evaluate the mask. HAS_BIAS: the ring's bias
-    tiles [BM, BN] add to the scores."""
+    q_start (ring blocks i on, the block before them at last_at: its first row and column); each block's dQ share
+    goes to dq_bufs and is added to dq_desc's rows (batch element and column box_at) by TMA while the next block runs
+    (with one dq_bufs slot, before the next share is stored there). Only MASKED blocks evaluate the mask. HAS_BIAS:
+    the ring's bias tiles [BM, BN] add to the scores."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     BM: gl.constexpr = q_bufs.shape[1]
@@ -262,7 +268,7 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
         tma.store_wait(0)
         partition_barrier()
         if i > 0:  # block i - 1's share is whole in shared memory
-            _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
+            _add_dq(dq_desc, dq_bufs, i - 1, last_at[0], (box_at[0], last_at[1]))
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BM, HEAD_DIM], gl.float32, dq_layout),
                            use_acc=False, is_async=True)  # fmt: skip
         dv, dk, dq, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_a, ds_a))
@@ -272,20 +278,21 @@ def _query_blocks(dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_buf
             partition_barrier()
         dq_bufs.index(i % dq_bufs.shape[0]).store(dq * sm_scale)
         fence_async_shared()
-        last_start = start
+        last_at = (q_start + start, box_at[1])
         i += 1
-    return dk, dv, i, last_start
+    return dk, dv, i, last_at
 
 
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, kv_ready, ready, empty, lse_rows,
-                   delta_rows, dq_desc, dk_desc, dv_desc, box_at, first_col, parts, q_start, q_len, k_start, k_len,
-                   shift, window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr,
+                   delta_rows, dq_desc, dk_desc, dv_desc, box_at, dkdv_col, first_col, parts, heads, q_start, q_len,
+                   k_start, k_len, shift, window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr,
                    HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), the last
-    block's dQ share, then dK and dV through shared memory (the batch element and column box_at) by TMA, except for
-    a varlen key block that reaches past its sequence: it leaves them in shared memory for the kernel to store its
-    rows (a TMA store would overwrite the next sequence's)."""
+    """The multiplying warpgroups: head by head (`heads` query heads from dQ's column box_at[1], one head dim apart,
+    that share the program's K and V), the query blocks of the three ranges (masked, unmasked, masked), dK and dV
+    summed over them; the last block's dQ share, then dK and dV through shared memory (the batch element box_at[0],
+    column dkdv_col) by TMA, except for a varlen key block that reaches past its sequence: it leaves them in shared
+    memory for the kernel to store its rows (a TMA store would overwrite the next sequence's)."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -301,16 +308,18 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
             _zero_rows_from(k_smem, k_len - first_col)
             _zero_rows_from(v_smem, k_len - first_col)
     i = 0
-    last_start = 0
-    for part in gl.static_range(3):
-        dk, dv, i, last_start = _query_blocks(
-            dk, dv, i, last_start, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
-            lse_rows, delta_rows, dq_desc, box_at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift,
-            window_left, window_right, qk_scale, sm_scale, part != 1, VARLEN, HAS_BIAS,
-        )  # fmt: skip
+    last_at = (0, 0)
+    for head in range(heads):
+        at = (box_at[0], box_at[1] + head * HEAD_DIM)
+        for part in gl.static_range(3):
+            dk, dv, i, last_at = _query_blocks(
+                dk, dv, i, last_at, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
+                lse_rows, delta_rows, dq_desc, at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift,
+                window_left, window_right, qk_scale, sm_scale, part != 1, VARLEN, HAS_BIAS,
+            )  # fmt: skip
     partition_barrier()
     if i > 0:
-        _add_dq(dq_desc, dq_bufs, i - 1, q_start + last_start, box_at)
+        _add_dq(dq_desc, dq_bufs, i - 1, last_at[0], (box_at[0], last_at[1]))
     # dK and dV leave from the Q and dO slots
     gl.static_assert(q_bufs.shape[0] * q_bufs.shape[1] == BN)
     dk_tile, dv_tile = _dkdv_tiles(q_bufs, do_bufs)
@@ -320,9 +329,9 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
     partition_barrier()
     if VARLEN:  # a key block that reaches past its sequence: the kernel stores its rows
         if first_col + BN <= k_len:
-            _store_tiles(dk_desc, dv_desc, [box_at[0], k_start + first_col, box_at[1]], dk_tile, dv_tile)
+            _store_tiles(dk_desc, dv_desc, [box_at[0], k_start + first_col, dkdv_col], dk_tile, dv_tile)
     else:
-        _store_tiles(dk_desc, dv_desc, [box_at[0], first_col, box_at[1]], dk_tile, dv_tile)
+        _store_tiles(dk_desc, dv_desc, [box_at[0], first_col, dkdv_col], dk_tile, dv_tile)
     tma.store_wait(0)  # before the kernel ends: the copies (and the last dQ add) read shared memory
 
 
@@ -331,21 +340,26 @@ def _flash_backward_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk_desc, dv_desc, bias_desc, dk_ptr, dv_ptr,
     seqstart_q_ptr, seqstart_k_ptr, G, H, KV_HEADS, Mq, Mk, qk_scale, sm_scale, window_left, window_right, stride_bb,
     stride_bg, stride_bh, blocks, section, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-    DQ_SLOTS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+    DQ_SLOTS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, HEAD_LOOP: gl.constexpr,
 ):  # fmt: skip
     """dK and dV (written through dk_desc and dv_desc, [B, Mk, G·H·K] with [1, BLOCK_N, K] boxes, or dk_ptr and
     dv_ptr) and dQ's shares (added through dq_desc, [B, Mq, G·H·K] fp32 with [1, BLOCK_M, K] boxes) of [B, M, G, H, K]
     tensors read through [B·M, G·H·K] descriptors (Q and dO tiles [BLOCK_M, K], K and V tiles [BLOCK_N, K]; K and V
-    of KV_HEADS heads a group, H or 1: GQA's one K/V head for the group's H query heads, whose dK and dV are still a
-    query head's), from the forward's LSE and delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). VARLEN: B = 1 holds the
-    sequences that seqstart_q and seqstart_k bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N]
-    tiles (triton_flash._bias_view; its dimensions of stride 0 read at index 0). Programs: (key block,
-    sequence·group·head) in triton_flash's order."""
+    of KV_HEADS heads a group, H or 1: GQA's one K/V head for the group's H query heads), from the forward's LSE and
+    delta = rowsum(dO ∘ O) ([B, G, H, Mq] fp32). dK and dV are a query head's ([B, Mk, G, H, K]), or with HEAD_LOOP
+    (KV_HEADS = 1) the K/V head's, [B, Mk, G, 1, K]: a program then takes the group's H query heads one after the
+    other, their dK and dV summed in its registers. VARLEN: B = 1 holds the sequences that seqstart_q and seqstart_k
+    bound. bias_desc (or None): a tensor bias's [1, 1, 1, BLOCK_M, BLOCK_N] tiles (triton_flash._bias_view; its
+    dimensions of stride 0 read at index 0; not with HEAD_LOOP). Programs: (key block, sequence·group·head, or
+    sequence·group with HEAD_LOOP) in triton_flash's order."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = k_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    heads = H if HEAD_LOOP else 1  # query heads a program
+    DKDV_HEADS = 1 if HEAD_LOOP else H
     rank, pid_bgh = _program_block(blocks, section)
-    b, g, h = pid_bgh // (G * H), (pid_bgh // H) % G, pid_bgh % H
+    b, g, h = pid_bgh // (G * DKDV_HEADS), (pid_bgh // DKDV_HEADS) % G, pid_bgh % DKDV_HEADS  # h: the first head
+    dkdv_col = (g * DKDV_HEADS + h) * HEAD_DIM
     q_start, q_len, k_start, k_len, batch = _sequence(b, seqstart_q_ptr, seqstart_k_ptr, None, Mq, Mk, VARLEN, False)
     batch = batch.to(gl.int64)
     shift = k_len - q_len if BOTTOM_RIGHT else 0
@@ -369,6 +383,7 @@ def _flash_backward_hopper_kernel(
     dq_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_DIM], gl.float32)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BM, HEAD_DIM], dq_tile_layout)
     HAS_BIAS: gl.constexpr = bias_desc is not None
+    gl.static_assert(not (HEAD_LOOP and HAS_BIAS))
     # warp_specialize's partitions take no None: without a bias, Q's descriptor and ring stand in (never read).
     bias_tiles = q_desc
     bias_bufs = q_bufs
@@ -393,9 +408,9 @@ def _flash_backward_hopper_kernel(
         [
             (_mma_partition, (
                 k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, kv_ready, ready, empty, lse_rows,
-                delta_rows, dq_desc, dk_desc, dv_desc, (batch.to(gl.int32), (g * H + h) * HEAD_DIM), first_col,
-                (lo, full_lo, full_hi, hi), q_start, q_len, k_start, k_len, shift, window_left, window_right,
-                qk_scale, sm_scale, VARLEN, HAS_BIAS,
+                delta_rows, dq_desc, dk_desc, dv_desc, (batch.to(gl.int32), (g * H + h) * HEAD_DIM), dkdv_col,
+                first_col, (lo, full_lo, full_hi, hi), heads, q_start, q_len, k_start, k_len, shift, window_left,
+                window_right, qk_scale, sm_scale, VARLEN, HAS_BIAS,
             )),
             (_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_tiles, k_smem, v_smem, q_bufs, do_bufs,
@@ -403,7 +418,7 @@ def _flash_backward_hopper_kernel(
                 (batch * Mk + k_start + first_col).to(gl.int32), (batch * Mq + q_start).to(gl.int32),
                 (g * H + h) * HEAD_DIM, (g * KV_HEADS + h % KV_HEADS) * HEAD_DIM,
                 (((batch * G + g) * H + h).to(gl.int32), q_start - q_start % 4), bias_at, (lo, full_lo, full_hi, hi),
-                HAS_BIAS,
+                heads, HAS_BIAS,
             )),
         ],
         [1],
@@ -414,8 +429,8 @@ def _flash_backward_hopper_kernel(
             # sequence's rows; the partitions do not take pointers)
             rows = k_len - first_col
             dk_tile, dv_tile = _dkdv_tiles(q_bufs, do_bufs)
-            _store_rows(dk_ptr, dk_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
-            _store_rows(dv_ptr, dv_tile, k_start + first_col, rows, G * H * HEAD_DIM, (g * H + h) * HEAD_DIM)
+            _store_rows(dk_ptr, dk_tile, k_start + first_col, rows, G * DKDV_HEADS * HEAD_DIM, dkdv_col)
+            _store_rows(dv_ptr, dv_tile, k_start + first_col, rows, G * DKDV_HEADS * HEAD_DIM, dkdv_col)
 
 
 def _tma_operands(*tensors: torch.Tensor, pointers: bool = True) -> bool:
@@ -452,6 +467,21 @@ def supports(q, k, v, do, pointers: bool = True) -> bool:
         # offsets within a batch element in int32 (dQ, dK and dV are contiguous like q and k)
         and max(math.prod(q.shape[1:]), math.prod(k.shape[1:])) < 2**31
     )
+
+
+# Programs (key blocks x sequences x groups) from which a program takes all its group's query heads, their dK and dV
+# summed in its registers, rather than one head a program with the heads' dK and dV summed by torch after the kernel
+# (GQA: 4x fewer programs, 4x fewer dK/dV rows written at 4 query heads a K/V head). Provisional: to be measured.
+HEAD_LOOP_MIN_PROGRAMS = 264
+
+
+def sums_heads(q, k, bias, varlen) -> bool:
+    """Whether run() sums the dK and dV of a group's query heads in the kernel for these [B, M, G, H, K] operands (K
+    and V expanded over H): no tensor bias, at least HEAD_LOOP_MIN_PROGRAMS programs."""
+    batch, mk, groups = k.shape[:3]
+    sequences = batch if varlen is None else varlen.num_sequences
+    blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
+    return bias is None and blocks * sequences * groups >= HEAD_LOOP_MIN_PROGRAMS
 
 
 @functools.cache
@@ -501,14 +531,16 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
         bias=None):  # fmt: skip
     """dK, dV (written) and dQ (added to the zeroed fp32 dq_sum) of [B, M, G, H, K] tensors; varlen: common.VarlenArgs
     of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are);
-    bias: a [B, G, H, Mq, Mk] tensor bias without gradient that supports() took (not with varlen)."""
+    bias: a [B, G, H, Mq, Mk] tensor bias without gradient that supports() took (not with varlen). dK and dV of one
+    head a group where K and V are expanded over H (GQA) and no bias: their sum over the group's query heads."""
     batch, mq, groups, heads, dim = q.shape
+    head_loop = dk.shape[3] == 1 < heads
     mk = k.shape[1]
     sequences = batch if varlen is None else varlen.num_sequences
     blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
     bias_desc = None if bias is None else _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
     k, v = _kv_read(k), _kv_read(v)
-    launch.fast(_flash_backward_hopper_kernel)[(blocks * sequences * groups * heads,)](
+    launch.fast(_flash_backward_hopper_kernel)[(blocks * sequences * groups * dk.shape[3],)](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         *(_stat_descriptor(t, BLOCK_M if varlen is None else 2 * BLOCK_M) for t in (lse, delta)),
         _box_descriptor(dq_sum, BLOCK_M),
@@ -517,5 +549,5 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
         scale * _LOG2E.value, scale, window_left, window_right, *(bias.stride()[:3] if bias is not None else (0,) * 3),
         blocks, _heads_per_section(blocks, q.device), VARLEN=varlen is not None, BOTTOM_RIGHT=bottom_right,
         STAGES=STAGES, DQ_SLOTS=1 if bias is not None and dim > 64 else 2, LOAD_REGISTERS=LOAD_REGISTERS,
-        num_warps=NUM_WARPS,
+        HEAD_LOOP=head_loop, num_warps=NUM_WARPS,
     )  # fmt: skip
