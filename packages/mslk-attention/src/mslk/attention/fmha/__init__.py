@@ -292,9 +292,10 @@ class _fMHA(torch.autograd.Function):
 
 def _kv_grads_summable(inp: Inputs) -> bool:
     """Whether autograd may take one head of K and V (their gradients summed over the heads they are expanded over,
-    which a backward with its own GQA computes without dK/dV a head: cuDNN's). Both must be expanded over the head
-    dim with stride 0 and neither a leaf that gets a gradient: a leaf's .grad is a gradient a head, the reference's;
-    any other tensor passes its gradient on to what it was made from, which the expansion's backward sums to."""
+    which a backward with its own GQA computes without dK/dV a head: cuDNN's, MSLK's). Both must be expanded over
+    the head dim with stride 0 and neither a leaf that gets a gradient: a leaf's .grad is a gradient a head, the
+    reference's; any other tensor passes its gradient on to what it was made from, which the expansion's backward
+    sums to."""
     return kv_expanded(inp) and not any(t.is_leaf and t.requires_grad for t in (inp.key, inp.value))
 
 
@@ -376,7 +377,7 @@ def memory_efficient_attention(
     mask of `attn_bias`, or a tensor [B, (G, H,) Mq, Mkv] added to the scores. `op` pins a (forward, backward)
     pair of operators (either may be None). Differentiable in query, key, value and a tensor bias. K/V expanded over
     the heads from tensors that are not leaves (GQA training): autograd gets one head of them, so the backward makes
-    dK/dV a K/V head (cuDNN's own GQA) and what they were expanded from gets its gradient as ever; a gradient
+    dK/dV a K/V head (cuDNN's and MSLK's own GQA) and what they were expanded from gets its gradient as ever; a gradient
     retained on the expanded K/V holds the heads' sum in the first head. Expanded leaves get a gradient a head.
     """
     return _memory_efficient_attention(Inputs(query, key, value, attn_bias, p, scale, output_dtype), op)

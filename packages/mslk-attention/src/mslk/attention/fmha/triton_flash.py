@@ -854,7 +854,7 @@ def _flash_backward(
     gluon = _gluon_backward(q, k, v, do, bias, bias_requires_grad, p, varlen, deterministic) if runs else None
     # dK and dV a query head, summed over the heads after the kernels where K/V are one head's, unless the Gluon
     # kernel sums them itself.
-    kernel_sums = heads_summed and gluon is not None and gluon.sums_heads(q, k, bias, varlen)
+    kernel_sums = heads_summed and gluon is not None and gluon.sums_heads(k, bias, varlen)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty((*t.shape[:3], 1 if kernel_sums else heads, t.shape[4]), dtype=t.dtype, device=t.device)
               for t in (k, v))  # fmt: skip
@@ -1007,7 +1007,8 @@ class FwOp(AttentionFwOpBase):
 class BwOp(AttentionBwOpBase):
     """MSLK's Triton flash-attention backward, from the output and LSE of any forward in the packed varlen layout:
     one pass that adds dQ's shares with fp32 atomics, or, under torch.use_deterministic_algorithms, two passes
-    without atomics (one writes dQ, another dK and dV)."""
+    without atomics (one writes dQ, another dK and dV). K/V expanded over the heads whose gradients autograd takes a
+    K/V head (Inputs.kv_grads_summed) get dK/dV of that head, the query heads' sum (in the Gluon kernel on Hopper)."""
 
     OPERATOR = _flash_backward_kernel if registry.triton_missing() is None else None
     NOT_BUILT_REASON = registry.triton_missing() or ""

@@ -475,7 +475,7 @@ def supports(q, k, v, do, pointers: bool = True) -> bool:
 HEAD_LOOP_MIN_PROGRAMS = 264
 
 
-def sums_heads(q, k, bias, varlen) -> bool:
+def sums_heads(k, bias, varlen) -> bool:
     """Whether run() sums the dK and dV of a group's query heads in the kernel for these [B, M, G, H, K] operands (K
     and V expanded over H): no tensor bias, at least HEAD_LOOP_MIN_PROGRAMS programs."""
     batch, mk, groups = k.shape[:3]
