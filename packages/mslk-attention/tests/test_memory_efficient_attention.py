@@ -725,8 +725,8 @@ def test_gpu_expanded_kv_dispatch(case, heads, dtype, head_dim):
 def test_gpu_gqa_training(mq, mk, mask, heads, dtype):
     """K/V of one head a group expanded over the query heads (non-leaf: autograd sums the heads' gradients): on
     Hopper the backward of dense and causal attention is cuDNN's own GQA (dK/dV a K/V head); the dispatched forward
-    and backward match the float64 oracle, as do FlashAttention-2's own GQA pinned and a pinned backward without its
-    own GQA (its gradients summed by _fMHA)."""
+    and backward match the float64 oracle, as do FlashAttention-2's own GQA pinned and MSLK's Triton backward pinned
+    (dK/dV a K/V head too: the heads summed in the Gluon kernel where its programs are enough, else by torch)."""
     q = testing.randn(2, mq, *heads, 128, dtype=dtype, device="cuda").requires_grad_()
     k_base, v_base = (
         testing.randn(2, mk, *heads[:-1], 1, 128, dtype=dtype, device="cuda").requires_grad_() for _ in "kv"
