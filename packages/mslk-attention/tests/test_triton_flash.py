@@ -353,7 +353,7 @@ def test_backward_through_memory_efficient_attention_and_gqa():
 
 
 @pytest.mark.parametrize("bias_id", ["None", "T", "B07"])
-def test_backward_kv_grads_summed(bias_id):
+def test_backward_kv_grads_summed(bias_id, backward_mode):
     """GQA whose dK and dV autograd takes a K/V head (Inputs.kv_grads_summed): the backward takes one K/V head a group
     (kv_heads) and returns dK and dV of that head, the sums over the group's query heads."""
     q, k, v, bias = _inputs(bias_id, "BMGHK", (2, 20, 33, 2, 3, 16), torch.float32, DEVICE)
