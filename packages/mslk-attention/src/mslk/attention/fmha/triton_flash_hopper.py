@@ -166,12 +166,12 @@ def _store_tiles(dk_desc, dv_desc, at, dk_tile, dv_tile):
 def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
                     lse_bufs, delta_bufs, bias_bufs, kv_ready, ready, empty, k_row, q_row0, head_col, kv_col, stat_row,
                     bias_at, parts, heads, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The loading warp: K and V once, then, head by head (`heads` of them), the query blocks' Q, dO, their LSE and
-    delta (and bias tile) in order, query block i into slot i % STAGES once the multiplying warps have released the
-    block before it there. The sequence's tiles start at row q_row0 and column head_col of Q's and dO's descriptors
-    (the next head's a head dim further; K's and V's at k_row and kv_col), its statistics at stat_row (row, column;
-    the next head's a row further), the bias tiles of the program's keys at bias_at (batch element, group, head,
-    key; one head)."""
+    """The loading warp: K and V once, then the query blocks' Q, dO, their LSE and delta (and bias tile) in order
+    (range by range, in each head by head, `heads` of them), query block i into slot i % STAGES once the multiplying
+    warps have released the block before it there. The sequence's tiles start at row q_row0 and column head_col of
+    Q's and dO's descriptors (the next head's a head dim further; K's and V's at k_row and kv_col), its statistics
+    at stat_row (row, column; the next head's a row further), the bias tiles of the program's keys at bias_at (batch
+    element, group, head, key; one head)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_bufs.shape[0]
@@ -180,10 +180,10 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, bias_
     tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_ready, v_smem)
     i = 0
-    for head in range(heads):
-        col = head_col + head * HEAD_DIM
-        stat_at = [stat_row[0] + head, stat_row[1]]
-        for part in gl.static_range(3):
+    for part in gl.static_range(3):
+        for head in range(heads):
+            col = head_col + head * HEAD_DIM
+            stat_at = [stat_row[0] + head, stat_row[1]]
             for start in range(parts[part], parts[part + 1], BM):
                 slot = i % STAGES
                 # The first turn through the ring finds the slots free: a fresh barrier counts its phase before the
@@ -288,11 +288,13 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
                    delta_rows, dq_desc, dk_desc, dv_desc, box_at, dkdv_col, first_col, parts, heads, q_start, q_len,
                    k_start, k_len, shift, window_left, window_right, qk_scale, sm_scale, VARLEN: gl.constexpr,
                    HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The multiplying warpgroups: head by head (`heads` query heads from dQ's column box_at[1], one head dim apart,
-    that share the program's K and V), the query blocks of the three ranges (masked, unmasked, masked), dK and dV
-    summed over them; the last block's dQ share, then dK and dV through shared memory (the batch element box_at[0],
-    column dkdv_col) by TMA, except for a varlen key block that reaches past its sequence: it leaves them in shared
-    memory for the kernel to store its rows (a TMA store would overwrite the next sequence's)."""
+    """The multiplying warpgroups: the query blocks of the three ranges (masked, unmasked, masked), in each head by
+    head (`heads` query heads from dQ's column box_at[1], one head dim apart, that share the program's K and V: dK
+    and dV summed over them; the heads' loop inside the ranges': ptxas 12.8 spills 400 bytes of the varlen kernel at
+    head dim 128, 1088 with the heads' loop outside, 328 without one); the last block's dQ share, then dK and dV
+    through shared memory (the batch element box_at[0], column dkdv_col) by TMA, except for a varlen key block that
+    reaches past its sequence: it leaves them in shared memory for the kernel to store its rows (a TMA store would
+    overwrite the next sequence's)."""
     BN: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -309,9 +311,9 @@ def _mma_partition(k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs,
             _zero_rows_from(v_smem, k_len - first_col)
     i = 0
     last_at = (0, 0)
-    for head in range(heads):
-        at = (box_at[0], box_at[1] + head * HEAD_DIM)
-        for part in gl.static_range(3):
+    for part in gl.static_range(3):
+        for head in range(heads):
+            at = (box_at[0], box_at[1] + head * HEAD_DIM)
             dk, dv, i, last_at = _query_blocks(
                 dk, dv, i, last_at, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, bias_bufs, ready, empty,
                 lse_rows, delta_rows, dq_desc, at, parts[part], parts[part + 1], cols, q_start, q_len, k_len, shift,
