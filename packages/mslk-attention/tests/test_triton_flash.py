@@ -3,7 +3,9 @@ BMHK / BMGHK / stride-0 GQA, Kv != K, fp32 / fp16 / bf16, custom scale, output d
 the LSE layouts. T1 on the CPU (interpreter, small shapes), T2 on the GPU (marked gpu)."""
 
 import contextlib
+import math
 import sys
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -541,6 +543,25 @@ def test_hopper_backward_gqa_gpu(sliced, bias_id, fmt, sizes, gluon_backward_run
     assert len(gluon_backward_runs) == (0 if sliced and fmt == "BMGHK" else 1)
 
 
+@pytest.mark.parametrize(
+    ("shape", "sequences", "loops"),
+    [((4, 4096, 8, 4), None, True), ((1, 8192, 8, 4), None, False), ((4, 4096, 8, 8), None, False),
+     ((2, 4096, 16, 2), None, True), ((1, 16384, 8, 4), (32, 512), True), ((1, 4096, 8, 4), (16, 256), False)],
+)  # fmt: skip
+def test_head_loop_choice(shape, sequences, loops, monkeypatch):
+    """The Gluon backward sums a group's query heads in a program with at least h waves of its programs (key blocks
+    x sequences x groups >= h x SMs: where RESULTS.md's H100 measurements found it faster), never with a tensor
+    bias. [B, M, G, h] with K/V expanded over h; varlen: (sequences, longest)."""
+    from mslk.attention.fmha import triton_flash_hopper
+
+    monkeypatch.setattr(triton_flash_hopper.arch, "sm_count", lambda device: 132)
+    b, m, g, h = shape
+    k = torch.empty(b, m, g, 1, 64, device="meta").expand(b, m, g, h, 64)
+    varlen = None if sequences is None else SimpleNamespace(num_sequences=sequences[0], max_seqlen_k=sequences[1])
+    assert triton_flash_hopper.sums_heads(k, None, varlen) is loops
+    assert not triton_flash_hopper.sums_heads(k, torch.empty(0), varlen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_loop", [True, False], ids=["kernel-sums", "torch-sums"])
 @pytest.mark.parametrize("bias_id", ["None", "B01", "B04", "B07"])
@@ -548,10 +569,10 @@ def test_hopper_backward_gqa_gpu(sliced, bias_id, fmt, sizes, gluon_backward_run
 def test_hopper_backward_gqa_summed_gpu(head_loop, bias_id, fmt, sizes, gluon_backward_runs, monkeypatch):
     """GQA whose dK and dV autograd takes a K/V head (Inputs.kv_grads_summed): the Gluon backward sums the group's
     query heads in a program (kernel-sums: dK and dV of one head written), or a program a head and torch sums them
-    (torch-sums: too few programs, HEAD_LOOP_MIN_PROGRAMS; a tensor bias always, test_backward_kv_grads_summed)."""
+    (torch-sums: too few programs, HEAD_LOOP_MIN_WAVES; a tensor bias always, test_backward_kv_grads_summed)."""
     from mslk.attention.fmha import triton_flash_hopper
 
-    monkeypatch.setattr(triton_flash_hopper, "HEAD_LOOP_MIN_PROGRAMS", 0 if head_loop else 2**31)
+    monkeypatch.setattr(triton_flash_hopper, "HEAD_LOOP_MIN_WAVES", 0 if head_loop else math.inf)
     q, k, v, bias = _inputs(bias_id, fmt, sizes, torch.bfloat16, "cuda")
     k, v = (t[..., :1, :].contiguous().expand(*t.shape) for t in (k, v))
     _check_backward(q, k, v, bias, 3e-2, bias_grad=False, kv_grads_summed=True)

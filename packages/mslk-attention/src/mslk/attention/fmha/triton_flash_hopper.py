@@ -61,7 +61,7 @@ from mslk.attention.fmha.triton_flash import (
     _unmasked_key_range,
     _visible,
 )
-from mslk.core import launch
+from mslk.core import arch, launch
 from mslk.core.gluon import partition_barrier, ring_barriers
 
 HEAD_DIMS = (64, 128)  # the same tiles at both
@@ -471,19 +471,21 @@ def supports(q, k, v, do, pointers: bool = True) -> bool:
     )
 
 
-# Programs (key blocks x sequences x groups) from which a program takes all its group's query heads, their dK and dV
-# summed in its registers, rather than one head a program with the heads' dK and dV summed by torch after the kernel
-# (GQA: 4x fewer programs, 4x fewer dK/dV rows written at 4 query heads a K/V head). Provisional: to be measured.
-HEAD_LOOP_MIN_PROGRAMS = 264
+# The heads' loop: a program takes a group's h query heads one after the other, their dK and dV summed in its
+# registers (h x fewer programs, dK/dV rows written once, no torch sum after the kernel), each program h times
+# longer, so that the last wave's tail grows. GQA training on an H100 (RESULTS.md, seventy-fourth session), kernel
+# time against a program a head: 1.01-1.12x with at least h waves of the loop's programs (h x SMs); with fewer,
+# 0.42-0.89x at h = 8 and 16 causal (1.03x without a mask), 0.79-1.03x at h = 4.
+HEAD_LOOP_MIN_WAVES = 1.0  # of the loop's programs, a query head of a group
 
 
 def sums_heads(k, bias, varlen) -> bool:
     """Whether run() sums the dK and dV of a group's query heads in the kernel for these [B, M, G, H, K] operands (K
-    and V expanded over H): no tensor bias, at least HEAD_LOOP_MIN_PROGRAMS programs."""
-    batch, mk, groups = k.shape[:3]
+    and V expanded over H): no tensor bias, at least HEAD_LOOP_MIN_WAVES x H waves of programs."""
+    batch, mk, groups, heads = k.shape[:4]
     sequences = batch if varlen is None else varlen.num_sequences
-    blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
-    return bias is None and blocks * sequences * groups >= HEAD_LOOP_MIN_PROGRAMS
+    programs = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N) * sequences * groups
+    return bias is None and programs >= HEAD_LOOP_MIN_WAVES * heads * arch.sm_count(k.device)
 
 
 @functools.cache
