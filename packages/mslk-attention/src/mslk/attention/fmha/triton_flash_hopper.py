@@ -482,10 +482,16 @@ HEAD_LOOP_MIN_WAVES = 1.0  # of the loop's programs, a query head of a group
 def sums_heads(k, bias, varlen) -> bool:
     """Whether run() sums the dK and dV of a group's query heads in the kernel for these [B, M, G, H, K] operands (K
     and V expanded over H): no tensor bias, at least HEAD_LOOP_MIN_WAVES x H waves of programs."""
-    batch, mk, groups, heads = k.shape[:4]
-    sequences = batch if varlen is None else varlen.num_sequences
-    programs = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N) * sequences * groups
-    return bias is None and programs >= HEAD_LOOP_MIN_WAVES * heads * arch.sm_count(k.device)
+    blocks, sequences = _key_blocks_and_sequences(k, varlen)
+    groups, heads = k.shape[2:4]
+    return bias is None and blocks * sequences * groups >= HEAD_LOOP_MIN_WAVES * heads * arch.sm_count(k.device)
+
+
+def _key_blocks_and_sequences(k, varlen) -> tuple[int, int]:
+    """The grid's key blocks a sequence and sequences for [B, M, G, H, K] keys (varlen: of common.VarlenArgs)."""
+    if varlen is None:
+        return launch.cdiv(k.shape[1], BLOCK_N), k.shape[0]
+    return launch.cdiv(varlen.max_seqlen_k, BLOCK_N), varlen.num_sequences
 
 
 @functools.cache
@@ -537,11 +543,10 @@ def run(q, k, v, do, lse, delta, dq_sum, dk, dv, scale, window_left, window_righ
     of a block-diagonal mask without padded keys (B = 1; the rows outside every sequence are left as they are);
     bias: a [B, G, H, Mq, Mk] tensor bias without gradient that supports() took (not with varlen). dK and dV of one
     head a group where K and V are expanded over H (GQA) and no bias: their sum over the group's query heads."""
-    batch, mq, groups, heads, dim = q.shape
+    _, mq, groups, heads, dim = q.shape
     head_loop = dk.shape[3] == 1 < heads
     mk = k.shape[1]
-    sequences = batch if varlen is None else varlen.num_sequences
-    blocks = launch.cdiv(mk if varlen is None else varlen.max_seqlen_k, BLOCK_N)
+    blocks, sequences = _key_blocks_and_sequences(k, varlen)
     bias_desc = None if bias is None else _bias_descriptor(bias, q, BLOCK_M, BLOCK_N)
     k, v = _kv_read(k), _kv_read(v)
     launch.fast(_flash_backward_hopper_kernel)[(blocks * sequences * groups * dk.shape[3],)](
