@@ -267,6 +267,34 @@ def test_forward_requires_grad_and_backward_api():
         fmha.memory_efficient_attention_forward_requires_grad(q, k, v, p=0.1)
 
 
+@pytest.mark.parametrize("op", [None, triton_flash.BwOp], ids=["dispatched", "triton"])
+def test_backward_api_refuses_mis_shaped_tensors(op):
+    """A backward kernel reads grad, out and the LSE by the inputs' shapes: any other shape is refused before it
+    runs (the Triton backward read past their ends; the reference broadcast a wrong LSE)."""
+    if op is not None and not testing.interpreting():
+        pytest.skip("the Triton backward runs on the CPU under TRITON_INTERPRET=1")
+    q, k, v = qkv((2, 8, 2, 16), (2, 5, 2, 16), kv_dim=12)
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v)
+    grad = testing.randn(*out.shape)
+    want = reference_grads(q, k, v, None, grad)
+    for got, ref in zip(fmha.memory_efficient_attention_backward(grad, out, lse, q, k, v, op=op), want, strict=True):
+        testing.assert_rel_close(got, ref, 1e-4)
+    bad = {
+        "lse": [lse[..., :-1], lse[:, :1], lse[:1], lse.transpose(1, 2), lse[..., None]],
+        "out": [out[:, :-1], out[..., :-1], out[:, :, :1]],
+        "grad": [grad[:, :-1], grad[..., :-4], grad[:1]],
+    }
+    for name, tensors in bad.items():
+        for t in tensors:
+            args = {"grad": grad, "out": out, "lse": lse, name: t.clone()}
+            if name == "lse":
+                match = "Wrong LSE shape"
+            else:
+                match = f"{name}.shape .* should be the output's" if t.dim() == 4 else "should be either in BMK"
+            with pytest.raises(ValueError, match=match):
+                fmha.memory_efficient_attention_backward(args["grad"], args["out"], args["lse"], q, k, v, op=op)
+
+
 def test_partial_attention_merges_to_full_attention_and_gradients():
     q, k, v = qkv((2, 5, 3, 8), (2, 11, 3, 8), dtype=torch.float16)
     chunks = [(k[:, :4], v[:, :4]), (k[:, 4:], v[:, 4:]), (k[:, :0], v[:, :0])]

@@ -92,11 +92,18 @@ def varlen_num_sequences(attn_bias: Any) -> int | None:
 
 def varlen_lse_packed(lse: torch.Tensor, inp: Inputs) -> bool | None:
     """The layout of the LSE of a varlen batch of several sequences: packed [1, (G,) H, ΣMq] (True) or padded
-    [nseq, (G,) H, >= max Mq] (False); None for other batches, where the layouts agree. ValueError otherwise."""
+    [nseq, (G,) H, >= max Mq] (False); None for other batches, whose LSE is [B, (G,) H, >= Mq] (the two layouts
+    agree there). ValueError otherwise: a backward kernel reads the LSE by these shapes."""
     nseq = varlen_num_sequences(inp.attn_bias)
-    if nseq is None or nseq <= 1:
-        return None
     heads = tuple(inp.query.shape[2:-1])
+    if nseq is None or nseq <= 1:
+        expected = (inp.query.shape[0], *heads)
+        if tuple(lse.shape[:-1]) != expected or lse.shape[-1] < inp.query.shape[1]:
+            raise ValueError(
+                f"Wrong LSE shape {tuple(lse.shape)} for query.shape = {tuple(inp.query.shape)}: expected "
+                f"({', '.join(map(str, expected))}, >= {inp.query.shape[1]})"
+            )
+        return None
     if tuple(lse.shape) == (1, *heads, inp.query.shape[1]):
         return True
     if tuple(lse.shape[:-1]) == (nseq, *heads) and lse.shape[-1] >= inp.attn_bias.q_seqinfo.max_seqlen:
