@@ -55,6 +55,14 @@ def test_bf16_grouped(rows, sizes, n, k, index_dtype):
     _check_bf16(rows, sizes, n, k, index_dtype, DEVICE)
 
 
+def test_sizes_past_int32_hold_the_rows_left():
+    """An int64 size of 2^31 or more takes the rows left, as the reference clamps it (the kernel once cut it to 32
+    bits first: 2^32 + 3 rows became 3)."""
+    for sizes in ([5, 2**32 + 3], [2**31, 4]):
+        _check_bf16(37, sizes, 24, 64, torch.int64, DEVICE)
+        _check_fp8(37, sizes, 24, 64, DEVICE)
+
+
 def test_fp16_inputs_give_bf16():
     """The bf16bf16bf16 forms return bf16 for fp16 inputs, as the reference library allocates them (spec §5.1)."""
     x, w = testing.randn(9, 32, dtype=torch.float16), testing.randn(2, 24, 32, dtype=torch.float16)

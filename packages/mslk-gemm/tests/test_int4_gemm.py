@@ -234,16 +234,18 @@ def test_spec_grouped_entries_are_the_plain_layout():
         assert (out[37:] == 0).all()
 
 
-def test_shuffled_grouped_negative_sizes_count_as_zero():
-    """M_sizes live on the device, unchecked: a negative size takes no rows, in the kernel and the reference alike
-    (the reference once sliced X[start:start + m] with m < 0, Python's negative indexing)."""
+def test_shuffled_grouped_sizes_clamped():
+    """M_sizes live on the device, unchecked: a negative size takes no rows, one of 2^31 or more (int64) the rows
+    left, in the kernel and the reference alike (the reference once sliced X[start:start + m] with m < 0, Python's
+    negative indexing; the kernel cut 2^32 + 1 to 32 bits, 1 row)."""
     x = testing.randn(5, 128, dtype=torch.bfloat16, device=DEVICE)
     _, w, scale, zero = bf16_inputs(2, m=1, n=40, k=128, gs=64)
-    m_sizes = torch.tensor([-2, 5], device=DEVICE)
-    expected = oracle(x, g.dequantize_int4(w, scale, zero, shuffled=True)[1])
+    wdq = g.dequantize_int4(w, scale, zero, shuffled=True)
     op = g.bf16i4bf16_shuffled_grouped_op
-    for grouped in (op.get_backend("triton").impl, op.reference):
-        testing.assert_rel_close(grouped(x, w, scale, zero, m_sizes), expected, TOL)
+    for sizes, group in (([-2, 5], 1), ([2**32 + 1, 3], 0)):
+        expected = oracle(x, wdq[group])
+        for grouped in (op.get_backend("triton").impl, op.reference):
+            testing.assert_rel_close(grouped(x, w, scale, zero, torch.tensor(sizes, device=DEVICE)), expected, TOL)
 
 
 @pytest.mark.parametrize(("rows", "sizes", "n", "k", "gs"), GROUPED[:3], ids=str)
@@ -482,7 +484,7 @@ def _work_list(sizes, rows, chunk):
 @pytest.mark.parametrize(
     ("sizes", "rows"),
     [([3, 0, 20, 5], 28), ([3, 0, 20, 5], 40), ([1] * 5, 3), ([0, 0], 7), ([40, -3, 2], 30), ([16] * 4, 64),
-     ([2] * 130, 300), ([9, 0, 0, 7, 1], 17), ([5], 5), ([20], 33)],
+     ([2] * 130, 300), ([9, 0, 0, 7, 1], 17), ([5], 5), ([20], 33), ([2, 2**32 + 1, 4], 30)],
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
@@ -491,6 +493,8 @@ def test_grouped_decode_work_list(sizes, rows, index_dtype):
     of 8 or 16 (empty groups none, sizes past the rows clamped), then the rows past the sizes' sum, then items of no
     rows, within the host's bound; X' and the sums hold every row (at least an item's) in the relabelled order the
     dense form gives."""
+    if max(sizes) > torch.iinfo(index_dtype).max:
+        pytest.skip("an int64 size")
     d = g.int4_decode_hopper
     x = testing.randn(rows, 320, dtype=torch.bfloat16, device=DEVICE)
     chunk = d.item_rows(rows, len(sizes))

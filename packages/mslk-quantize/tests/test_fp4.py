@@ -367,6 +367,16 @@ def test_mx4_stacked_kernel_matches_reference(sizes, m_dtype):
         assert torch.equal(plain, dense)
 
 
+def test_mx4_stacked_sizes_past_int32():
+    """An int64 size of 2^31 or more is summed as the reference sums it (the kernel once cut it to 32 bits:
+    2^32 + 2 rows became 2)."""
+    m_sizes = torch.tensor([3, 2**32 + 2, 4], device=DEVICE)
+    x = testing.randn(9, 64, dtype=torch.bfloat16, device=DEVICE, std=3.0)
+    q, s = fp4.quantize_mx4_stacked_op.get_backend("triton").impl(m_sizes, x, 32)
+    rq, rs = fp4._mx4_stacked_reference(m_sizes.cpu(), x.cpu(), 32)
+    assert torch.equal(q.cpu(), rq) and torch.equal(s.cpu(), rs)
+
+
 @pytest.mark.parametrize("sizes", STACKS, ids=str)
 @pytest.mark.parametrize("mode", ["none", "per segment", "per token"])
 def test_nvfp4_stacked_kernel_matches_reference(sizes, mode):
@@ -432,8 +442,14 @@ def test_nvfp4_token_scale_round_trip():
         (lambda: fp4.quantize_mx4_stacked(torch.tensor([4]), torch.ones(4, 40)), "multiple of the group size 32"),
         (
             lambda: fp4.nvfp4_quantize_stacked(torch.tensor([2, 2]), torch.ones(4, 32), torch.ones(3)),
-            r"global_scale must be float32 with one value per segment \(2,",
+            r"global_scale must be float32 \[G\], one value per segment \(2,",
         ),
+        (
+            lambda: fp4.nvfp4_quantize_stacked(torch.tensor([2, 2]), torch.ones(4, 32), torch.ones(1, 2)),
+            r"global_scale must be float32 \[G\]",
+        ),
+        (lambda: fp4.quantize_mx4_stacked(torch.tensor([4]), torch.ones(4, 32), 0), "group_size must be 32"),
+        (lambda: fp4.triton_quantize_mx4_unpack(torch.ones(4, 32), group_size=0), "group_size must be 32"),
         (lambda: fp4.calculate_group_max(torch.ones(4, 32), torch.tensor([[4]])), "1-D int64"),
     ],
 )

@@ -31,10 +31,10 @@ def group_tiles(sizes_ptr, g, first, first_tile, next_tile, ROWS, tiles_n, BM: g
     if sizes_ptr is None:
         size = ROWS - first
     else:
-        size = gl.load(sizes_ptr + g).to(gl.int32)
+        size = gl.load(sizes_ptr + g)  # clamped in its own type: an int64 size past 2^31 holds the rest
         if SIZES_ARE_ENDS:
             size -= first
-        size = gl.minimum(gl.maximum(size, 0), ROWS - first)
+        size = gl.minimum(gl.maximum(size, 0), ROWS - first).to(gl.int32)
     tiles = gl.cdiv(size, BM) * tiles_n
     return size, tiles, gl.maximum(gl.cdiv(first_tile + tiles - next_tile, gl.num_programs(0)), 0)
 

@@ -90,11 +90,11 @@ def _grouped_gemm_kernel(
         if sizes_ptr is None:
             size = limit
         else:
-            size = tl.load(sizes_ptr + gw).to(tl.int32)
+            size = tl.load(sizes_ptr + gw)  # int64 sizes stay int64 until clamped: one past 2^31 holds the rest
             if SIZES_ARE_ENDS:
                 size -= first
         # Clamped, so that sizes summing past the rows never read outside them; the tail has no valid rows.
-        size = tl.where(g < G, tl.minimum(tl.maximum(size, 0), limit), 0)
+        size = tl.where(g < G, tl.minimum(tl.maximum(size, 0), limit), 0).to(tl.int32)
         if GROUPING == STACKED:
             row0, m_valid, m_out, red0, red_len = first, size, tl.where(g < G, size, limit), 0, RED
             first += m_out

@@ -96,7 +96,7 @@ def _work_items(sizes_ptr, items_ptr, G, ROWS, ITEMS, CHUNK: tl.constexpr, G_BLO
     none past ROWS)."""
     g = tl.arange(0, G_BLOCK)
     in_g = g < G
-    sizes = tl.maximum(tl.load(sizes_ptr + g, mask=in_g, other=0).to(tl.int32), 0)
+    sizes = tl.minimum(tl.maximum(tl.load(sizes_ptr + g, mask=in_g, other=0), 0), ROWS).to(tl.int32)
     ends = tl.cumsum(sizes, axis=0)
     starts = tl.minimum(ends - sizes, ROWS)
     rows = tl.minimum(ends, ROWS) - starts

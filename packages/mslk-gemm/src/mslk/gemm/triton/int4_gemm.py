@@ -481,7 +481,7 @@ def _int4_grouped_kernel(
     first_tile = 0  # of the current group in the concatenated tile list
     for g in range(G + 1):  # the groups, then the rows past their sum (zeros)
         if g < G:  # clamped, so that sizes summing past X's rows never read outside it
-            m = tl.minimum(tl.maximum(tl.load(m_sizes_ptr + g).to(tl.int32), 0), TOTAL_M - first_row)
+            m = tl.minimum(tl.maximum(tl.load(m_sizes_ptr + g), 0), TOTAL_M - first_row).to(tl.int32)
         else:
             m = TOTAL_M - first_row
         tiles = tl.cdiv(m, BLOCK_M) * tiles_n

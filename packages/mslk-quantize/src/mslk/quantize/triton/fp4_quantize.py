@@ -68,14 +68,17 @@ def _mx_scale_dtype(layout: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------- MXFP4
 
 
-def _validate_mx4(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
-    _check("quantize_mx4", x, group_size)
+def _check_mx4_options(where: str, group_size: int, rounding_mode: int) -> None:
+    """Before the shapes: those divide by the group size."""
     if group_size not in (16, 32):
-        raise ValueError(f"quantize_mx4: group_size must be 32 (MXFP4) or 16 (MXFP4-16), got {group_size}")
+        raise ValueError(f"{where}: group_size must be 32 (MXFP4) or 16 (MXFP4-16), got {group_size}")
     if rounding_mode not in set(RoundingMode):
-        raise ValueError(
-            f"quantize_mx4: rounding_mode must be one of {[int(m) for m in RoundingMode]}, got {rounding_mode}"
-        )
+        raise ValueError(f"{where}: rounding_mode must be one of {[int(m) for m in RoundingMode]}, got {rounding_mode}")
+
+
+def _validate_mx4(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
+    _check_mx4_options("quantize_mx4", group_size, rounding_mode)
+    _check("quantize_mx4", x, group_size)
 
 
 def _mx4_reference(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic_casting=False, seed=None):
@@ -139,7 +142,7 @@ def _scale_rows(rows, M, m_sizes_ptr, G, SEGMENTS: tl.constexpr):
         scale_rows, has_scale, segment = rows, rows < M, rows * 0
     else:
         seg = tl.arange(0, SEGMENTS)
-        sizes = tl.load(m_sizes_ptr + seg, mask=seg < G, other=0).to(tl.int32)
+        sizes = tl.load(m_sizes_ptr + seg, mask=seg < G, other=0)  # in m_sizes' type, as the reference's sums
         padded = (sizes + 127) // 128 * 128
         ends = tl.cumsum(sizes, 0)
         segment = tl.sum((ends[None, :] <= rows).to(tl.int32), 1)[:, None]
@@ -419,8 +422,8 @@ def _stacked_scale_numel(m_sizes: torch.Tensor, x: torch.Tensor, group_size: int
 
 
 def _validate_mx4_stacked(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
+    _check_mx4_options("quantize_mx4_stacked", group_size, rounding_mode)
     _validate_stacked("quantize_mx4_stacked", m_sizes, x, group_size)
-    _validate_mx4(x, group_size, rounding_mode)
 
 
 def _mx4_stacked_reference(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
@@ -474,9 +477,9 @@ def quantize_mx4_stacked(
 
 def _validate_nvfp4_stacked(m_sizes, x, global_scale=None):
     _validate_stacked("quantize_nvfp4_stacked", m_sizes, x, 16)
-    if global_scale is not None and (global_scale.dtype != torch.float32 or global_scale.numel() != m_sizes.numel()):
+    if global_scale is not None and (global_scale.dtype != torch.float32 or global_scale.shape != m_sizes.shape):
         raise ValueError(
-            f"quantize_nvfp4_stacked: global_scale must be float32 with one value per segment ({m_sizes.numel()}, "
+            f"quantize_nvfp4_stacked: global_scale must be float32 [G], one value per segment ({m_sizes.numel()}, "
             f"see calculate_group_max), got shape {tuple(global_scale.shape)} {global_scale.dtype}"
         )
     registry.check_devices("quantize_nvfp4_stacked", m_sizes=m_sizes, x=x, global_scale=global_scale)
