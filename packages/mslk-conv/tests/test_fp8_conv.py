@@ -129,13 +129,15 @@ def test_strided_inputs():
     assert torch.equal(out, kernel(x.contiguous(), f.contiguous(), scale, *args))
 
 
-def test_empty():
-    """No batch: an empty output without a launch; no channels: zeros (the empty sum)."""
-    x, f, scale = inputs(0, 3, 4, 4, 32, 8, (3, 3, 3))
-    assert kernel(x, f, scale, [1, 1, 1], [1, 1, 1], [1, 1, 1]).shape == (0, 3, 4, 4, 8)
-    x, f, scale = inputs(1, 3, 4, 4, 0, 8, (1, 1, 1))
-    out = kernel(x, f, scale, [0, 0, 0], [1, 1, 1], [1, 1, 1])
-    assert out.shape == (1, 3, 4, 4, 8) and not out.any()
+@pytest.mark.parametrize("impl", [kernel, fc.f8f8bf16_conv_op.reference], ids=["kernel", "reference"])
+def test_empty(impl):
+    """No batch or no filters: an empty output without a launch; no channels: zeros (the empty sum). The reference
+    alike (conv3d refuses all three)."""
+    for n, c, k, empty in ((0, 32, 8, True), (1, 32, 0, True), (1, 0, 8, False)):
+        x, f, scale = inputs(n, 3, 4, 4, c, k, (1, 1, 1))
+        out = impl(x, f, scale, [0, 0, 0], [1, 1, 1], [1, 1, 1])
+        assert out.shape == (n, 3, 4, 4, k) and out.dtype == torch.bfloat16
+        assert (out.numel() == 0) == empty and not out.any()
 
 
 def test_fake_kernel_matches():

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mslk.core import formats, testing
 from mslk.quantize import reference
+from mslk.quantize.triton import fp8_quantize
 from mslk.quantize.triton.fp8_quantize import (
     dequantize_fp8_block,
     quantize_fp8_block,
@@ -114,6 +115,10 @@ def test_tensor_reference():
     [
         (lambda: quantize_fp8_block(torch.ones(4, 4, dtype=torch.int8)), "x must be float32, float16 or bfloat16"),
         (lambda: quantize_fp8_block(torch.ones(4, 4), 0, 128), "block_m and block_k must be positive"),
+        (
+            lambda: dequantize_fp8_block(torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(1, 1), 4, 0),
+            "blockwise scales need positive block sizes, got 4 x 0",
+        ),
         (lambda: quantize_fp8_block(torch.ones(4, 4), scale_ub=torch.ones(3)), "scale_ub must be one float32"),
         (lambda: quantize_fp8_tensor(torch.ones(4, dtype=torch.int32)), "a must be float32, float16 or bfloat16"),
         (lambda: scale_fp8_row(torch.ones(2, 3), torch.ones(3), torch.ones(3)), "expected a \\[M, N\\], x_scale"),
@@ -146,6 +151,20 @@ def test_non_power_of_two_blocks_fall_back_to_the_reference():
     )
 
 
+def test_blocks_past_the_data_are_one_block_of_it():
+    """A block longer than the data is valid (scales [⌈M/bm⌉, ⌈K/bk⌉]): the reference once padded x to whole
+    blocks, 2^30 columns and more (out of memory); the kernel's tile is the data's, and past 2^20 columns the
+    reference serves."""
+    x = testing.randn(5, 70, std=3.0)
+    for bm, bk in ((1, 10**9), (2**40, 2**30)):
+        xq, scale = quantize_fp8_block(x, bm, bk)
+        blocks = [x] if bm > 5 else list(x[:, None])
+        assert torch.equal(scale, torch.stack([b.abs().max() / 448.0 for b in blocks])[:, None])
+        testing.assert_rel_close(dequantize_fp8_block(xq, scale, bm, bk), x, 0.07)
+    wide = torch.ones(1, 2**21)
+    assert "the kernel's tiles hold 1048576 at most" in fp8_quantize._triton_block_supports(wide, 1, 2**21)[-1]
+
+
 def test_compile_and_export():
     class Quantize(torch.nn.Module):
         def forward(self, a):
@@ -173,6 +192,8 @@ BLOCK_CASES = [  # (shape, block_m, block_k, k_major[, GPU])
     ((5, 70), 1, 32, False),
     ((7, 9), 1, 128, True),
     ((2, 40, 33), 256, 256, True),
+    ((5, 70), 2, 2**30, True),  # blocks past the data: one block of all of it
+    ((3, 7, 70), 2**40, 2**30, False),
     ((1, 4096), 1, 128, True),
     ((129, 129), 64, 32, True),
     ((0, 5), 128, 128, True),

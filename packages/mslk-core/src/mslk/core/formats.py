@@ -141,6 +141,10 @@ class Blockwise(ScaleFormat):
     block_k: int
     k_major: bool = True
 
+    def __post_init__(self):
+        if self.block_m < 1 or self.block_k < 1:
+            raise ScaleFormatError(f"blockwise scales need positive block sizes, got {self.block_m} x {self.block_k}")
+
     @property
     def name(self) -> str:
         layout = "" if self.k_major else ", k_major=False"

@@ -99,13 +99,14 @@ def quantize_fp8_block(
     m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k)
     mb, kb = -(-m // block_m), -(-k // block_k)
+    bm, bk = max(min(block_m, m), 1), max(min(block_k, k), 1)  # a block past the data's end: one tile of it all
     # Zero-pad to whole tiles (zeros do not change a tile's amax), then view as [mb, bm, kb, bk].
-    padded = torch.zeros(mb * block_m, kb * block_k, dtype=torch.float32, device=x.device)
+    padded = torch.zeros(mb * bm, kb * bk, dtype=torch.float32, device=x.device)
     padded[:m, :k] = x2.float()
-    tiles = padded.view(mb, block_m, kb, block_k)
+    tiles = padded.view(mb, bm, kb, bk)
     amax = _bounded(tiles.abs().amax(dim=(1, 3)), eps, scale_ub)
     xq, scale = _quantize_with_amax(tiles, amax[:, None, :, None], fp8_dtype)
-    xq = xq.view(mb * block_m, kb * block_k)[:m, :k].contiguous().view(x.shape)
+    xq = xq.view(mb * bm, kb * bk)[:m, :k].contiguous().view(x.shape)
     scale = scale.reshape(mb, kb)
     return xq, scale if k_major else scale.t().contiguous()
 
@@ -139,5 +140,5 @@ def m_major_group_scales(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Te
 def dequantize_fp8_block(xq: torch.Tensor, scale: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
     """bf16 `xq · scale` with each scale repeated over its block_m x block_k tile (k-major scale)."""
     m, k = xq.shape
-    full = scale.repeat_interleave(block_m, 0)[:m].repeat_interleave(block_k, 1)[:, :k]
+    full = scale.repeat_interleave(min(block_m, m), 0)[:m].repeat_interleave(min(block_k, k), 1)[:, :k]
     return (xq.float() * full).to(torch.bfloat16)

@@ -106,6 +106,9 @@ def _as_given(out: torch.Tensor, ncdhw: bool) -> torch.Tensor:
 def _reference(activation, filter, scale, padding, stride, dilation):
     """float64 convolution of the FP8 values (exact sums), times the scale, rounded once to bf16."""
     x, w, ncdhw = _views(activation, filter)
+    shape = _output_shape(x, w, padding, stride, dilation)
+    if 0 in shape or x.shape[-1] == 0:  # conv3d takes no empty batch, filter or channels: sums of nothing are 0
+        return _as_given(torch.zeros(shape, dtype=torch.bfloat16, device=x.device), ncdhw)
     x, w = x.double().permute(0, 4, 1, 2, 3), w.double().permute(0, 4, 1, 2, 3)
     out = torch.nn.functional.conv3d(x, w, stride=stride, padding=padding, dilation=dilation) * scale.double()
     return _as_given(out.permute(0, 2, 3, 4, 1).to(torch.bfloat16).contiguous(), ncdhw)

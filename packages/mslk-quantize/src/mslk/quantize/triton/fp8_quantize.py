@@ -329,6 +329,7 @@ quantize_fp8_block_op = registry.Op(
 # Scale blocks of up to this many elements are quantized from registers (several small blocks per program);
 # larger blocks get one program each that reads the block twice (amax, then quantize) in chunks this size.
 _BLOCK_TILE = 16384
+_MAX_BLOCK_K = 2**20  # a tile's elements at most (Triton's TRITON_MAX_TENSOR_NUMEL)
 
 
 @triton.jit
@@ -395,11 +396,20 @@ def _block_launch_config(block_m: int, block_k: int, m: int, k: int) -> dict:
     return {"TILE_M": max(1, _BLOCK_TILE // block_k), "TILE_K": block_k, "WHOLE_BLOCKS": False, "num_warps": 8}
 
 
+def _kernel_blocks(x: torch.Tensor, block_m: int, block_k: int) -> tuple[int, int]:
+    """The kernel's block sizes: a block past the data's end is one block of all of it, at the next power of two
+    (the same scales; a block of 2^30 would be a tile of 2^30)."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    return min(block_m, launch.next_power_of_2(max(m, 1))), min(block_k, launch.next_power_of_2(max(k, 1)))
+
+
 def _triton_block_supports(*args, **kwargs):
-    _, block_m, block_k, _, use_triton, *_ = BlockArgs(*args, **kwargs)
+    x, block_m, block_k, _, use_triton, *_ = BlockArgs(*args, **kwargs)
     reasons = [] if use_triton else ["use_triton=False"]
     if block_m & (block_m - 1) or block_k & (block_k - 1):
         reasons.append(f"block_m={block_m}, block_k={block_k}: the Triton kernel needs powers of two")
+    elif _kernel_blocks(x, block_m, block_k)[1] > _MAX_BLOCK_K:
+        reasons.append(f"block_k={block_k} over a row of {x.shape[-1]}: the kernel's tiles hold {_MAX_BLOCK_K} at most")
     return reasons
 
 
@@ -415,6 +425,7 @@ def _triton_block(*args, **kwargs):
     xq = torch.empty(x.shape, dtype=fp8, device=x.device)
     scale = torch.empty(_block_scale_shape(x, block_m, block_k, k_major), dtype=torch.float32, device=x.device)
     if xq.numel():
+        block_m, block_k = _kernel_blocks(x, block_m, block_k)
         config = _block_launch_config(block_m, block_k, m, k)
         grid_m = launch.cdiv(m, config["TILE_M"]) if config["WHOLE_BLOCKS"] else launch.cdiv(m, block_m)
         grid = (grid_m, launch.cdiv(k, config["TILE_K"]))
