@@ -343,3 +343,22 @@ def test_an_op_that_returns_its_output_argument(fresh_ops):
         torch._dynamo.reset()
         call = (lambda x, s: op.torch_op(x, s, output)) if given else (lambda x, s: op.torch_op(x, s))
         assert torch.equal(torch.compile(call, fullgraph=True, backend="inductor")(x, scale), expected)
+    # An output whose elements share memory is refused before a backend runs (one write of several would win).
+    padded = testing.empty_poisoned(4, 8, dtype=x.dtype)[:, :6]
+    assert op(x, scale, output=padded) is padded and torch.equal(padded, expected), "gaps are no overlap"
+    for shared in (
+        torch.empty(4, 1).expand(4, 6),
+        torch.empty(6).expand(4, 6),
+        torch.empty(30).as_strided((4, 6), (3, 1)),
+    ):
+        with pytest.raises(ValueError, match="output is written, but its elements overlap in memory"):
+            op(x, scale, output=shared)
+
+
+def test_check_writable():
+    for t in (torch.empty(3, 4), torch.empty(3, 4).t(), torch.empty(2, 3, 4).permute(2, 0, 1), torch.empty(5, 1, 0)):
+        registry.check_writable("op", "out", t)
+    registry.check_writable("op", "out", torch.empty(1).expand(1, 1, 1))  # one element
+    for t in (torch.empty(3).expand(2, 3), torch.empty(8).as_strided((3, 3), (2, 1))):
+        with pytest.raises(ValueError, match="op: out is written, but its elements overlap"):
+            registry.check_writable("op", "out", t)

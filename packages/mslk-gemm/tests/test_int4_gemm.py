@@ -254,7 +254,8 @@ def test_f8i4bf16_shuffled_grouped(rows, sizes, n, k, gs):
     w = g.random_int4(len(sizes), n, k, device=DEVICE)
     w_scale = torch.rand(len(sizes), n, device=DEVICE) + 0.5
     table = pow2_table(len(sizes), n, k, group_size=gs)
-    out = kernel(g.f8i4bf16_shuffled_grouped_op)(xq, w, x_scale, w_scale, table, torch.tensor(sizes, device=DEVICE))
+    m_sizes = torch.tensor(sizes, device=DEVICE)
+    out = kernel(g.f8i4bf16_shuffled_grouped_op)(xq, w, x_scale, w_scale, table, m_sizes)
     expected = torch.zeros(rows, n, dtype=torch.float64, device=DEVICE)
     wdq = g.dequantize_int4_table(w, table)
     start = 0
@@ -263,6 +264,9 @@ def test_f8i4bf16_shuffled_grouped(rows, sizes, n, k, gs):
         expected[part] = oracle(xq[part], wdq[group], x_scale[part], w_scale[group])
         start += size
     testing.assert_rel_close(out, expected, TOL)
+    # Row scales flat [G·N] (Rowwise takes either): the reference once read w_scale[g] as one scale a group.
+    reference = g.f8i4bf16_shuffled_grouped_op.reference(xq, w, x_scale, w_scale.reshape(-1), table, m_sizes)
+    testing.assert_rel_close(reference, expected, TOL)
 
 
 @pytest.mark.parametrize(

@@ -294,6 +294,10 @@ class Op:
         Bad input (the op's `validate`) raises before any backend is considered."""
         if self.validate is not None:
             self.validate(*args, **kwargs)
+        if self.mutated_args:
+            values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+            for name in self.mutated_args:
+                check_writable(self.name, name, values.get(name))
         pinned = pinned or self._pinned_by_env()
         device_type = _device_type(args, kwargs)
         if pinned is not None:
@@ -403,6 +407,22 @@ def check_devices(where: str, **tensors: torch.Tensor | None) -> None:
     if len(set(devices.values())) > 1:
         placed = ", ".join(f"{name} on {device}" for name, device in devices.items())
         raise ValueError(f"{where}: all tensors must be on one device, got {placed}")
+
+
+def check_writable(where: str, name: str, t: torch.Tensor | None) -> None:
+    """ValueError if elements of a tensor an op writes share memory (an `expand()`ed view): each kernel lane would
+    write its own value there, one of them winning. Checked as strides sorted ascending, each past the reach of
+    those below it (a layout that interleaves dimensions otherwise is refused too)."""
+    if t is None:
+        return
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
+        if stride <= reach:
+            raise ValueError(
+                f"{where}: {name} is written, but its elements overlap in memory (shape {tuple(t.shape)}, strides "
+                f"{tuple(t.stride())}; an expand()ed view?): pass a tensor with memory of its own for each element"
+            )
+        reach += stride * (size - 1)
 
 
 def describe(value: Any, detailed: bool = True) -> str:

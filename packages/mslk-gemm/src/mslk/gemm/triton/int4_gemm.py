@@ -156,6 +156,8 @@ def _grouped_reference(X, w, M_sizes, x_scale=None, w_scale=None) -> torch.Tenso
     """Per-group _matmul_reference (reads M_sizes on the host); a negative size counts as 0, as the kernel reads it;
     rows past ΣM_sizes are zero."""
     out = torch.zeros(X.shape[0], w.shape[-2], dtype=torch.bfloat16, device=X.device)
+    if w_scale is not None:
+        w_scale = w_scale.reshape(w.shape[:-1])  # rowwise scales may come flat [G·N]
     start = 0
     for g, m in enumerate(M_sizes.clamp(min=0).tolist()):
         rows = slice(start, start + m)
