@@ -78,6 +78,8 @@ def test_group_is_block_with_one_row_and_m_sizes_layout():
         quantize_fp8_group(x, 128, m_sizes=torch.tensor([3.0, 7.0]))
     with pytest.raises(ValueError, match="quantize_fp8_group: group_size must be positive"):
         quantize_fp8_group(x, 0)
+    with pytest.raises(ValueError, match="quantize_fp8_group: all tensors must be on one device"):
+        quantize_fp8_group(x, 128, m_sizes=torch.tensor([3, 0, 7], device="meta"))
     _, raw = triton_quantize_fp8_group(x, 128, None, torch.tensor([3, 0, 7]))  # spec Q-06's entry and order
     assert torch.equal(raw, per_expert)
 

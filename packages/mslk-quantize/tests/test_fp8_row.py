@@ -4,6 +4,8 @@ T0: the reference against the formulas, errors, compile/export. T1 (CPU, interpr
 Triton kernel against the reference, bit for bit on the GPU.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -79,6 +81,7 @@ def test_reference_options():
         ((torch.ones(2, 3, 4), None, torch.tensor([1.0, 2.0])), {}, "one integer row count per"),
         ((torch.ones(2, 3),), {"align_rows_to": 0}, "align_rows_to must be a positive integer"),
         ((torch.ones(2, 3),), {"eps_opt": 0.0}, "eps_opt must be > 0"),
+        ((torch.ones(2, 3),), {"eps_opt": math.inf}, "eps_opt must be > 0 and finite, got inf"),
     ],
 )
 def test_bad_input_is_refused_before_any_kernel(args, kwargs, message):

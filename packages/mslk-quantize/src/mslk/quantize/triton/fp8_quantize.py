@@ -65,8 +65,8 @@ def _validate_row(*args, **kwargs):
             raise ValueError(f"{where}: zero_start_index_M is on {zero_start_index_M.device}, a is on {a.device}")
     if align_rows_to is not None and align_rows_to < 1:
         raise ValueError(f"{where}: align_rows_to must be a positive integer, got {align_rows_to}")
-    if eps_opt is not None and not eps_opt > 0:
-        raise ValueError(f"{where}: eps_opt must be > 0, got {eps_opt}")
+    if eps_opt is not None and not 0 < eps_opt < math.inf:  # an infinite floor quantizes every row to 0
+        raise ValueError(f"{where}: eps_opt must be > 0 and finite, got {eps_opt}")
 
 
 def _row_reference(*args, **kwargs):
@@ -489,6 +489,7 @@ def quantize_fp8_group(
         raise ValueError(
             f"quantize_fp8_group: m_sizes must be a 1-D integer tensor, got {tuple(m_sizes.shape)} {m_sizes.dtype}"
         )
+    registry.check_devices("quantize_fp8_group", x=x, m_sizes=m_sizes)
     xq, scale = quantize_fp8_block(
         x, 1, group_size, scale_ub, use_triton, output_device, k_major or m_sizes is not None
     )
