@@ -413,7 +413,7 @@ def check_writable(where: str, name: str, t: torch.Tensor | None) -> None:
     """ValueError if elements of a tensor an op writes share memory (an `expand()`ed view): each kernel lane would
     write its own value there, one of them winning. Checked as strides sorted ascending, each past the reach of
     those below it (a layout that interleaves dimensions otherwise is refused too)."""
-    if t is None:
+    if t is None or t.is_contiguous():
         return
     reach = 0
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
