@@ -397,10 +397,13 @@ def _block_launch_config(block_m: int, block_k: int, m: int, k: int) -> dict:
 
 
 def _kernel_blocks(x: torch.Tensor, block_m: int, block_k: int) -> tuple[int, int]:
-    """The kernel's block sizes: a block past the data's end is one block of all of it, at the next power of two
-    (the same scales; a block of 2^30 would be a tile of 2^30)."""
-    m, k = math.prod(x.shape[:-1]), x.shape[-1]
-    return min(block_m, launch.next_power_of_2(max(m, 1))), min(block_k, launch.next_power_of_2(max(k, 1)))
+    """The kernel's block sizes: one longer than both a tile (_BLOCK_TILE) and the data is cut to the data's next
+    power of two, the same single block of it all (a block_k of 2^30 would be a tile of 2^30 lanes)."""
+
+    def cut(block: int, size: int) -> int:
+        return min(block, launch.next_power_of_2(max(size, 1))) if block > _BLOCK_TILE else block
+
+    return cut(block_m, math.prod(x.shape[:-1])), cut(block_k, x.shape[-1])
 
 
 def _triton_block_supports(*args, **kwargs):
