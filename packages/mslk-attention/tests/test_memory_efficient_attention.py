@@ -276,7 +276,7 @@ def test_backward_api_refuses_mis_shaped_tensors(op):
         pytest.skip("the Triton backward runs on the CPU under TRITON_INTERPRET=1")
     q, k, v = (t.to(device) for t in qkv((2, 8, 2, 16), (2, 5, 2, 16), kv_dim=12))
     out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v)
-    grad = testing.randn(*out.shape)
+    grad = testing.randn(*out.shape, device=device)
     want = reference_grads(q, k, v, None, grad)
     for got, ref in zip(fmha.memory_efficient_attention_backward(grad, out, lse, q, k, v, op=op), want, strict=True):
         testing.assert_rel_close(got, ref, 1e-4)
