@@ -155,8 +155,8 @@ def test_non_power_of_two_blocks_fall_back_to_the_reference():
 
 def test_blocks_past_the_data_are_one_block_of_it():
     """A block longer than the data is valid (scales [⌈M/bm⌉, ⌈K/bk⌉]): the reference once padded x to whole
-    blocks, 2^30 columns and more (out of memory); the kernel's tile is the data's, and past 2^20 columns the
-    reference serves."""
+    blocks, 2^30 columns and more (out of memory); the kernel cuts such a block to the data (BLOCK_CASES), and
+    past 2^20 columns the reference serves."""
     x = testing.randn(5, 70, std=3.0)
     for bm, bk in ((1, 10**9), (2**40, 2**30)):
         xq, scale = quantize_fp8_block(x, bm, bk)
