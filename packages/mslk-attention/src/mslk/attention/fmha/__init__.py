@@ -186,11 +186,10 @@ def _memory_efficient_attention_backward(
             "All tensors should be either in BMK (ndim=3), BMHK (ndim=4) or BMGHK (ndim=5) format.\n"
             f"  grad.shape : {grad.shape}\n  out.shape  : {ctx.out.shape}\n  query.shape: {inp.query.shape}"
         )
+    registry.check_devices("memory_efficient_attention_backward", query=inp.query, grad=grad, out=ctx.out, lse=ctx.lse)
     out_shape = (*inp.query.shape[:-1], inp.value.shape[-1])
-    for name, t in (("grad", grad), ("out", ctx.out), ("lse", ctx.lse)):
-        if t.device != inp.query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {inp.query.device}")
-        if name != "lse" and t.shape != out_shape:
+    for name, t in (("grad", grad), ("out", ctx.out)):
+        if t.shape != out_shape:
             raise ValueError(f"{name}.shape {tuple(t.shape)} should be the output's {out_shape} (query's, value's K)")
     shapes = [t.shape for t in (inp.query, inp.key, inp.value)]
     inp.normalize_bmhk()
