@@ -445,6 +445,10 @@ def test_bad_groupwise_scales():
         g.f8f8bf16_groupwise_grouped(xq, wq, x_scale, w_scale.mT.contiguous(), m_sizes)
     with pytest.raises(ValueError, match="x_scale"):
         g.f8f8bf16_groupwise_grouped(xq, wq, x_scale.T.contiguous(), w_scale, m_sizes)
+    with pytest.raises(ValueError, match=r"per_group_m_major: expected scale \[ΣM, K/128\]"):
+        g.per_group_m_major(x_scale.reshape(-1), m_sizes)  # a 1-D scale made an IndexError
+    with pytest.raises(ValueError, match="integer M_sizes"):
+        g.per_group_m_major(x_scale, m_sizes.float())
 
 
 # ----------------------------------------------------------------------------------------------- GPU

@@ -111,6 +111,8 @@ def pack_int4(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: int8 [..., K/2] -> int8 [..., K] in [-8, 7] (`signed = (nibble ^ 8) − 8`)."""
+    if packed.dtype != torch.int8:
+        raise ValueError(f"unpack_int4: expected packed int4 int8 [..., K/2] (pack_int4), got {packed.dtype}")
     nibbles = torch.stack((packed & 0xF, (packed >> 4) & 0xF), dim=-1).flatten(-2)
     return (nibbles ^ 8) - 8
 

@@ -588,6 +588,11 @@ def per_group_m_major(scale: torch.Tensor, m_sizes: torch.Tensor) -> torch.Tenso
     """Group scales [ΣM, K/128] (one row per row of X, k-major) rearranged into the per-group M-major layout that
     f8f8bf16_groupwise_grouped reads and quantize_fp8_group(x, 128, m_sizes=M_sizes) makes: group g's
     [K/128, M_g] block lies flat at row first_g of the [ΣM, K/128] buffer. Reads m_sizes on the host."""
+    if scale.dim() != 2 or m_sizes.dim() != 1 or m_sizes.is_floating_point():
+        raise ValueError(
+            f"per_group_m_major: expected scale [ΣM, K/128] and integer M_sizes [G], got scale "
+            f"{tuple(scale.shape)} and M_sizes {tuple(m_sizes.shape)} {m_sizes.dtype}"
+        )
     out = scale.clone()  # rows past the groups keep their values (never read)
     blocks = scale.shape[1]
     for first, count in _group_bounds(m_sizes, scale.shape[0]):
