@@ -171,22 +171,27 @@ def test_pinned_through_memory_efficient_attention():
 
 
 def test_an_output_of_another_dtype_and_its_gradient():
-    """The backward kernels multiply in the inputs' dtype: an fp32 output (a partial's) and its gradient are cast to
-    it (they once reached the kernel as they were and failed inside). output_dtype with a gradient stays refused,
-    pinned (in the forward, where it once failed inside the kernel too) as dispatched: no backward declares it."""
+    """The backward kernels multiply in the inputs' dtype: an fp32 output (a partial's, or output_dtype's) and its
+    gradient are cast to it (they once reached the kernel as they were and failed inside; output_dtype with a
+    gradient was refused by every backward)."""
     pinned = fmha.MemoryEfficientAttentionMslkTritonOp
     q, k, v = (testing.randn(1, 5, 2, 16, dtype=torch.float16, device=DEVICE).requires_grad_() for _ in "qkv")
-    for error, op in ((ValueError, pinned), (NotImplementedError, None)):
-        with pytest.raises(error, match="Custom output dtype not supported"):
-            fmha.memory_efficient_attention(q, k, v, op=op, output_dtype=torch.float32)
-    out, lse = fmha.memory_efficient_attention_partial(q, k, v, op=pinned, _allow_backward=True)
-    assert out.dtype == torch.float32
-    do = testing.randn(*out.shape, device=DEVICE)
-    out.backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    attention_reference(q64, k64, v64)[0].backward(do.double())
-    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
-        testing.assert_rel_close(got, want, TOLERANCE[torch.float16])
+    ref = attention_reference(q64, k64, v64)[0]
+    do = testing.randn(*ref.shape, device=DEVICE)
+    ref.backward(do.double())
+    calls = [lambda: fmha.memory_efficient_attention_partial(q, k, v, op=pinned, _allow_backward=True)[0]]
+    calls += [lambda op=op: fmha.memory_efficient_attention(q, k, v, op=op, output_dtype=torch.float32)
+              for op in (pinned, None)]  # fmt: skip
+    for call in calls:
+        q.grad = k.grad = v.grad = None
+        out = call()
+        assert out.dtype == torch.float32
+        testing.assert_rel_close(out, ref, TOLERANCE[torch.float16])
+        out.backward(do)
+        for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+            assert got.dtype == torch.float16
+            testing.assert_rel_close(got, want, TOLERANCE[torch.float16])
     out, lse = fmha.memory_efficient_attention_forward_requires_grad(q.detach(), k.detach(), v.detach(), op=pinned[0])
     grads = fmha.memory_efficient_attention_backward(do, out.float(), lse, q, k, v, op=pinned[1])
     for got, want in zip(grads, (q64.grad, k64.grad, v64.grad), strict=True):

@@ -642,7 +642,10 @@ class AttentionBwOpBase(AttentionOpBase):
     """A backward kernel: `apply(ctx, inp, grad) -> Gradients`."""
 
     SUPPORTS_ATTN_BIAS_GRAD: ClassVar[bool] = False
+    # A partial's output (fp32) and one of a custom output_dtype come with a gradient of their dtype: every backward
+    # casts both to the inputs' dtype, which its kernel multiplies in.
     SUPPORTS_PARTIAL = True
+    SUPPORTS_OUTPUT_DTYPE = True
 
     @classmethod
     def not_supported_reasons(cls, d: Inputs) -> list[str]:
