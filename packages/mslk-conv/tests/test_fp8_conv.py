@@ -117,6 +117,21 @@ def test_pointwise_filter_of_conv3d():
     assert reference.shape == out.shape == (2, 24, 3, 4, 5)
 
 
+def test_single_channel_ncdhw():
+    """One channel: an NCDHW activation and a KCTRS filter (channels_last_3d memory) fit both readings each. The
+    activation read as NCDHW reads the filter as KCTRS: its taps (1, 2, 1) once came as KTRSC's (1, 1, 2), a wrong
+    output shape and values (or a refused input, where those taps did not fit the padded input)."""
+    x, f, scale = inputs(1, 3, 4, 5, 1, 19, (1, 2, 1))
+    args = ([2, 1, 2], [1, 1, 1], [1, 1, 1])
+    expected = direct(x, f, scale, *args)
+    x_ncdhw, f_kctrs = x.permute(0, 4, 1, 2, 3), f.permute(0, 4, 1, 2, 3)
+    assert all(t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d) for t in (x_ncdhw, f_kctrs))
+    for call in (kernel, fc.f8f8bf16_conv_op.reference):
+        out = call(x_ncdhw, f_kctrs, scale, *args)
+        assert out.shape == (1, 19, *expected.shape[1:4])
+        testing.assert_rel_close(out.permute(0, 2, 3, 4, 1), expected, TOL)
+
+
 def test_strided_inputs():
     """Views with gaps between rows and channels (a slice of a wider tensor, every other channel)."""
     wide = fc.random_fp8(2, 4, 5, 9, 64, device=DEVICE)

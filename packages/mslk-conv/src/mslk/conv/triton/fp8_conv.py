@@ -7,8 +7,8 @@ x is the FP8 e4m3 activation [N, D, H, W, C] (NDHWC) and w the filter [K, T, R, 
 tensorwise (`quantize_fp8_tensor`), `scale` the one-element fp32 product of their scales. Either may instead be
 given as an NCDHW (KCTRS) tensor in channels_last_3d memory, the layout PyTorch's Conv3d modules keep: the same
 bytes, read as NDHWC (a tensor that fits both, such as a pointwise filter [K, C, 1, 1, 1], is read the way its
-channels agree with the other operand's). The output is bf16 [N, Z, P, Q, K], or its NCDHW view (channels_last_3d
-memory) when the activation came as NCDHW.
+channels agree with the other operand's, in the other's layout first; where both layouts agree, as NDHWC). The
+output is bf16 [N, Z, P, Q, K], or its NCDHW view (channels_last_3d memory) when the activation came as NCDHW.
 
 The reference library runs this on Blackwell only (CUTLASS, SM100). Here one Triton kernel runs it on any GPU with
 FP8 products (Ada, Hopper and newer): an implicit GEMM of [N·Z·P·Q, T·R·S·C] gathered activation rows by the
@@ -43,9 +43,13 @@ def _readings(t: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
 
 def _views(activation: torch.Tensor, filter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(NDHWC activation, KTRSC filter, whether the activation came as NCDHW): the first readings of the two whose
-    channels agree (else the first ones, which validation then rejects)."""
-    pairs = [(x, w, ncdhw) for x, ncdhw in _readings(activation) for w, _ in _readings(filter)]
-    return next((pair for pair in pairs if pair[0].shape[-1] == pair[1].shape[-1]), pairs[0])
+    channels agree, both in one layout before mixed ones (else the first ones, which validation then rejects). With
+    one channel both readings fit an NCDHW activation and a KCTRS filter: read as NCDHW, only the KCTRS reading of
+    the filter gives its taps in order (a KTRSC one once swapped them)."""
+    pairs = [(x, w, x_ncdhw, w_ncdhw) for x, x_ncdhw in _readings(activation) for w, w_ncdhw in _readings(filter)]
+    pairs.sort(key=lambda pair: pair[2] != pair[3])  # stable: NDHWC first among each
+    x, w, ncdhw, _ = next((pair for pair in pairs if pair[0].shape[-1] == pair[1].shape[-1]), pairs[0])
+    return x, w, ncdhw
 
 
 def _output_size(size: int, pad: int, taps: int, stride: int, dilation: int) -> int:
