@@ -165,6 +165,12 @@ def test_quantized_variants_quantize_rowwise():
             ),
             "gather_scale_quant_dense_tokens: x must be float32, float16 or bfloat16",
         ),
+        (  # the gather's checks name the op called (they once named gather_scale_dense_tokens)
+            lambda: gather_scale_quant_dense_tokens(
+                torch.rand(4, 8), torch.zeros(3).int(), torch.zeros(3).int(), torch.rand(3, 2)
+            ),
+            r"^gather_scale_quant_dense_tokens: scores must be floating-point \[T=4, E\]",
+        ),
         # Every tensor on one device: a count or indices elsewhere would fail inside a kernel, or read wrong memory.
         (
             lambda: index_shuffling(
@@ -280,6 +286,21 @@ def test_index_shuffling_kernel_empty_expert_range(start, end):
     count = torch.tensor([33], device=KERNEL_DEVICE)
     ref = shuffling._index_shuffling(scores, start, end, count, 2)
     out = _triton(shuffling, "index_shuffling_op")(scores, start, end, count, 2)
+    for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("count", [2**31, 2**32 + 1, -5], ids=str)
+def test_index_shuffling_kernel_int64_counts(count):
+    """An int64 count past every token keeps them all, as the reference does (the kernel once cut it to int32: 2^31
+    kept none, 2^32 + 1 one token); a negative one keeps none."""
+    from mslk.moe import shuffling
+
+    scores = _tied_scores(37, 8, torch.float32)
+    count = torch.tensor([count], dtype=torch.int64, device=KERNEL_DEVICE)
+    ref = shuffling._index_shuffling(scores, None, None, count, 2)
+    assert ref[0][-1] == (74 if count > 0 else 0)
+    out = _triton(shuffling, "index_shuffling_op")(scores, None, None, count, 2)
     for name, a, b in zip(("counts", "expert_indices", "token_indices"), out, ref, strict=True):
         assert torch.equal(a, b), name
 

@@ -28,8 +28,9 @@ def _check_indices(where: str, name: str, indices: torch.Tensor, rows: int) -> N
 # --------------------------------------------------------------------------------- gather and scale
 
 
-def _validate_gather(x, token_indices, expert_indices, scores, valid_token_count=None):
-    where = "gather_scale_dense_tokens"
+def _validate_gather(
+    x, token_indices, expert_indices, scores, valid_token_count=None, where="gather_scale_dense_tokens"
+):
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"{where}: x must be floating-point [T, D], got {tuple(x.shape)} {x.dtype}")
     if scores.dim() != 2 or scores.shape[0] != x.shape[0] or not scores.dtype.is_floating_point:
@@ -144,9 +145,10 @@ def gather_scale_dense_tokens(
 
 
 def _validate_gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
-    _validate_gather(x, token_indices, expert_indices, scores, valid_token_count)
-    check_float_input("gather_scale_quant_dense_tokens", "x", x)  # (what the quantizer takes)
-    check_scale_ub("gather_scale_quant_dense_tokens", scale_ub, x)
+    where = "gather_scale_quant_dense_tokens"
+    _validate_gather(x, token_indices, expert_indices, scores, valid_token_count, where)
+    check_float_input(where, "x", x)  # (what the quantizer takes)
+    check_scale_ub(where, scale_ub, x)
 
 
 def _gather_quant(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):

@@ -164,7 +164,8 @@ def _index_shuffling_kernel(
        (its expert, or the pairs not selected), in token order, then top-k order."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    valid_count = tl.load(valid_count_ptr).to(tl.int32) if HAS_COUNT else T
+    # Cut to T in 64 bits: an int64 count past 2^31 (all tokens) once wrapped to a negative or small int32.
+    valid_count = tl.minimum(tl.load(valid_count_ptr).to(tl.int64), T).to(tl.int32) if HAS_COUNT else T
     first_block = pid * blocks_per_program
     block_tokens = tl.arange(0, BLOCK_T)
     own = tl.zeros([BINS], dtype=tl.int32)
