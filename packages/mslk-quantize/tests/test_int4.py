@@ -87,6 +87,7 @@ def test_pack_nibble_order_and_round_trip():
     [
         (lambda: pack_int4(torch.zeros(2, 3, dtype=torch.int8)), "K even"),
         (lambda: pack_int4(torch.zeros(2, 4)), "expected int8"),
+        (lambda: pack_int4(torch.tensor([[3, 9]], dtype=torch.int8)), r"in \[-8, 7\], got \[3, 9\]"),  # 9 wrapped to -7
         (lambda: unpack_int4(torch.zeros(2, 4)), "unpack_int4: expected packed int4 int8"),
         (lambda: int4_row_quantize(torch.zeros(2, 4, dtype=torch.int32)), "floating-point"),
         (lambda: int4_row_quantize_zp(torch.zeros(2, 3, 4)), "2-D"),

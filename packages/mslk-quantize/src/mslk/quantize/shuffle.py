@@ -106,6 +106,10 @@ def pack_int4(x: torch.Tensor) -> torch.Tensor:
     the even element in the low nibble, each nibble two's complement."""
     if x.dtype != torch.int8 or x.shape[-1] % 2:
         raise ValueError(f"pack_int4: expected int8 [..., K] with K even, got {tuple(x.shape)} {x.dtype}")
+    if x.numel():  # (weights are packed once: the sync is affordable; a nibble would wrap 9 to -7)
+        low, high = (v.item() for v in torch.aminmax(x))
+        if low < -8 or high > 7:
+            raise ValueError(f"pack_int4: values must be int4, in [-8, 7], got [{low}, {high}]")
     return (x[..., ::2] & 0xF) | (x[..., 1::2] << 4)
 
 
