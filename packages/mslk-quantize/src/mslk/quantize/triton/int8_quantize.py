@@ -57,6 +57,6 @@ def quantize_int8_row(a: torch.Tensor, scale_ub: torch.Tensor | None = None) -> 
 
     Per row `amax = clamp(max|a|, 1e-12, scale_ub)`, `scale = amax / 127`, `xq = round_half_even(a · 127 /
     amax)` clamped to ±127 (-128 unused, so the range is symmetric). A row holding NaN gets a NaN scale (its
-    NaN elements give 0). Dequantize with `dequantize_fp8_row(xq, scale)`.
+    NaN elements give 0). Dequantize with `mslk.quantize.triton.fp8_quantize.dequantize_fp8_row(xq, scale)`.
     """
     return torch.ops.mslk.quantize_int8_row(a, scale_ub)
