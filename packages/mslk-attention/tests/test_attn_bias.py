@@ -309,6 +309,16 @@ def test_paged_mask_errors():
             ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens_local([1, 1], [2, 2], tables, 4, window)
     with pytest.raises(TypeError, match="_window_size"):  # (it defaulted to 0)
         ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_seqlens([1, 1], [2, 2], tables, 4)
+    # A 1-D table failed on its second dim (IndexError); a page size of 0 spoke of key lengths.
+    for make in (
+        lambda t, size: ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1, 1], [2, 2], t, size),
+        lambda t, size: ab.PagedBlockDiagonalGappyKeysMask.from_seqlens([1, 1], [0, 1], [2, 2], t, size),
+        lambda t, size: padded.make_paged(t, size, ab.PagedBlockDiagonalPaddedKeysMask),
+    ):
+        with pytest.raises(ValueError, match=r"block_tables must be int32 \[B, max_pages\], got \(3,\)"):
+            make(tables[0], 4)
+        with pytest.raises(ValueError, match="page_size must be at least 1, got 0"):
+            make(tables, 0)
 
 
 def test_lengths_of_integer_types_become_ints():

@@ -124,6 +124,9 @@ def test_a_page_used_twice_counts_twice():
     testing.assert_rel_close(out, ref)
     for got, want, name in ((q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"), (v.grad, v64.grad, "dv")):
         testing.assert_rel_close(got, want, GRAD_TOL, what=name)
+    # A pool that is not whole pages: its last page would be read past key's end (the split-K kernel did).
+    with pytest.raises(ValueError, match=r"the K/V pool must be whole pages, but key.shape\[1\] = 7 is not a multiple"):
+        fmha.memory_efficient_attention(q, k[:, :7], v[:, :7], mask)
 
 
 def test_tensor_bias_gradient_and_broadcast_bias():

@@ -149,6 +149,9 @@ def test_int4_layout_and_round_trip():
         kv_cache.quantize_kv_int4(x[..., :60], 1)
     with pytest.raises(ValueError, match="num_groups >= 1"):
         kv_cache.quantize_kv_int4(x, 0)
+    for bad in (x.half(), packed[..., :groups]):  # not int32 (values came back); no words left
+        with pytest.raises(ValueError, match=r"dequantize_kv_int4: expected quantize_kv_int4's int32"):
+            kv_cache.dequantize_kv_int4(bad, groups)
 
 
 def _quantized_check(fmt, q, k, v, bias, op=triton_splitk.FwOp, shared_heads=True, groups=1, lse_atol=1e-3):
@@ -249,6 +252,11 @@ def test_fp8_layout_and_round_trip():
         kv_cache.quantize_kv_fp8(x[..., :62])
     with pytest.raises(ValueError, match="positive multiple of 4"):
         kv_cache.quantize_kv_fp8(x[..., :0])
+    with pytest.raises(ValueError, match="fp8_dtype must be one of"):  # (fp16 words were packed as if FP8)
+        kv_cache.quantize_kv_fp8(x, fp8_dtype=torch.float16)
+    for bad in ((packed, scales[:2]), (packed.float(), scales), (packed, scales.double())):  # (a broadcast error)
+        with pytest.raises(ValueError, match="dequantize_kv_fp8: expected quantize_kv_fp8's int32 rows"):
+            kv_cache.dequantize_kv_fp8(*bad)
 
 
 def test_tiny_rows_keep_their_codes():

@@ -558,7 +558,7 @@ class BlockDiagonalPaddedKeysMask(_BlockDiagonal):
         max_pages · page_size. paged_type's rule applies (B16 on a B11 makes it causal, as upstream's)."""
         if not (isinstance(paged_type, type) and issubclass(paged_type, PagedBlockDiagonalPaddedKeysMask)):
             raise ValueError(f"make_paged: paged_type must be a paged padded-keys mask (B15-B17), got {paged_type}")
-        padding = block_tables.shape[1] * page_size
+        padding = _lane_length(paged_type, block_tables, page_size)
         k = self.k_seqinfo
         keys = _PaddedSeqLenInfo.from_seqlens_padded(k.seqlen_py, padding, device=k.seqstart.device)
         return paged_type(self.q_seqinfo, keys, block_tables, page_size, **_rule_fields(self, paged_type))
@@ -662,6 +662,17 @@ class BlockDiagonalLocalAttentionFromBottomRightGappyKeysMask(_LocalFromBottomRi
 # ------------------------------------------------------------------------------------ paged keys, B15-B17
 
 
+def _lane_length(cls: type, block_tables, page_size) -> int:
+    """max_pages · page_size, the logical keys of a lane, once block_tables is 2-D and page_size a positive int (a
+    1-D table once failed on its missing dim with an IndexError)."""
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+        got = tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables).__name__
+        raise ValueError(f"{cls.__name__}: block_tables must be int32 [B, max_pages], got {got}")
+    if _int("page_size", page_size) < 1:
+        raise ValueError(f"{cls.__name__}: page_size must be at least 1, got {page_size}")
+    return block_tables.shape[1] * page_size
+
+
 class _Paged(AttentionBias):
     """Keys read through a page table: logical key j of lane b (j < max_pages · page_size) is row
     block_tables[b, j // page_size] · page_size + j % page_size of a pool of pages. `_unpaged()` is the same
@@ -674,7 +685,8 @@ class _Paged(AttentionBias):
     def _check_table(self) -> None:
         batch = len(self.q_seqinfo.seqstart_py) - 1
         tables = self.block_tables
-        if tables.dim() != 2 or tables.shape[0] != batch or tables.dtype != torch.int32:
+        _lane_length(type(self), tables, self.page_size)
+        if tables.shape[0] != batch or tables.dtype != torch.int32:
             raise ValueError(
                 f"{type(self).__name__}: block_tables must be int32 [B={batch}, max_pages], got "
                 f"{tuple(tables.shape)} {tables.dtype}"
@@ -724,7 +736,7 @@ class PagedBlockDiagonalPaddedKeysMask(_Paged):
 
     @classmethod
     def from_seqlens(cls, q_seqlen, kv_seqlen, block_tables, page_size, *, device=None, **window):
-        padding = block_tables.shape[1] * page_size
+        padding = _lane_length(cls, block_tables, page_size)
         padded = BlockDiagonalPaddedKeysMask.from_seqlens(q_seqlen, padding, kv_seqlen, device=device)
         return cls(padded.q_seqinfo, padded.k_seqinfo, block_tables, page_size, **window)
 
@@ -792,7 +804,7 @@ class PagedBlockDiagonalCausalWithOffsetGappyKeysMask(PagedBlockDiagonalGappyKey
 def _lane_keys(cls, kv_seqstarts, kv_seqlen, block_tables, page_size, device) -> _GappySeqInfo:
     """The keys of paged gappy masks (upstream's paged _GappySeqInfo): kv_seqstarts[b] is where sequence b's keys
     start inside lane b, and they must end inside it."""
-    lane = block_tables.shape[1] * page_size
+    lane = _lane_length(cls, block_tables, page_size)
     starts, lengths = _ints("kv_seqstarts", kv_seqstarts), _ints("kv_seqlen", kv_seqlen)
     if len(starts) != len(lengths) or any(s < 0 or s + n > lane for s, n in zip(starts, lengths, strict=True)):
         raise ValueError(

@@ -323,7 +323,13 @@ class Inputs:
             if any(t.shape[0] != 1 for t in (q, k, v)):
                 raise ValueError(f"Expected batch_size=1 when using block-diagonal bias\n{_shapes(q, k, v)}")
             # Kernels trust the sequence metadata: rows it names past the tensors would be read out of bounds.
-            # (Paged masks name logical keys; their pages are the kernels' to bound.)
+            # (Paged masks name logical keys, in pages of a pool of whole pages; the page ids in the table, values on
+            # the device, only the reference checks: reading them would wait for the GPU.)
+            if isinstance(bias, ab._Paged) and k.shape[1] % bias.page_size:
+                raise ValueError(
+                    f"{type(bias).__name__}: the K/V pool must be whole pages, but key.shape[1] = {k.shape[1]} is "
+                    f"not a multiple of page_size = {bias.page_size} (a page past the last whole one reads past it)"
+                )
             q_rows = bias.q_seqinfo.seqstart_py[-1]
             k_ends = [end for _, end in bias.k_seqinfo.intervals()] if isinstance(bias, ab._BlockDiagonal) else []
             k_rows = max(k_ends) if k_ends else 0  # (not max's default=, which torch.compile rejects)

@@ -20,6 +20,16 @@ import torch
 from mslk.core import arch
 
 _SMALLEST_STEP = 2.0**-24  # fp16's smallest subnormal: a scale below it would round to 0 and lose the row's codes
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)  # the e4m3 flavours the kernels read
+
+
+def _fp8(where: str, fp8_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp8_dtype, or the platform's e4m3 flavour where it is None."""
+    if fp8_dtype is None:
+        return arch.fp8_dtype(device)
+    if fp8_dtype not in _FP8_DTYPES:
+        raise ValueError(f"{where}: fp8_dtype must be one of {_FP8_DTYPES} (the FP8-row format), got {fp8_dtype}")
+    return fp8_dtype
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +73,11 @@ def dequantize_kv_int4(packed: torch.Tensor, num_groups: int = 1) -> torch.Tenso
     """The fp32 [..., D] values of quantize_kv_int4's int32 [..., num_groups + D / 8]."""
     *lead, width = packed.shape
     dim = (width - num_groups) * 8
+    if packed.dtype != torch.int32 or num_groups < 1 or dim <= 0 or dim % (8 * num_groups):
+        raise ValueError(
+            f"dequantize_kv_int4: expected quantize_kv_int4's int32 [..., num_groups + D / 8] with D a positive "
+            f"multiple of 8 · num_groups, got {tuple(packed.shape)} {packed.dtype} and num_groups = {num_groups}"
+        )
     scale, shift = _split_half_pair(packed[..., :num_groups])
     unsigned = packed[..., num_groups:].to(torch.int64) & 0xFFFFFFFF
     codes = (unsigned[..., None] >> (4 * torch.arange(8, device=packed.device))) & 0xF
@@ -81,7 +96,7 @@ def quantize_kv_fp8(
         raise ValueError(
             f"quantize_kv_fp8: the head dim {dim} must be a positive multiple of 4 (four FP8 values an int32)"
         )
-    fp8_dtype = fp8_dtype or arch.fp8_dtype(x.device)
+    fp8_dtype = _fp8("quantize_kv_fp8", fp8_dtype, x.device)
     fp8_max = torch.finfo(fp8_dtype).max
     rows = x.float()
     if use_fp32_scales:
@@ -102,7 +117,17 @@ def quantize_kv_fp8(
 def dequantize_kv_fp8(packed: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fp32 [..., D] values of quantize_kv_fp8's (int32 [..., D / 4], scales [...]): fp16 scale-and-shift pairs
     in int32 scales, a float32 scale alone otherwise."""
-    codes = packed.contiguous().view(fp8_dtype or arch.fp8_dtype(packed.device)).float()
+    if (
+        packed.dtype != torch.int32
+        or scales.dtype not in (torch.float32, torch.int32)
+        or scales.shape != packed.shape[:-1]
+    ):
+        raise ValueError(
+            f"dequantize_kv_fp8: expected quantize_kv_fp8's int32 rows [..., D / 4] and their scales [...] (float32, "
+            f"or int32 fp16 scale-and-shift pairs), got {tuple(packed.shape)} {packed.dtype} and "
+            f"{tuple(scales.shape)} {scales.dtype}"
+        )
+    codes = packed.contiguous().view(_fp8("dequantize_kv_fp8", fp8_dtype, packed.device)).float()
     if scales.dtype == torch.float32:
         return codes * scales[..., None]
     scale, shift = _split_half_pair(scales)
