@@ -47,7 +47,7 @@ def _views(activation: torch.Tensor, filter: torch.Tensor) -> tuple[torch.Tensor
     one channel both readings fit an NCDHW activation and a KCTRS filter: read as NCDHW, only the KCTRS reading of
     the filter gives its taps in order (a KTRSC one once swapped them)."""
     pairs = [(x, w, x_ncdhw, w_ncdhw) for x, x_ncdhw in _readings(activation) for w, w_ncdhw in _readings(filter)]
-    pairs.sort(key=lambda pair: pair[2] != pair[3])  # stable: NDHWC first among each
+    pairs.sort(key=lambda pair: pair[2] != pair[3])  # a stable sort: NDHWC stays first within each kind
     x, w, ncdhw, _ = next((pair for pair in pairs if pair[0].shape[-1] == pair[1].shape[-1]), pairs[0])
     return x, w, ncdhw
 
