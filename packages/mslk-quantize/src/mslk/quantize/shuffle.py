@@ -107,7 +107,7 @@ def pack_int4(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.int8 or x.shape[-1] % 2:
         raise ValueError(f"pack_int4: expected int8 [..., K] with K even, got {tuple(x.shape)} {x.dtype}")
     if x.numel():  # (weights are packed once: the sync is affordable; a nibble would wrap 9 to -7)
-        low, high = (v.item() for v in torch.aminmax(x))
+        low, high = torch.stack(torch.aminmax(x)).tolist()  # one sync for both
         if low < -8 or high > 7:
             raise ValueError(f"pack_int4: values must be int4, in [-8, 7], got [{low}, {high}]")
     return (x[..., ::2] & 0xF) | (x[..., 1::2] << 4)
