@@ -82,6 +82,26 @@ def test_pack_nibble_order_and_round_trip():
     assert torch.equal(unpack_int4(pack_int4(y)), y)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_gpu_int4_preshuffle_in_cuda_graph(dtype):
+    """Weights quantized inside a CUDA graph come out as eagerly (the quantizer packs without pack_int4's host
+    check); pack_int4 itself says that it cannot be captured."""
+    w = testing.randn(256, 384, device="cuda")
+    expected = shuffle.quantize_int4_preshuffle(w, dtype=dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = shuffle.quantize_int4_preshuffle(w, dtype=dtype)
+        with pytest.raises(ValueError, match="outside CUDA graph capture"):
+            pack_int4(torch.zeros(4, 8, dtype=torch.int8, device="cuda"))
+    outputs = [got[0], *got[1]]
+    for t in outputs:
+        testing.poison_(t)
+    graph.replay()
+    for t, e in zip(outputs, [expected[0], *expected[1]], strict=True):
+        assert torch.equal(t.view(torch.uint8), e.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

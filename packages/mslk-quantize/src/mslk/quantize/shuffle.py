@@ -107,10 +107,17 @@ def pack_int4(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.int8 or x.shape[-1] % 2:
         raise ValueError(f"pack_int4: expected int8 [..., K] with K even, got {tuple(x.shape)} {x.dtype}")
     if x.numel():  # (weights are packed once: the sync is affordable; a nibble would wrap 9 to -7)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("pack_int4: checks its values' range on the host; call it outside CUDA graph capture")
         low, high = torch.stack(torch.aminmax(x)).tolist()  # one sync for both
         if low < -8 or high > 7:
             raise ValueError(f"pack_int4: values must be int4, in [-8, 7], got [{low}, {high}]")
-    return (x[..., ::2] & 0xF) | (x[..., 1::2] << 4)
+    return _pack_nibbles(x)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """pack_int4 of values known to be int4 (the quantizers' own), with no host check."""
+    return (q[..., ::2] & 0xF) | (q[..., 1::2] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -230,14 +237,14 @@ def quantize_int4_preshuffle(
     if dtype == "fp8":
         w_fp8, row_scale = quantize_fp8_row(rows)
         q, group_scale = int4_row_quantize(w_fp8.float(), group_size, torch.float8_e4m3fn)
-        wq, table = preshuffle_i4(pack_int4(q).reshape(*lead, n, k // 2), per_matrix(group_scale))
+        wq, table = preshuffle_i4(_pack_nibbles(q).reshape(*lead, n, k // 2), per_matrix(group_scale))
         return wq, (table, row_scale.reshape(*lead, n))
     if use_zp:
         q, scale, zero = int4_row_quantize_zp(rows, group_size, torch.bfloat16)
     else:
         q, scale = int4_row_quantize(rows, group_size, torch.bfloat16)
         zero = torch.zeros_like(scale)
-    wq, scale = preshuffle_i4(pack_int4(q).reshape(*lead, n, k // 2), per_matrix(scale))
+    wq, scale = preshuffle_i4(_pack_nibbles(q).reshape(*lead, n, k // 2), per_matrix(scale))
     return wq, (scale, per_matrix(zero))
 
 
