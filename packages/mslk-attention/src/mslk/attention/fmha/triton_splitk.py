@@ -11,7 +11,8 @@ compiled kernel's registers and shared memory let run at once (launch.programs_p
 log-sum-exps are combined by the merge kernel (merge.merge_stacked_into). Masks: none, padded keys
 (B11-B14), gappy keys (B18, B19) and their paged forms (B15-B17, B21, B22), causal from the bottom right and local
 windows included; fp16 / bf16, head dims up to 256, any number of queries a sequence (rows beyond 64 in more
-programs); output in any dtype and the LSE for partial attention (varlen: packed).
+programs); output in any dtype and the LSE for partial attention (varlen: packed; fp32 for every output dtype,
+where the reference's is fp64 for fp32 outputs: its sums are fp32 either way, and merge_attentions takes both).
 
 K/V may come quantized in kv_cache's formats (spec §7.7): int4-packed (a quarter of the bytes of bf16, plus 4 a
 group; NUM_GROUPS scale groups a row, set in a subclass as upstream's tests do) or FP8 rows (InputsFp8: half the
