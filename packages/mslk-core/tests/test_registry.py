@@ -291,6 +291,25 @@ def test_validate_runs_before_backends_and_in_the_fake(fresh_ops):
     testing.assert_rel_close(op(x, s), x * s[:, None])
 
 
+def test_none_for_a_required_tensor_is_named(fresh_ops):
+    """torch lets None through to a Tensor argument: the op names it before its validation (which would fail on
+    None.dtype) and the fake run; an optional tensor may be None."""
+    op = registry.Op(
+        "mslk_selftest::scaled(Tensor x, Tensor scale, Tensor? bias=None) -> Tensor",
+        domain="selftest",
+        reference=lambda x, scale, bias=None: x * scale,
+        fake=lambda x, scale, bias=None: torch.empty_like(x),
+        validate=lambda x, scale, bias=None: scale.dtype,
+    )
+    x = testing.randn(3)
+    for call in (lambda: op(x, None), lambda: op(x, scale=None), lambda: op(x, None, x)):
+        with pytest.raises(ValueError, match="scaled: scale must be a tensor, got None"):
+            call()
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match="scale must be"):
+        op(mode.from_tensor(x), None)
+    testing.assert_rel_close(op(x, x), x * x)
+
+
 def test_a_call_without_tensors_gets_the_validation_error(fresh_ops):
     """Empty lists and None optionals leave the dispatcher no device: the op's validation speaks, not torch's
     "no fallback function is registered"."""

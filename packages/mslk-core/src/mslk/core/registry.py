@@ -164,7 +164,9 @@ class Op:
         self.domain = domain
         self.reference = reference
         self.samples = samples
-        self.validate = validate  # raises on bad input before any backend (or the fake) runs
+        # Raises on bad input before any backend (or the fake) runs; torch passes None for a Tensor argument on.
+        required = [(i, arg.name) for i, arg in enumerate(parsed.arguments) if arg.type.kind() == "TensorType"]
+        self.validate = _refusing_none(self.name, required, validate) if required else validate
         self.next_step = next_step
         self.tolerance = tolerance  # relative error `mslk check` accepts; None: by output dtype
         self.backends: list[Backend] = [Backend(REFERENCE, reference, frozenset(reference_devices))]
@@ -350,6 +352,22 @@ class Op:
     def usable_backends(self, device_type: str) -> list[Backend]:
         """Backends that could run on this device type here (inputs aside)."""
         return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
+
+
+def _refusing_none(
+    op: str, required: list[tuple[int, str]], validate: Callable[..., None] | None
+) -> Callable[..., None]:
+    """validate, after a check that no required Tensor argument (position, name) is None (torch lets None through
+    to them; a validator would fail on None.dtype)."""
+
+    def checked(*args: Any, **kwargs: Any) -> None:
+        for position, name in required:
+            if (args[position] if position < len(args) else kwargs.get(name)) is None:
+                raise ValueError(f"{op}: {name} must be a tensor, got None")
+        if validate is not None:
+            validate(*args, **kwargs)
+
+    return checked
 
 
 def _schema_arguments(schema: str) -> list[str]:
