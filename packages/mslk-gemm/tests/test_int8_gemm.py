@@ -55,6 +55,17 @@ def test_every_split_gives_the_same_bits(m, n, k):
         assert torch.equal(out, results[0])
 
 
+def test_sums_past_int32():
+    """Sums past 2^31 (K = 2^17 + 128 products of -128 · -128) come out right: K is split in parts whose int32 sums
+    are exact, added in int64 (a single int32 sum wrapped to a negative)."""
+    k = 2**17 + 128
+    xq = torch.full((1, k), -128, dtype=torch.int8, device=DEVICE)
+    wq = torch.stack([xq[0], -xq[0] - 1])  # -128 and 127
+    out = kernel(g.i8i8bf16_op)(xq, wq, 1e-6)
+    testing.assert_rel_close(out, oracle(xq, wq, 1e-6), TOL)
+    assert out[0, 0] > 2000
+
+
 def test_every_output_and_partial_is_written(monkeypatch):
     """Allocations come poisoned (NaN outputs, int32-max partials): a single unwritten element shows."""
     empty = torch.empty

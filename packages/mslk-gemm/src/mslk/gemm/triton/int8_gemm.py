@@ -5,8 +5,9 @@
 with one tensorwise dequantization scale: a Python float (i8i8bf16) or a one-element fp32 device tensor
 (i8i8bf16_dynamic: read by the kernel, so CUDA graphs capture it). One Triton kernel, int8 tensor-core dots into
 int32. `split_k` splits K over more programs, whose int32 partial sums a second kernel (a dependent launch on
-Hopper) adds into bf16: integer sums are exact, so every split gives the same bits; split_k=1 lets the kernel
-choose (it splits decode shapes).
+Hopper) adds in int64 into bf16: integer sums are exact, so every split gives the same bits; split_k=1 lets the
+kernel choose (it splits decode shapes). K past 2^16 is always split, at most 2^16 a part: the int32 sums of more
+products of int8 could pass 2^31 (upstream's wrap there).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def _i8_gemm_kernel(
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+_EXACT_K = 2**16  # products of int8 (at most 2^14 in magnitude) one int32 sum holds exactly
+
+
 @functools.cache
 def _config(m: int, n: int, k: int, sms: int, split_k: int) -> dict:
     """Tiles by shape class for Hopper (timed: RESULTS.md's i8i8bf16 rows): decode (M <= 64) narrow tiles
@@ -93,7 +97,7 @@ def _config(m: int, n: int, k: int, sms: int, split_k: int) -> dict:
     steps = launch.cdiv(k, cfg["BLOCK_K"])
     tiles = launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"])
     splits = split_k if split_k > 1 else max(1, min((2 * sms) // tiles, steps // 8))
-    per_split = launch.cdiv(steps, min(splits, steps))
+    per_split = min(launch.cdiv(steps, min(splits, steps)), _EXACT_K // cfg["BLOCK_K"])
     return {**cfg, "splits": launch.cdiv(steps, per_split), "steps_per_split": per_split}
 
 

@@ -23,16 +23,18 @@ def splitk_reduce_kernel(
     DEPENDENT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[r, n] = (Σ_s ws[s, r, n]) · row_scale[r] · col_scale[n] · scalar (· scalar_ptr[0]), for the
-    workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs), added in split
-    order in its own dtype: deterministic. out [R, N] contiguous; each program takes BLOCK of its R·N elements.
-    The splits are unrolled so that all their loads are in flight at once (a loop waits for each in turn: 9 us
-    instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
+    workspace [SPLITS, R, N] of split-K partial sums (fp32, or int32 for exact integer GEMMs, added in int64: the
+    sum of exact int32 parts may pass 2^31), added in split order: deterministic. out [R, N] contiguous; each
+    program takes BLOCK of its R·N elements. The splits are unrolled so that all their loads are in flight at once
+    (a loop waits for each in turn: 9 us instead of about 2 for 8 splits of 16 x 8192 on the H200)."""
     if DEPENDENT:  # launched early (dependent launch): the workspace is complete only past this wait
         gdc_wait()
     total = tl.cast(R, tl.int64) * N
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total
     acc = tl.load(ws_ptr + offsets, mask=mask, other=0)
+    if ws_ptr.dtype.element_ty == tl.int32:
+        acc = acc.to(tl.int64)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(ws_ptr + s * total + offsets, mask=mask, other=0)
     out = acc.to(tl.float32) * scalar
