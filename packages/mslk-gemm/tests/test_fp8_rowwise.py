@@ -126,6 +126,37 @@ def test_empty_and_k_zero():
         assert batched(xq, w[None].expand(0, 8, 32), xs, ws[None].expand(0, 8)).shape == (0, 5, 8)
 
 
+def test_keepdim_scales_and_the_triton_entry():
+    """Scales of any shape holding a value a row ([M, 1], torchao's keepdim [B, T, 1] of inputs flattened to 2-D)
+    read as the flat vector; torch.ops.triton.matmul_fp8_row (spec G-50) is the same GEMM, a None scale ones."""
+    xq, xs = g.quantize_rows(testing.randn(2, 3, 64, device=DEVICE))
+    wq, ws = g.quantize_rows(testing.randn(40, 64, device=DEVICE))
+    x2 = xq.reshape(6, 64)
+    expected = oracle(x2, wq, xs.reshape(6), ws)
+    for x_scale, w_scale in ((xs[..., None], ws[:, None]), (xs.reshape(6, 1), ws[None])):
+        testing.assert_rel_close(kernel(g.f8f8bf16_rowwise_op)(x2, wq, x_scale, w_scale), expected, 1e-2)
+        assert torch.equal(g.f8f8bf16_rowwise(x2, wq, x_scale, w_scale), g.f8f8bf16_rowwise(x2, wq, xs.reshape(6), ws))
+    entry = g.matmul_fp8_row(x2, wq, xs.reshape(6), ws, tma_persistent=False, dot_out_dtype=torch.float32)
+    assert torch.equal(entry, g.f8f8bf16_rowwise(x2, wq, xs.reshape(6), ws))
+    unscaled = torch.ops.triton.matmul_fp8_row(x2, wq, None, None)
+    ones = torch.ones(6, device=DEVICE), torch.ones(40, device=DEVICE)
+    testing.assert_rel_close(unscaled, oracle(x2, wq, *ones), 1e-2)
+    compiled = torch.compile(lambda *args: torch.ops.triton.matmul_fp8_row(*args), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x2, wq, xs, ws), entry)
+    with pytest.raises(ValueError, match=r"x_scale.*rowwise"):
+        g.f8f8bf16_rowwise(x2, wq, xs[:, :2, None], ws)
+
+
+def test_batched_output_on_another_device():
+    """The output argument's device is checked as the other tensors' (meta inputs once left a CPU output unwritten)."""
+    xq, xs = g.quantize_rows(testing.randn(2, 3, 32))
+    wq, ws = g.quantize_rows(testing.randn(2, 5, 32))
+    output = torch.empty(2, 3, 5, dtype=torch.bfloat16)
+    meta = [t.to("meta") for t in (xq, wq, xs, ws)]
+    with pytest.raises(ValueError, match=r"f8f8bf16_rowwise_batched: output must be bfloat16 \(2, 3, 5\) on meta"):
+        g.f8f8bf16_rowwise_batched_op(*meta, None, True, output)
+
+
 def _bad(**changes):
     fp8 = arch.fp8_dtype(torch.device("cpu"))
     args = {
@@ -144,6 +175,7 @@ def _bad(**changes):
         (_bad(XQ=torch.zeros(4, 32, dtype=torch.bfloat16)), "XQ: expected .*float8_e4m3fn"),
         (_bad(WQ=torch.zeros(8, 16, dtype=arch.fp8_dtype(torch.device("cpu")))), "disagree on K"),
         (_bad(x_scale=torch.ones(5)), "x_scale.*rowwise"),
+        (_bad(x_scale=None), "f8f8bf16_rowwise: x_scale must be a tensor, got None"),
         (_bad(w_scale=torch.ones(8, dtype=torch.float16)), "w_scale must be float32"),
         (_bad(bias=torch.ones(7)), r"bias must be float32 or bfloat16 \[N\] = \[8\]"),
         (_bad(WQ=torch.zeros(2, 8, 32, dtype=arch.fp8_dtype(torch.device("cpu")))), "WQ \\[N, K\\]"),

@@ -112,7 +112,11 @@ class Tensorwise(ScaleFormat):
 
 @dataclass(frozen=True)
 class Rowwise(ScaleFormat):
-    """One scale per row (last dim reduced): shape `data.shape[:-1]`; a flat [numel] view is accepted."""
+    """One scale per row (last dim reduced): shape `data.shape[:-1]`; a flat [numel] view is accepted. With
+    `any_shape`, so is any shape of as many elements (the dense FP8 GEMMs read the scale as the flat vector its
+    memory holds, as upstream's do: torchao passes keepdim scales [..., 1], of inputs it flattened to 2-D)."""
+
+    any_shape: bool = False
 
     @property
     def name(self) -> str:
@@ -129,6 +133,8 @@ class Rowwise(ScaleFormat):
 
     def _shape_matches(self, data, scale):
         rows = self.expected_shape(tuple(data.shape))
+        if self.any_shape:
+            return scale.numel() == math.prod(rows)
         return tuple(scale.shape) in (rows, (math.prod(rows),))
 
 

@@ -132,6 +132,15 @@ def _library(namespace: str) -> torch.library.Library:
     return _libraries[namespace]
 
 
+def alias(schema: str, impl: Callable[..., Any]) -> None:
+    """An upstream name for calls of MSLK's ops (`impl` only calls torch ops): registered CompositeImplicitAutograd,
+    so autograd, fake tensors and torch.compile go through the ops it calls."""
+    namespace, rest = schema.split("::", 1)
+    lib = _library(namespace)
+    lib.define(rest)
+    lib.impl(rest.split("(", 1)[0], impl, "CompositeImplicitAutograd")
+
+
 class Op:
     """A public op: schema, reference, fake, backends, samples. See the module docstring."""
 

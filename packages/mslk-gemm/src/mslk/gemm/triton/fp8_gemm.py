@@ -90,7 +90,7 @@ def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
             raise formats.ScaleFormatError(
                 f"{where}: {role} must be float32 (quantize_fp8_row's scales), got {scale.dtype}"
             )
-        formats.Rowwise().check(data, scale, role=f"{where}: {role}")
+        formats.Rowwise(any_shape=True).check(data, scale, role=f"{where}: {role}")
     n = WQ.shape[-2]
     if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"{where}: bias must be float32 or bfloat16 [N] = [{n}], got {tuple(bias.shape)} {bias.dtype}")
@@ -452,14 +452,17 @@ f8f8bf16_rowwise_op = _rowwise_op("f8f8bf16_rowwise", torch.bfloat16, _rowwise_s
 f8f8f16_rowwise_op = _rowwise_op("f8f8f16_rowwise", torch.float16, _rowwise_samples)
 
 
+def _check_output(where: str, output: torch.Tensor, expected: tuple[int, ...], device: torch.device) -> None:
+    if tuple(output.shape) != expected or output.dtype != torch.bfloat16 or output.device != device:
+        raise ValueError(
+            f"{where}: output must be bfloat16 {expected} on {device}, got {tuple(output.shape)} {output.dtype} on "
+            f"{output.device}"
+        )
+
+
 def _validate_out(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
     _validate_rowwise("f8f8bf16_rowwise_out", XQ, WQ, x_scale, w_scale, bias, batched=False)
-    expected = (*XQ.shape[:-1], WQ.shape[0])
-    if tuple(output.shape) != expected or output.dtype != torch.bfloat16 or output.device != XQ.device:
-        raise ValueError(
-            f"f8f8bf16_rowwise_out: output must be bfloat16 {expected} on {XQ.device}, got {tuple(output.shape)} "
-            f"{output.dtype} on {output.device}"
-        )
+    _check_output("f8f8bf16_rowwise_out", output, (*XQ.shape[:-1], WQ.shape[0]), XQ.device)
 
 
 def _out_reference(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
@@ -496,11 +499,8 @@ def _out_triton(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True
 
 def _validate_batched(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
     _validate_rowwise("f8f8bf16_rowwise_batched", XQ, WQ, x_scale, w_scale, bias, batched=True)
-    expected = (*XQ.shape[:-1], WQ.shape[1])
-    if output is not None and (tuple(output.shape) != expected or output.dtype != torch.bfloat16):
-        raise ValueError(
-            f"f8f8bf16_rowwise_batched: output must be bfloat16 {expected}, got {tuple(output.shape)} {output.dtype}"
-        )
+    if output is not None:
+        _check_output("f8f8bf16_rowwise_batched", output, (*XQ.shape[:-1], WQ.shape[1]), XQ.device)
 
 
 def _batched_reference(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
@@ -545,7 +545,28 @@ def f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True) -
     return torch.ops.mslk.f8f8bf16_rowwise(XQ, WQ, x_scale, w_scale, bias, use_fast_accum)
 
 
-def matmul_fp8_row(a, b, a_scale, b_scale, bias=None, fp8_fast_accum=True, **_ignored) -> torch.Tensor:
-    """The reference library's Triton entry (spec G-50): `(a · bᵀ) · a_scale[m] · b_scale[n] (+ bias)` in bf16;
-    its tuning keywords (tma_persistent, dot_out_dtype, ...) are accepted and have no effect here."""
+def _matmul_fp8_row(a, b, a_scale, b_scale, bias=None, dot_out_dtype=None, allow_tf32=True, fp8_fast_accum=True, *_):
+    ones = [torch.ones(t.shape[:-1], dtype=torch.float32, device=t.device) for t in (a, b)]
+    a_scale, b_scale = (ones[0] if a_scale is None else a_scale), (ones[1] if b_scale is None else b_scale)
     return torch.ops.mslk.f8f8bf16_rowwise(a, b, a_scale, b_scale, bias, fp8_fast_accum)
+
+
+registry.alias(
+    "triton::matmul_fp8_row(Tensor a, Tensor b, Tensor? a_scale, Tensor? b_scale, Tensor? bias=None, "
+    "ScalarType? dot_out_dtype=None, bool allow_tf32=True, bool fp8_fast_accum=True, bool imprecise_acc=False, "
+    "bool tma_persistent=True, bool? no_use_persistent=None, bool use_warp_specialization=False) -> Tensor",
+    _matmul_fp8_row,
+)
+
+
+def matmul_fp8_row(
+    a, b, a_scale, b_scale, bias=None, dot_out_dtype=None, allow_tf32=True, fp8_fast_accum=True, imprecise_acc=False,
+    tma_persistent=True, no_use_persistent=None, use_warp_specialization=False,
+) -> torch.Tensor:  # fmt: skip
+    """The reference library's Triton entry (spec G-50), `torch.ops.triton.matmul_fp8_row`: f8f8bf16_rowwise,
+    `(a · bᵀ) · a_scale[m] · b_scale[n] (+ bias)` in bf16, a scale of None being ones; its tuning keywords
+    (tma_persistent, dot_out_dtype, ...) are accepted and have no effect here."""
+    return torch.ops.triton.matmul_fp8_row(
+        a, b, a_scale, b_scale, bias, dot_out_dtype, allow_tf32, fp8_fast_accum, imprecise_acc, tma_persistent,
+        no_use_persistent, use_warp_specialization,
+    )  # fmt: skip
