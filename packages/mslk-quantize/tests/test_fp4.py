@@ -107,6 +107,26 @@ def test_stochastic_exponent_rounds_amax_to_two_significant_bits():
     assert (u.mx_shared_exponent(torch.full((1000,), 1.25), u.RoundingMode.stochastic) == -2).all()
 
 
+def test_reference_stochastic_rounding_follows_the_seed():
+    """The reference (CPU) path draws its stochastic exponents from a generator seeded with `seed`: the same seed
+    gives the same scales, as the kernel's do (it drew from the global generator)."""
+    x = testing.randn(16, 64, std=3.0)
+    mode = u.RoundingMode.stochastic
+    first, again, other = (fp4.triton_quantize_mx4(x, rounding_mode=mode, seed=s)[1] for s in (5, 5, 6))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    sizes = torch.tensor([9, 7])
+    stacked = [fp4.quantize_mx4_stacked(sizes, x, rounding_mode=mode, seed=5)[1] for _ in range(2)]
+    assert torch.equal(*stacked)
+
+
+def test_all_zero_amax_is_plus_zero():
+    """abs_max of zeros is +0.0 (it was -0.0), so the NVFP4 global scale of zeros is +inf, not -inf."""
+    zeros = torch.zeros(2, 32)
+    assert math.copysign(1.0, u.abs_max(zeros).item()) == 1.0
+    assert (torch.copysign(torch.ones(2), u.abs_max(zeros, dim=-1)) == 1).all()
+    assert u.global_scale_nvfp4(zeros).item() == math.inf
+
+
 def test_mx4_reference_round_trip_and_nan():
     x = testing.randn(6, 128, std=4.0)
     x[2, 40] = float("nan")
@@ -205,6 +225,15 @@ def test_nvfp4_e8m0_block_scales(shape):
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 40)), "multiple of the group size 16"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 0)), "positive multiple of the group size 16"),
         (lambda: fp4.triton_quantize_nvfp4(torch.ones(2, 32), torch.ones(2)), "global_scale must be one float32"),
+        (  # 7 scale bytes for [4, 32] data (one group a row): a reshape error before
+            lambda: u.dequantize_mx4(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(7, dtype=torch.uint8)),
+            r"dequantize_mx4: expected scales of shape \(128, 4\) or \(512,\) or \(4, 2\)",
+        ),
+        (
+            lambda: u.dequantize_nvfp4(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(512, dtype=torch.uint8)),
+            r"dequantize_nvfp4: .* in torch.float8_e4m3fn .* got \(512,\) torch.uint8",
+        ),
+        (lambda: u.dequantize_mx4(torch.zeros(4, 32), torch.zeros(8)), "expected packed FP4 uint8"),
     ],
 )
 def test_bad_input(call, message):
@@ -439,6 +468,10 @@ def test_nvfp4_token_scale_round_trip():
     [
         (lambda: fp4.quantize_mx4_stacked(torch.ones(2, 2, dtype=torch.int64), torch.ones(4, 32)), "1-D int64"),
         (lambda: fp4.quantize_mx4_stacked(torch.ones(2), torch.ones(4, 32)), "1-D int64"),
+        (  # its own name (the plain stacked op's was given)
+            lambda: fp4.nvfp4_quantize_stacked_with_token_scale(torch.ones(2), torch.ones(4, 32)),
+            "quantize_nvfp4_stacked_token_scale: m_sizes must be a 1-D int64",
+        ),
         (lambda: fp4.quantize_mx4_stacked(torch.tensor([4]), torch.ones(4, 40)), "multiple of the group size 32"),
         (
             lambda: fp4.nvfp4_quantize_stacked(torch.tensor([2, 2]), torch.ones(4, 32), torch.ones(3)),

@@ -76,6 +76,8 @@ def test_group_is_block_with_one_row_and_m_sizes_layout():
     assert torch.equal(flat[9:], ref_scale[3:].t().reshape(-1))
     with pytest.raises(ValueError, match="m_sizes must be a 1-D integer tensor"):
         quantize_fp8_group(x, 128, m_sizes=torch.tensor([3.0, 7.0]))
+    with pytest.raises(ValueError, match="quantize_fp8_group: x must be float32"):  # (quantize_fp8_block's error)
+        quantize_fp8_group(torch.ones(4, 128, dtype=torch.int32))
     with pytest.raises(ValueError, match="quantize_fp8_group: group_size must be positive"):
         quantize_fp8_group(x, 0)
     with pytest.raises(ValueError, match="quantize_fp8_group: all tensors must be on one device"):

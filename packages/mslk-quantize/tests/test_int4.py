@@ -203,6 +203,11 @@ def test_quantize_int4_preshuffle_fp8(shape, group_size):
     # Batched weights are quantized matrix by matrix.
     first = shuffle.quantize_int4_preshuffle(w.reshape(-1, n, k)[0], group_size, "fp8")
     assert torch.equal(first[0], wq.reshape(-1, n, k // 2)[0])
+    # float64 weights as fp32 ones (quantize_fp8_row, the first step, takes 32 bits at most: its error was shown)
+    wide, narrow = (
+        shuffle.quantize_int4_preshuffle(w.to(dtype), group_size, "fp8") for dtype in (torch.float64, torch.float32)
+    )
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1][1], narrow[1][1])
 
 
 @pytest.mark.parametrize("use_zp", [True, False])

@@ -20,7 +20,7 @@ def abs_max(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if a.numel() == 0:
         return torch.zeros(() if dim is None else a.shape[:-1], dtype=torch.float32, device=a.device)
     lo, hi = torch.aminmax(a) if dim is None else torch.aminmax(a, dim=dim)
-    return torch.maximum(-lo, hi).float()
+    return torch.maximum(-lo, hi).float() + 0.0  # (+0.0: of all zeros, -lo is -0.0, and 448 · 6 / -0.0 is -inf)
 
 
 def jagged_rows_zeroed(a: torch.Tensor, zero_start_index_M: torch.Tensor) -> torch.Tensor:

@@ -235,7 +235,7 @@ def quantize_int4_preshuffle(
         return scale.unflatten(1, (math.prod(lead), n)).movedim(1, 0).reshape(*lead, scale.shape[0], n).contiguous()
 
     if dtype == "fp8":
-        w_fp8, row_scale = quantize_fp8_row(rows)
+        w_fp8, row_scale = quantize_fp8_row(rows.float() if rows.dtype == torch.float64 else rows)  # (its dtypes)
         q, group_scale = int4_row_quantize(w_fp8.float(), group_size, torch.float8_e4m3fn)
         wq, table = preshuffle_i4(_pack_nibbles(q).reshape(*lead, n, k // 2), per_matrix(group_scale))
         return wq, (table, row_scale.reshape(*lead, n))

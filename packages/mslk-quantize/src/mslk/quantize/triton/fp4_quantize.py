@@ -85,7 +85,7 @@ def _mx4_reference(x, group_size=32, rounding_mode=RoundingMode.ceil, stochastic
     if stochastic_casting:
         raise ValueError("quantize_mx4: stochastic_casting needs the Triton kernel (a GPU)")
     layout = formats.platform_mx_layout()
-    xq, scale = fp4_utils.quantize_mx4(x, group_size, rounding_mode, layout)
+    xq, scale = fp4_utils.quantize_mx4(x, group_size, rounding_mode, layout, seed)
     return xq, scale.view(_mx_scale_dtype(layout))
 
 
@@ -427,7 +427,7 @@ def _validate_mx4_stacked(m_sizes, x, group_size=32, rounding_mode=RoundingMode.
 
 
 def _mx4_stacked_reference(m_sizes, x, group_size=32, rounding_mode=RoundingMode.ceil, seed=None):
-    xq, plain = fp4_utils.quantize_mx4(x, group_size, rounding_mode, "plain")
+    xq, plain = fp4_utils.quantize_mx4(x, group_size, rounding_mode, "plain", seed)
     plain = plain.reshape(-1, x.shape[-1] // group_size)
     return xq, fp4_utils.to_blocked_stacked(plain, m_sizes)
 
@@ -527,7 +527,7 @@ quantize_nvfp4_stacked_token_scale_op = registry.Op(
     reference=_token_reference,
     fake=lambda m_sizes, x: (*_nvfp4_stacked_fake(m_sizes, x), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)),
     samples=lambda device: [registry.Sample(args) for args in _stacked_samples(device) if args[1].shape[-1] % 16 == 0],
-    validate=_validate_nvfp4_stacked,
+    validate=lambda m_sizes, x: _validate_stacked("quantize_nvfp4_stacked_token_scale", m_sizes, x, 16),
     reference_devices=("cpu", "cuda"),
 )
 

@@ -17,7 +17,7 @@ from enum import IntEnum
 
 import torch
 
-from mslk.core.formats import swizzled_scale_shape
+from mslk.core.formats import E8M0_DTYPES, swizzled_scale_shape
 from mslk.quantize.reference import abs_max
 
 FP4_E2M1_MAX = 6.0
@@ -174,20 +174,49 @@ def mx_shared_exponent(amax: torch.Tensor, rounding_mode: int, random_bits: torc
 
 
 def quantize_mx4(
-    x: torch.Tensor, group_size: int = 32, rounding_mode: int = RoundingMode.ceil, layout: str = "swizzled"
+    x: torch.Tensor,
+    group_size: int = 32,
+    rounding_mode: int = RoundingMode.ceil,
+    layout: str = "swizzled",
+    seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 reference: x [..., K] (K % group_size == 0) -> (packed E2M1 uint8 [..., K/2], E8M0 scales uint8:
     flat blocked over [M, K/gs] when layout="swizzled", [..., K/gs] when "plain"). A group holding NaN gets
-    the E8M0 NaN scale (255), which dequantizes the whole group to NaN (its elements are packed as computed)."""
+    the E8M0 NaN scale (255), which dequantizes the whole group to NaN (its elements are packed as computed).
+    Stochastic rounding draws from torch's generator, seeded with `seed` when given (the same seed, the same
+    result; not the Triton kernel's draws)."""
     k = x.shape[-1]
     groups = x.float().reshape(-1, k // group_size, group_size)
     amax = groups.abs().amax(dim=-1) if groups.numel() else groups.new_zeros(groups.shape[:2])
-    exponent = mx_shared_exponent(amax, rounding_mode)
+    random_bits = None
+    if rounding_mode == RoundingMode.stochastic and seed is not None:
+        generator = torch.Generator(x.device).manual_seed(seed)
+        random_bits = torch.randint(0, 2**31 - 1, amax.shape, generator=generator, dtype=torch.int32, device=x.device)
+    exponent = mx_shared_exponent(amax, rounding_mode, random_bits)
     codes = e2m1_codes(groups * torch.exp2(-exponent.float())[..., None]).reshape(*x.shape)
     biased = (exponent + E8M0_EXPONENT_BIAS).to(torch.uint8)
     biased = torch.where(amax.isnan(), torch.full_like(biased, E8M0_NAN), biased)
     scale = to_blocked(biased) if layout == "swizzled" else biased.reshape(*x.shape[:-1], k // group_size)
     return pack_fp4(codes), scale
+
+
+def _check_packed(where: str, xq: torch.Tensor, scale: torch.Tensor, group_size: int, scale_dtypes, plain: bool):
+    """Raise a ValueError naming `where` unless xq is packed FP4 (uint8 [..., K/2]) and scale its blocked scales
+    (flat or 2-D) or, where `plain`, plain ones [..., K/gs], of one of scale_dtypes."""
+    if xq.dtype != torch.uint8 or xq.dim() < 1 or (2 * xq.shape[-1]) % group_size:
+        raise ValueError(
+            f"{where}: expected packed FP4 uint8 [..., K/2] with K a multiple of {group_size}, got "
+            f"{tuple(xq.shape)} {xq.dtype}"
+        )
+    rows, groups = math.prod(xq.shape[:-1]), 2 * xq.shape[-1] // group_size
+    blocked = swizzled_scale_shape(rows, groups)
+    shapes = [blocked, (math.prod(blocked),), *([(*xq.shape[:-1], groups)] if plain else [])]
+    if tuple(scale.shape) not in shapes or scale.dtype not in scale_dtypes:
+        raise ValueError(
+            f"{where}: expected scales of shape {' or '.join(map(str, shapes))} in "
+            f"{' or '.join(map(str, scale_dtypes))} for packed data {tuple(xq.shape)} (groups of {group_size}), "
+            f"got {tuple(scale.shape)} {scale.dtype}"
+        )
 
 
 def _plain_scales(xq: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -204,6 +233,7 @@ def dequantize_mx4(xq: torch.Tensor, scale: torch.Tensor, group_size: int = 32) 
     """bf16 [..., K] of packed MXFP4 [..., K/2] and its E8M0 scales as the quantizers return them: flat blocked
     (CUDA) or plain [..., K/gs] (ROCm); uint8, int8 or float8_e8m0fnu. Exact (E2M1 · 2^e fits bf16); the E8M0 NaN
     scale gives NaN."""
+    _check_packed("dequantize_mx4", xq, scale, group_size, E8M0_DTYPES, plain=True)
     biased = _plain_scales(xq, scale, group_size).view(torch.uint8).float()
     factor = torch.where(biased == E8M0_NAN, float("nan"), torch.exp2(biased - E8M0_EXPONENT_BIAS))
     values = fp4_to_float(xq).reshape(biased.shape[0], -1, group_size) * factor[..., None]
@@ -321,6 +351,7 @@ def dequantize_nvfp4(
 ) -> torch.Tensor:
     """bf16 [..., K] of packed NVFP4 [..., K/2] and its e4m3 scales as triton_quantize_nvfp4 returns them
     (blocked, flat or 2-D): `e2m1 · s_b / gs` (global_scale None: 1)."""
+    _check_packed("dequantize_nvfp4", xq, scale, group_size, (torch.float8_e4m3fn,), plain=False)
     plain = from_blocked(scale, (math.prod(xq.shape[:-1]), 2 * xq.shape[-1] // group_size))
     return scale_nvfp4(fp4_to_float(xq), plain, global_scale, group_size).to(torch.bfloat16)
 

@@ -486,6 +486,7 @@ def quantize_fp8_group(
     `m_sizes` [G] the per-expert M-major layout: expert e's [⌈K/gs⌉, M_e] block lies flat at offset
     (Σ M_<e)·⌈K/gs⌉ of an [M, ⌈K/gs⌉] buffer. Same kernel as quantize_fp8_block with block_m = 1.
     """
+    check_float_input("quantize_fp8_group", "x", x)
     if group_size < 1:
         raise ValueError(f"quantize_fp8_group: group_size must be positive, got {group_size}")
     if m_sizes is not None and (m_sizes.dim() != 1 or m_sizes.dtype.is_floating_point):
