@@ -374,6 +374,22 @@ def test_an_op_that_returns_its_output_argument(fresh_ops):
             op(x, scale, output=shared)
 
 
+def test_a_required_output_argument_of_none_is_named(fresh_ops):
+    """out_arg not optional (`Tensor(a!) output`): None gets the op's error (the composite called a missing
+    functional op: "'NoneType' object is not callable")."""
+    op = registry.Op(
+        "mslk_selftest::copy_into(Tensor x, Tensor(a!) output) -> Tensor",
+        domain="selftest",
+        reference=lambda x, output: output.copy_(x),
+        out_arg="output",
+    )
+    x = testing.randn(3)
+    with pytest.raises(ValueError, match="copy_into: output must be a tensor, got None"):
+        op(x, None)
+    output = testing.empty_poisoned(3, dtype=x.dtype)
+    assert op(x, output) is output and torch.equal(output, x)
+
+
 def test_check_writable():
     for t in (torch.empty(3, 4), torch.empty(3, 4).t(), torch.empty(2, 3, 4).permute(2, 0, 1), torch.empty(5, 1, 0)):
         registry.check_writable("op", "out", t)

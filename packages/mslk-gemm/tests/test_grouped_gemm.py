@@ -310,6 +310,10 @@ def test_groupwise_grouped(sizes, n):
     poisoned = testing.empty_poisoned(rows, n, dtype=torch.bfloat16, device=DEVICE)  # the spec's import path (G-58)
     assert matmul_f8f8bf16_groupwise_grouped(xq, wq, x_scale, w_scale, m_sizes, poisoned) is poisoned
     testing.assert_rel_close(poisoned, out, 1e-2)
+    # A wrong output is refused before the GEMM (an int32 one took the bf16 values cut to integers).
+    for bad in (poisoned[:, :-1], poisoned.to(torch.int32), poisoned[:1].expand(rows, n)):
+        with pytest.raises(ValueError, match="matmul_f8f8bf16_groupwise_grouped: output"):
+            matmul_f8f8bf16_groupwise_grouped(xq, wq, x_scale, w_scale, m_sizes, bad)
 
 
 # ------------------------------------------------------------- grouped_gemm entry points (G-53, G-54)

@@ -226,6 +226,8 @@ class Op:
             values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
             output = values.pop(out_arg, None)
             if output is None:
+                if functional_op is None:  # (torch lets None through to a Tensor argument)
+                    raise ValueError(f"{self.name}: {out_arg} must be a tensor, got None")
                 return functional_op(**values)
             written_op(output, **values)
             return output

@@ -460,6 +460,17 @@ def _check_output(where: str, output: torch.Tensor, expected: tuple[int, ...], d
         )
 
 
+def into_output(where: str, output: torch.Tensor | None, op: registry.Op, *args) -> torch.Tensor:
+    """op(*args), a bf16 [rows of args[0], rows of args[1]] (N of a [G, N, K] weight), written into `output` when
+    given (the reference library's Triton entries' `output=`): checked, with the inputs, before any kernel runs."""
+    if output is not None:
+        op.validate(*args)  # (first: the output's expected shape reads the inputs')
+        _check_output(where, output, (args[0].shape[0], args[1].shape[-2]), args[0].device)
+        registry.check_writable(where, "output", output)
+    out = op(*args)
+    return out if output is None else output.copy_(out)
+
+
 def _validate_out(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
     _validate_rowwise("f8f8bf16_rowwise_out", XQ, WQ, x_scale, w_scale, bias, batched=False)
     _check_output("f8f8bf16_rowwise_out", output, (*XQ.shape[:-1], WQ.shape[0]), XQ.device)
