@@ -581,3 +581,27 @@ def matmul_fp8_row(
         a, b, a_scale, b_scale, bias, dot_out_dtype, allow_tf32, fp8_fast_accum, imprecise_acc, tma_persistent,
         no_use_persistent, use_warp_specialization,
     )  # fmt: skip
+
+
+def _matmul_fp8_block(a, b, a_scale, b_scale, scale_block_m=256, scale_block_n=256, scale_block_k=256, *_unused):
+    return torch.ops.mslk.f8f8bf16_blockwise(a, b, a_scale, b_scale, scale_block_m, scale_block_n, scale_block_k)
+
+
+registry.alias(
+    "triton::matmul_fp8_block(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, int scale_block_m=256, "
+    "int scale_block_n=256, int scale_block_k=256, ScalarType? dot_out_dtype=None, bool allow_tf32=True, "
+    "bool fp8_fast_accum=True) -> Tensor",
+    _matmul_fp8_block,
+)
+
+
+def matmul_fp8_block(
+    a, b, a_scale, b_scale, scale_block_m=256, scale_block_n=256, scale_block_k=256, dot_out_dtype=None,
+    allow_tf32=True, fp8_fast_accum=True,
+) -> torch.Tensor:  # fmt: skip
+    """The reference library's Triton entry (spec G-51), `torch.ops.triton.matmul_fp8_block`: f8f8bf16_blockwise
+    (fp8_blockwise_gemm.py) with its default 256 blocks; the accumulation is always fp32 (dot_out_dtype,
+    allow_tf32 and fp8_fast_accum are accepted for compatibility)."""
+    return torch.ops.triton.matmul_fp8_block(
+        a, b, a_scale, b_scale, scale_block_m, scale_block_n, scale_block_k, dot_out_dtype, allow_tf32, fp8_fast_accum
+    )
