@@ -438,6 +438,47 @@ def _check_gather_scatter(t, d, top_k, with_count, dtypes):
 
 
 @pytest.mark.parametrize(
+    ("t", "d", "top_k"), [(40, 96, 2), (7, 3000, 1), (3, 16500, 1), (5, 1, 4), (0, 16, 1)], ids=str
+)
+@pytest.mark.parametrize("with_count", [False, True])
+def test_gather_quant_kernel(t, d, top_k, with_count, monkeypatch):
+    _check_gather_quant(t, d, top_k, with_count, [torch.float32, torch.float16], monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("t", "d", "top_k"), [(4096, 5120, 1), (1000, 7168, 8), (333, 1000, 2), (7, 20000, 1), (1, 1, 1)], ids=str
+)
+@pytest.mark.parametrize("with_count", [False, True])
+def test_gather_quant_kernel_gpu(t, d, top_k, with_count, monkeypatch):
+    _check_gather_quant(t, d, top_k, with_count, [torch.bfloat16, torch.float32, torch.float16], monkeypatch)
+
+
+def _check_gather_quant(t, d, top_k, with_count, dtypes, monkeypatch):
+    """The fused kernel against gather_scale_dense_tokens then quantize_fp8_row (the op's reference): FP8 levels
+    and scales alike, with a count, scale_ub, a NaN row (NaN scale), rows in one pass and in two (d > 16384);
+    outputs allocated poisoned."""
+    from mslk.moe import gather_scatter as gs
+
+    scores, experts, tokens = _routing(t, 8, top_k, KERNEL_DEVICE)
+    count = torch.tensor([max(t * top_k - 5, 0)], device=KERNEL_DEVICE) if with_count else None
+    empty = torch.empty
+    for dtype in dtypes:
+        x = testing.randn(t, d, dtype=dtype, device=KERNEL_DEVICE, std=3.0)
+        if t > 2:
+            x[1, d // 2] = float("nan")
+        for scale_ub in (None, torch.tensor([0.5], device=KERNEL_DEVICE)):
+            monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: testing.poison_(empty(*args, **kwargs)))
+            xq, scale = _triton(gs, "gather_scale_quant_dense_tokens_op")(x, tokens, experts, scores, scale_ub, count)
+            monkeypatch.undo()
+            rq, rs = gs._gather_quant(x, tokens, experts, scores, scale_ub, count)
+            testing.assert_fp8_equal(xq, rq)
+            torch.testing.assert_close(scale, rs, rtol=0, atol=0, equal_nan=True)
+            if t > 2 and top_k == 1 and not with_count:
+                assert scale[(tokens == 1).nonzero()[0, 0]].isnan(), "the NaN row"
+
+
+@pytest.mark.parametrize(
     ("tokens", "rows", "hot"), [(64, 64, 3), (40, 300, 40), (1, 257, 1)], ids=["locked", "counted", "one-token"]
 )
 def test_scatter_add_with_rows_sharing_tokens(tokens, rows, hot):

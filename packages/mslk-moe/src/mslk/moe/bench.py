@@ -2,17 +2,18 @@
 
 Routing inputs are random router scores [T, E] routed by index_shuffling, so the index arrays are what the
 MoE layers hand the kernels. Baselines in the same run: the plain-PyTorch implementation of the op on the GPU
-and, for the data movers, a device-to-device copy of as many bytes as the op must move (inputs read once,
-outputs written once). index_shuffling is launch-bound and runs under CUDA graphs, and once eagerly (host
-time included) at the PERF.md shape.
+(gather_scale_quant_dense_tokens: MSLK's two unfused kernels) and, for the data movers, a device-to-device copy
+of as many bytes as the op must move (inputs read once, outputs written once). index_shuffling is launch-bound
+and runs under CUDA graphs, and once eagerly (host time included) at the PERF.md shape.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mslk.core import bench
+from mslk.core import arch, bench
 from mslk.moe import gather_scatter, shuffling
+from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
 
 ROUTING = [{"T": t, "E": e, "top_k": k} for t in (128, 2048, 16384) for e in (16, 128, 256) for k in (1, 8)]
 TOKENS = [
@@ -65,6 +66,10 @@ def _gather_bytes(shape: dict) -> int:
     return 2 * 2 * shape["T"] * shape["top_k"] * shape["D"]  # rows read once and written once (bf16)
 
 
+def _gather_quant_bytes(shape: dict) -> int:
+    return 3 * shape["T"] * shape["top_k"] * shape["D"]  # rows read once (bf16), written once (FP8)
+
+
 def _scatter_bytes(shape: dict) -> int:
     return 2 * shape["T"] * shape["D"] * (shape["top_k"] + 2)  # expert rows and out read, out written
 
@@ -81,6 +86,22 @@ bench.register(
             "torch eager reference": lambda i: gather_scatter._gather(i[0], i[3], i[2], i[1]),
         },
         bytes=_gather_bytes,
+    )
+)
+bench.register(
+    bench.BenchSpec(
+        name="gather_scale_quant_dense_tokens",
+        op="mslk::gather_scale_quant_dense_tokens",
+        shapes=TOKENS,
+        make_inputs=lambda s, device: _token_inputs(s, device, _gather_quant_bytes(s)),
+        run=lambda i: gather_scatter.gather_scale_quant_dense_tokens(i[0], i[3], i[2], i[1]),
+        baselines={
+            "mslk gather_scale_dense_tokens then quantize_fp8_row": lambda i: quantize_fp8_row(
+                gather_scatter.gather_scale_dense_tokens(i[0], i[3], i[2], i[1]), eps_opt=arch.FP8_EPS
+            ),
+            "copy same bytes": lambda i: i[6].copy_(i[5]),
+        },
+        bytes=_gather_quant_bytes,
     )
 )
 bench.register(

@@ -3,7 +3,7 @@
 index arrays of index_shuffling, and the generic `scatter_add_along_first_dim`.
 
 The plain-PyTorch implementations serve every device; on a GPU, Triton kernels (one program per row, no host
-sync) serve rows with a contiguous last dim. Any hidden size D works (the reference library asserts
+sync) serve rows with a contiguous last dim; the quantizing gather is one kernel, reading each row once. Any hidden size D works (the reference library asserts
 D % 1024 == 0 past #SMs rows). Indices are not checked on the host (that would need a sync): the kernels
 skip rows whose index is out of range (a gathered row comes out zero, a scattered one adds nothing).
 """
@@ -16,8 +16,8 @@ import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
 from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
-from mslk.quantize.triton.common import check_float_input, check_scale_ub
-from mslk.quantize.triton.fp8_quantize import quantize_fp8_row
+from mslk.quantize.triton.common import check_float_input, check_scale_ub, max_nan
+from mslk.quantize.triton.fp8_quantize import quantize_fp8_row, row_factor_and_scale, to_levels
 
 
 def _check_indices(where: str, name: str, indices: torch.Tensor, rows: int) -> None:
@@ -91,6 +91,22 @@ def _contiguous_rows(*tensors: torch.Tensor) -> list[str]:
 
 
 @triton.jit
+def _routed_row(
+    i, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, stride_st, stride_se, stride_token, stride_expert,
+    HAS_COUNT: tl.constexpr,
+):  # fmt: skip
+    """(token (int64), whether its row is read, its score in fp32) of output row i: rows past the count or with an
+    index outside x or scores read nothing (and score 0)."""
+    token = tl.load(token_ptr + i * stride_token).to(tl.int64)
+    expert = tl.load(expert_ptr + i * stride_expert).to(tl.int64)
+    readable = (token >= 0) & (token < T) & (expert >= 0) & (expert < E)
+    if HAS_COUNT:
+        readable &= i < tl.load(valid_count_ptr)
+    score = tl.load(scores_ptr + token * stride_st + expert * stride_se, mask=readable, other=0.0).to(tl.float32)
+    return token, readable, score
+
+
+@triton.jit
 def _gather_scale_kernel(
     x_ptr, out_ptr, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, D,
     stride_x, stride_out, stride_st, stride_se, stride_token, stride_expert, HAS_COUNT: tl.constexpr,
@@ -102,12 +118,10 @@ def _gather_scale_kernel(
     3984-4028 for torch.mul over the same contiguous bytes. Programs over (row, 1024-8192 columns) and persistent
     programs that fetch the next row's indices and score under this row's loads measured no faster (3167-3856)."""
     i = tl.program_id(0)
-    token = tl.load(token_ptr + i * stride_token).to(tl.int64)
-    expert = tl.load(expert_ptr + i * stride_expert).to(tl.int64)
-    readable = (token >= 0) & (token < T) & (expert >= 0) & (expert < E)
-    if HAS_COUNT:
-        readable &= i < tl.load(valid_count_ptr)
-    score = tl.load(scores_ptr + token * stride_st + expert * stride_se, mask=readable, other=0.0).to(tl.float32)
+    token, readable, score = _routed_row(
+        i, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, stride_st, stride_se, stride_token,
+        stride_expert, HAS_COUNT,
+    )  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         x = tl.load(x_ptr + token * stride_x + d0 + cols, mask=readable & (d0 + cols < D), other=0.0)
@@ -171,6 +185,76 @@ gather_scale_quant_dense_tokens_op = registry.Op(
     validate=_validate_gather_quant,
     reference_devices=("cpu", "cuda"),
 )
+
+
+# gather_scale_quant_dense_tokens quantizes rows up to this long from registers; longer ones are read twice (amax,
+# then quantize; the second read mostly from L2), in _TWO_PASS_BLOCK_D pieces. (silu_mul_quant's measured tiles.)
+_SINGLE_PASS_MAX_D = 16384
+_TWO_PASS_BLOCK_D = 2048
+
+
+@triton.jit
+def _scaled_piece(x_row, cols, D, readable, score):
+    """A piece of x's row times its score in fp32, rounded to x's dtype (as gather_scale_dense_tokens' output
+    that the unfused ops quantize), back in fp32."""
+    x = tl.load(x_row + cols, mask=readable & (cols < D), other=0.0)
+    return (x.to(tl.float32) * score).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _gather_scale_quant_kernel(
+    x_ptr, xq_ptr, scale_ptr, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, scale_ub_ptr, T, E, D,
+    stride_x, stride_xq, stride_st, stride_se, stride_token, stride_expert, eps,
+    HAS_COUNT: tl.constexpr, HAS_UB: tl.constexpr, QMAX: tl.constexpr, BLOCK_D: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
+):  # fmt: skip
+    """xq[i], scale[i]: row i of gather_scale_dense_tokens quantized rowwise to FP8 (quantize_fp8_row's rule), in
+    one pass over x (the unfused ops write the gathered rows and read them again): one program per output row."""
+    i = tl.program_id(0)
+    token, readable, score = _routed_row(
+        i, token_ptr, expert_ptr, scores_ptr, valid_count_ptr, T, E, stride_st, stride_se, stride_token,
+        stride_expert, HAS_COUNT,
+    )  # fmt: skip
+    x_row = x_ptr + token * stride_x
+    xq_row = xq_ptr + i.to(tl.int64) * stride_xq
+    cols = tl.arange(0, BLOCK_D)
+    if SINGLE_PASS:
+        y = _scaled_piece(x_row, cols, D, readable, score)
+        factor, scale = row_factor_and_scale(tl.reduce(tl.abs(y), 0, max_nan), eps, scale_ub_ptr, QMAX, HAS_UB)
+        tl.store(xq_row + cols, to_levels(y, factor, QMAX).to(xq_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            amax = max_nan(amax, tl.abs(_scaled_piece(x_row, d0 + cols, D, readable, score)))
+        factor, scale = row_factor_and_scale(tl.reduce(amax, 0, max_nan), eps, scale_ub_ptr, QMAX, HAS_UB)
+        for d0 in range(0, D, BLOCK_D):
+            q = to_levels(_scaled_piece(x_row, d0 + cols, D, readable, score), factor, QMAX)
+            tl.store(xq_row + d0 + cols, q.to(xq_ptr.dtype.element_ty), mask=d0 + cols < D)
+    tl.store(scale_ptr + i, scale)
+
+
+@gather_scale_quant_dense_tokens_op.backend(
+    "triton",
+    available=registry.triton_missing,
+    supports=lambda x, *args: _contiguous_rows(x),
+    requires=arch.fp8_e4m3_missing,
+)
+def _gather_quant_triton(x, token_indices, expert_indices, scores, scale_ub=None, valid_token_count=None):
+    rows, d = token_indices.shape[0], x.shape[1]
+    xq = torch.empty((rows, d), dtype=arch.fp8_dtype(x.device), device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block_d = min(launch.next_power_of_2(max(d, 1)), _SINGLE_PASS_MAX_D)
+        single_pass = d <= block_d
+        block_d = block_d if single_pass else _TWO_PASS_BLOCK_D
+        launch.fast(_gather_scale_quant_kernel)[(rows,)](
+            x, xq, scale, token_indices, expert_indices, scores, valid_token_count, scale_ub, x.shape[0],
+            scores.shape[1], d, x.stride(0), xq.stride(0), *scores.stride(), token_indices.stride(0),
+            expert_indices.stride(0), arch.FP8_EPS, HAS_COUNT=valid_token_count is not None,
+            HAS_UB=scale_ub is not None, QMAX=float(torch.finfo(xq.dtype).max), BLOCK_D=block_d,
+            SINGLE_PASS=single_pass, num_warps=max(1, min(32, block_d // 512)),  # 16 elements a thread
+        )  # fmt: skip
+    return xq, scale
 
 
 def gather_scale_quant_dense_tokens(
