@@ -3,9 +3,10 @@
 index arrays of index_shuffling, and the generic `scatter_add_along_first_dim`.
 
 The plain-PyTorch implementations serve every device; on a GPU, Triton kernels (one program per row, no host
-sync) serve rows with a contiguous last dim; the quantizing gather is one kernel, reading each row once. Any hidden size D works (the reference library asserts
-D % 1024 == 0 past #SMs rows). Indices are not checked on the host (that would need a sync): the kernels
-skip rows whose index is out of range (a gathered row comes out zero, a scattered one adds nothing).
+sync) serve rows with a contiguous last dim; the quantizing gather is one kernel, reading each row once. Any
+hidden size D works (the reference library asserts D % 1024 == 0 past #SMs rows). Indices are not checked on the
+host (that would need a sync): the kernels skip rows whose index is out of range (a gathered row comes out zero,
+a scattered one adds nothing).
 """
 
 from __future__ import annotations
