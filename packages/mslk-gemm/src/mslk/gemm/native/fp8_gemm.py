@@ -39,7 +39,7 @@ def _check_scale(role: str, data: torch.Tensor, scale: torch.Tensor | None) -> N
     if scale is None or formats.Tensorwise().matches(data, scale):
         return
     try:
-        formats.Rowwise(any_shape=True).check(data, scale, role=f"{_WHERE}: {role}")
+        fp8_gemm.ROWWISE_SCALES.check(data, scale, role=f"{_WHERE}: {role}")
     except formats.ScaleFormatError as exc:
         raise formats.ScaleFormatError(f"{exc} (a tensorwise scale, one fp32 value, is accepted too)") from None
 

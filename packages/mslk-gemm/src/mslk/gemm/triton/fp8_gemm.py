@@ -72,6 +72,10 @@ def to_mxfp8(data_hp: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor,
 # ------------------------------------------------------------------------------------------ rowwise FP8
 
 
+# The dense GEMMs' rowwise scales: any contiguous shape of M (N) elements, read as the flat vector.
+ROWWISE_SCALES = formats.Rowwise(any_shape=True)
+
+
 def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
     formats.check_fp8_data(XQ, role=f"{where}: XQ", producer="quantize_fp8_row")
     formats.check_fp8_data(WQ, role=f"{where}: WQ", producer="quantize_fp8_row")
@@ -90,7 +94,7 @@ def _validate_rowwise(where, XQ, WQ, x_scale, w_scale, bias, batched):
             raise formats.ScaleFormatError(
                 f"{where}: {role} must be float32 (quantize_fp8_row's scales), got {scale.dtype}"
             )
-        formats.Rowwise(any_shape=True).check(data, scale, role=f"{where}: {role}")
+        ROWWISE_SCALES.check(data, scale, role=f"{where}: {role}")
     n = WQ.shape[-2]
     if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"{where}: bias must be float32 or bfloat16 [N] = [{n}], got {tuple(bias.shape)} {bias.dtype}")
