@@ -189,7 +189,8 @@ gather_scale_quant_dense_tokens_op = registry.Op(
 
 
 # gather_scale_quant_dense_tokens quantizes rows up to this long from registers; longer ones are read twice (amax,
-# then quantize; the second read mostly from L2), in _TWO_PASS_BLOCK_D pieces. (silu_mul_quant's measured tiles.)
+# then quantize; the second read mostly from L2), in _TWO_PASS_BLOCK_D pieces. H200, 16384 rows of 5120 / 2048 x 8
+# of 7168: 4 warps a row 78 / 74 us, against 81-153 us with 8-32 warps and 77-100 us in two passes (RESULTS.md).
 _SINGLE_PASS_MAX_D = 16384
 _TWO_PASS_BLOCK_D = 2048
 
@@ -253,7 +254,7 @@ def _gather_quant_triton(x, token_indices, expert_indices, scores, scale_ub=None
             scores.shape[1], d, x.stride(0), xq.stride(0), *scores.stride(), token_indices.stride(0),
             expert_indices.stride(0), arch.FP8_EPS, HAS_COUNT=valid_token_count is not None,
             HAS_UB=scale_ub is not None, QMAX=float(torch.finfo(xq.dtype).max), BLOCK_D=block_d,
-            SINGLE_PASS=single_pass, num_warps=max(1, min(32, block_d // 512)),  # 16 elements a thread
+            SINGLE_PASS=single_pass, num_warps=8 if block_d > 8192 else 4,
         )  # fmt: skip
     return xq, scale
 
