@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mslk.core import arch, launch, registry, testing
-from mslk.moe.common import check_valid_token_count, valid_rows
+from mslk.moe.common import check_valid_token_count, row_quant_tiles, valid_rows
 from mslk.quantize.triton.common import FLOAT_INPUTS, check_float_input, check_scale_ub, max_nan
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row, row_factor_and_scale, to_levels
 
@@ -111,11 +111,6 @@ def silu_mul_quant(
 
 # ------------------------------------------------------------------------------------------- Triton
 
-# silu_mul_quant quantizes rows up to this long from registers in one pass; longer rows are read twice (amax
-# pass, then quantize pass, the second mostly from L2), in _TWO_PASS_BLOCK_D pieces.
-_SINGLE_PASS_MAX_D = 16384
-_TWO_PASS_BLOCK_D = 2048
-
 
 @triton.jit
 def _silu_mul_tile(x0_rows, x1_rows, cols, mask, LIBDEVICE: tl.constexpr, RCP_RN: tl.constexpr):
@@ -192,9 +187,7 @@ def _launch_config(d: int, quant: bool) -> dict:
         block_m = max(1, min(64, 4096 // block_d))
         single_pass = True  # (unused) every program writes one tile
     else:
-        block_d = min(launch.next_power_of_2(max(d, 1)), _SINGLE_PASS_MAX_D)
-        single_pass = d <= block_d
-        block_d = block_d if single_pass else _TWO_PASS_BLOCK_D
+        block_d, single_pass = row_quant_tiles(d)
         block_m = max(1, min(64, 2048 // block_d))
     warps = max(1, min(32 if quant else 8, block_m * block_d // 512))
     return {"BLOCK_M": block_m, "BLOCK_D": block_d, "SINGLE_PASS": single_pass, "num_warps": warps}

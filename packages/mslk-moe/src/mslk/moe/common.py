@@ -1,9 +1,24 @@
 """Pieces shared by the MoE ops: the optional `valid_token_count` (a one-element device tensor) and its mask;
-zeroed int32 buffers that kernels leave zeroed, kept from call to call."""
+zeroed int32 buffers that kernels leave zeroed, kept from call to call; the row tiles of the quantizing kernels."""
 
 from __future__ import annotations
 
 import torch
+
+from mslk.core import launch
+
+# The kernels that quantize whole rows to FP8 (silu_mul_quant, gather_scale_quant_dense_tokens) hold rows up to this
+# long in registers; longer ones are read twice (amax, then quantize; the second read mostly from L2), in pieces of
+# _TWO_PASS_BLOCK_D.
+_SINGLE_PASS_MAX_D = 16384
+_TWO_PASS_BLOCK_D = 2048
+
+
+def row_quant_tiles(d: int) -> tuple[int, bool]:
+    """(BLOCK_D, SINGLE_PASS) of a kernel quantizing rows of d elements."""
+    block_d = min(launch.next_power_of_2(max(d, 1)), _SINGLE_PASS_MAX_D)
+    single_pass = d <= block_d
+    return (block_d if single_pass else _TWO_PASS_BLOCK_D), single_pass
 
 
 def check_valid_token_count(where: str, valid_token_count: torch.Tensor | None) -> None:

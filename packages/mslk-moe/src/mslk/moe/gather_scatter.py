@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mslk.core import arch, launch, registry, testing
-from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
+from mslk.moe.common import check_valid_token_count, kept_zeros, row_quant_tiles, valid_rows
 from mslk.quantize.triton.common import check_float_input, check_scale_ub, max_nan
 from mslk.quantize.triton.fp8_quantize import quantize_fp8_row, row_factor_and_scale, to_levels
 
@@ -188,13 +188,6 @@ gather_scale_quant_dense_tokens_op = registry.Op(
 )
 
 
-# gather_scale_quant_dense_tokens quantizes rows up to this long from registers; longer ones are read twice (amax,
-# then quantize; the second read mostly from L2), in _TWO_PASS_BLOCK_D pieces. H200, 16384 rows of 5120 / 2048 x 8
-# of 7168: 4 warps a row 78 / 74 us, against 81-153 us with 8-32 warps and 77-100 us in two passes (RESULTS.md).
-_SINGLE_PASS_MAX_D = 16384
-_TWO_PASS_BLOCK_D = 2048
-
-
 @triton.jit
 def _scaled_piece(x_row, cols, D, readable, score):
     """A piece of x's row times its score in fp32, rounded to x's dtype (as gather_scale_dense_tokens' output
@@ -246,9 +239,8 @@ def _gather_quant_triton(x, token_indices, expert_indices, scores, scale_ub=None
     xq = torch.empty((rows, d), dtype=arch.fp8_dtype(x.device), device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block_d = min(launch.next_power_of_2(max(d, 1)), _SINGLE_PASS_MAX_D)
-        single_pass = d <= block_d
-        block_d = block_d if single_pass else _TWO_PASS_BLOCK_D
+        block_d, single_pass = row_quant_tiles(d)
+        # 4 warps a row: H200, 16384 rows of 5120 (2048 x 8 of 7168) 78 (74) us, 81-153 with 8-32 warps (RESULTS.md)
         launch.fast(_gather_scale_quant_kernel)[(rows,)](
             x, xq, scale, token_indices, expert_indices, scores, valid_token_count, scale_ub, x.shape[0],
             scores.shape[1], d, x.stride(0), xq.stride(0), *scores.stride(), token_indices.stride(0),
