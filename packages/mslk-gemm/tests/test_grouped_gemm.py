@@ -190,7 +190,7 @@ def test_grouped_records_into_a_cuda_graph():
             lambda: g.bf16bf16bf16_grouped_stacked(
                 torch.rand(4, 8).bfloat16(), torch.rand(2, 3, 8).bfloat16(), torch.tensor([2, 2]), torch.empty(4, 3)
             ),
-            r"out must be torch.bfloat16 \(4, 3\) on cpu, got \(4, 3\) torch.float32",  # (bfloat16 once)
+            r"out must be bfloat16 \(4, 3\) on cpu, got \(4, 3\) torch.float32",  # (bfloat16 once)
         ),
     ],
 )

@@ -438,6 +438,19 @@ def check_devices(where: str, **tensors: torch.Tensor | None) -> None:
         raise ValueError(f"{where}: all tensors must be on one device, got {placed}")
 
 
+def check_output(
+    where: str, name: str, out: torch.Tensor | None, shape: Sequence[int], dtypes: Sequence[torch.dtype], device
+) -> None:
+    """ValueError unless a caller's output tensor `out` (None skipped) has the shape, one of the dtypes and the
+    device that the op writes."""
+    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype not in dtypes or out.device != device):
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in dict.fromkeys(dtypes))
+        raise ValueError(
+            f"{where}: {name} must be {wanted} {tuple(shape)} on {device}, got {tuple(out.shape)} {out.dtype} on "
+            f"{out.device}"
+        )
+
+
 def check_writable(where: str, name: str, t: torch.Tensor | None) -> None:
     """ValueError if elements of a tensor an op writes share memory (an `expand()`ed view): each kernel lane would
     write its own value there, one of them winning. Checked as strides sorted ascending, each past the reach of

@@ -157,14 +157,7 @@ def _validate(A, B, output=None):
         )
     if A.device != B.device:
         raise ValueError(f"{where}: A and B must be on one device, got {A.device} and {B.device}")
-    expected = (A.shape[0], B.shape[0])
-    if output is not None and (
-        tuple(output.shape) != expected or output.dtype != torch.float32 or output.device != A.device
-    ):
-        raise ValueError(
-            f"{where}: output must be float32 {expected} on {A.device}, got {tuple(output.shape)} {output.dtype} on "
-            f"{output.device}"
-        )
+    registry.check_output(where, "output", output, (A.shape[0], B.shape[0]), (torch.float32,), A.device)
 
 
 def _reference(A, B, output=None):

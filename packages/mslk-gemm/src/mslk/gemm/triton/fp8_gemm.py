@@ -456,20 +456,14 @@ f8f8bf16_rowwise_op = _rowwise_op("f8f8bf16_rowwise", torch.bfloat16, _rowwise_s
 f8f8f16_rowwise_op = _rowwise_op("f8f8f16_rowwise", torch.float16, _rowwise_samples)
 
 
-def _check_output(where: str, output: torch.Tensor, expected: tuple[int, ...], device: torch.device) -> None:
-    if tuple(output.shape) != expected or output.dtype != torch.bfloat16 or output.device != device:
-        raise ValueError(
-            f"{where}: output must be bfloat16 {expected} on {device}, got {tuple(output.shape)} {output.dtype} on "
-            f"{output.device}"
-        )
-
-
 def into_output(where: str, output: torch.Tensor | None, op: registry.Op, *args) -> torch.Tensor:
     """op(*args), a bf16 [rows of args[0], rows of args[1]] (N of a [G, N, K] weight), written into `output` when
     given (the reference library's Triton entries' `output=`): checked, with the inputs, before any kernel runs."""
     if output is not None:
         op.validate(*args)  # (first: the output's expected shape reads the inputs')
-        _check_output(where, output, (args[0].shape[0], args[1].shape[-2]), args[0].device)
+        registry.check_output(
+            where, "output", output, (args[0].shape[0], args[1].shape[-2]), (torch.bfloat16,), args[0].device
+        )
         registry.check_writable(where, "output", output)
     out = op(*args)
     return out if output is None else output.copy_(out)
@@ -477,7 +471,9 @@ def into_output(where: str, output: torch.Tensor | None, op: registry.Op, *args)
 
 def _validate_out(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
     _validate_rowwise("f8f8bf16_rowwise_out", XQ, WQ, x_scale, w_scale, bias, batched=False)
-    _check_output("f8f8bf16_rowwise_out", output, (*XQ.shape[:-1], WQ.shape[0]), XQ.device)
+    registry.check_output(
+        "f8f8bf16_rowwise_out", "output", output, (*XQ.shape[:-1], WQ.shape[0]), (torch.bfloat16,), XQ.device
+    )
 
 
 def _out_reference(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True):
@@ -515,7 +511,9 @@ def _out_triton(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True
 def _validate_batched(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
     _validate_rowwise("f8f8bf16_rowwise_batched", XQ, WQ, x_scale, w_scale, bias, batched=True)
     if output is not None:
-        _check_output("f8f8bf16_rowwise_batched", output, (*XQ.shape[:-1], WQ.shape[1]), XQ.device)
+        registry.check_output(
+            "f8f8bf16_rowwise_batched", "output", output, (*XQ.shape[:-1], WQ.shape[1]), (torch.bfloat16,), XQ.device
+        )
 
 
 def _batched_reference(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):

@@ -298,15 +298,6 @@ def _check_fp8(where: str, XQ, WQ, producer: str = "quantize_fp8_row") -> None:
     formats.check_fp8_data(WQ, role=f"{where}: WQ", producer=producer)
 
 
-def _check_out(where: str, name: str, out, shape, dtypes, device) -> None:
-    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype not in dtypes or out.device != device):
-        wanted = " or ".join(str(d) for d in dict.fromkeys(dtypes))  # (X's dtype may be one of them)
-        raise ValueError(
-            f"{where}: {name} must be {wanted} {tuple(shape)} on {device}, got {tuple(out.shape)} {out.dtype} on "
-            f"{out.device}"
-        )
-
-
 def _check_num_sms(where: str, num_sms) -> None:
     if num_sms is not None and num_sms < 1:
         raise ValueError(f"{where}: num_sms must be positive, got {num_sms}")
@@ -400,7 +391,7 @@ def _stacked_16bit_op(name: str, samples) -> registry.Op:
     def validate(X, W, M_sizes, out=None, num_sms=None):
         _check_stacked(where, X, W, M_sizes)
         _check_16bit(where, X, W)
-        _check_out(where, "out", out, (X.shape[0], W.shape[1]), (torch.bfloat16, X.dtype), X.device)
+        registry.check_output(where, "out", out, (X.shape[0], W.shape[1]), (torch.bfloat16, X.dtype), X.device)
         _check_num_sms(where, num_sms)
 
     def reference(X, W, M_sizes, out=None, num_sms=None):
@@ -476,7 +467,7 @@ def _validate_wgrad(X, W, M_sizes, output=None, output_accum=False, num_sms=None
     if output_accum and output is None:
         raise ValueError(f"{where}: output_accum=True adds into `output`, which must be given (float32 {shape})")
     dtypes = (torch.float32,) if output_accum else (torch.bfloat16, X.dtype, torch.float32)
-    _check_out(where, "output", output, shape, dtypes, X.device)
+    registry.check_output(where, "output", output, shape, dtypes, X.device)
     _check_num_sms(where, num_sms)
 
 

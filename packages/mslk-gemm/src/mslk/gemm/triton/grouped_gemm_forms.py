@@ -18,7 +18,6 @@ from mslk.gemm.triton.grouped_gemm import (
     ROWWISE,
     _check_16bit,
     _check_fp8,
-    _check_out,
     _check_rowwise,
     _check_sizes,
     _group_bounds,
@@ -317,7 +316,7 @@ def _validate_grouped_mm(XQ, WQ, x_scale, w_scale, offsets, output):
     registry.check_devices(where, XQ=XQ, WQ=WQ, offsets=offsets, output=output)
     _check_rowwise(where, "x_scale", x_scale, XQ, x_numel)
     _check_rowwise(where, "w_scale", w_scale, WQ, w_numel)
-    _check_out(where, "output", output, out_shape, (torch.bfloat16,), XQ.device)
+    registry.check_output(where, "output", output, out_shape, (torch.bfloat16,), XQ.device)
 
 
 def _grouped_mm_reference(XQ, WQ, x_scale, w_scale, offsets, output):
