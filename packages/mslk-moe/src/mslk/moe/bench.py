@@ -120,6 +120,61 @@ bench.register(
 )
 
 
+# Expert-parallel regrouping (spec M-09, M-10) of T received rows, as the MoE layers run it: EP ranks' rows back to
+# back for this rank's EG experts (dynamic exchange: ragged counts, all kept), or all ranks' slabs of T/EP rows with
+# counts for all E experts, of which this rank keeps EG (static exchange: is_padded, each slab split evenly).
+REGROUP = [
+    {"T": 16384, "D": 5120, "EP": 8, "E": 16, "EG": 16, "padded": False},
+    {"T": 16384, "D": 7168, "EP": 8, "E": 32, "EG": 32, "padded": False},
+    {"T": 16384, "D": 5120, "EP": 8, "E": 128, "EG": 16, "padded": True},
+    {"T": 2048, "D": 7168, "EP": 16, "E": 256, "EG": 16, "padded": True},
+]
+
+
+def _kept_rows(shape: dict) -> int:
+    return shape["T"] * shape["EG"] // shape["E"] if shape["padded"] else shape["T"]
+
+
+def _regroup_bytes(shape: dict) -> int:
+    return 2 * shape["D"] * (_kept_rows(shape) + shape["T"])  # kept rows read once, all rows written (bf16)
+
+
+def _regroup_inputs(shape: dict, device: torch.device):
+    """(rank-ordered tokens [T, D] bf16, token_counts int32 [EP, E], the expert-ordered rows combine_shuffling
+    makes of them, the op's other arguments (experts [0, EG), is_padded), two buffers for the copy baseline)."""
+    t, ranks, experts = shape["T"], shape["EP"], shape["E"]
+    if shape["padded"]:  # an even split of each slab (as _kept_rows counts)
+        counts = torch.full((ranks, experts), t // ranks // experts, dtype=torch.int32)
+    else:  # T rows over the EP x E chunks at random
+        chunk = torch.randint(0, ranks * experts, (t,))
+        counts = torch.bincount(chunk, minlength=ranks * experts).view(ranks, experts).int()
+    tokens = torch.randn(t, shape["D"], device=device, dtype=torch.bfloat16)
+    counts, args = counts.to(device), (0, shape["EG"], shape["padded"])
+    combined, _ = shuffling._combine(tokens, counts, *args)
+    half = _regroup_bytes(shape) // 2
+    return tokens, counts, combined, args, *(torch.empty(half, dtype=torch.uint8, device=device) for _ in "ab")
+
+
+for _name, _run, _reference, _rows in (
+    ("combine_shuffling", shuffling.combine_shuffling, shuffling._combine, 0),
+    ("split_shuffling", shuffling.split_shuffling, shuffling._split, 2),
+):
+    bench.register(
+        bench.BenchSpec(
+            name=_name,
+            op=f"mslk::{_name}",
+            shapes=REGROUP,
+            make_inputs=_regroup_inputs,
+            run=lambda i, run=_run, rows=_rows: run(i[rows], i[1], *i[3]),
+            baselines={
+                "copy same bytes": lambda i: i[5].copy_(i[4]),
+                "torch eager reference": lambda i, ref=_reference, rows=_rows: ref(i[rows], i[1], *i[3]),
+            },
+            bytes=_regroup_bytes,
+        )
+    )
+
+
 LAYERS = [
     {"tokens": 4096, "dim": 5120, "hidden_dim": 8192, "experts": 16, "top_k": 1, "precision": "bf16"},
     {"tokens": 4096, "dim": 5120, "hidden_dim": 8192, "experts": 16, "top_k": 1, "precision": "fp8_rowwise"},

@@ -413,6 +413,147 @@ split_shuffling_op = registry.Op(
 )
 
 
+# On a GPU, two Triton launches (no host sync, graph safe) do either op. A one-program plan kernel lays the chunks
+# out from token_counts in a table sorted by where each chunk's rows are written, and a copy kernel has every output
+# row find its chunk there (a binary search), read its row on the other side, or write zeros: each output row is
+# written once, each input row read at most once. The table of N (a power of two) chunks, int32 [4, N]: the end of
+# a chunk's rows on the written side (a running total: what the search reads), the first of them, the end of
+# those that are read (the cut of the counts that do not fit), and the read row minus the written row.
+_MAX_TRITON_CHUNKS = 1 << 16  # of the counts tile [EP, E] rounded up to powers of two, held by one program
+
+
+@triton.jit
+def _regroup_plan_kernel(
+    counts_ptr, table_ptr, out_counts_ptr, EP, E, start, end, T, stride_r, stride_e,
+    SPLIT: tl.constexpr, PADDED: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr, N: tl.constexpr,
+):  # fmt: skip
+    """The table for combine_shuffling (written side: expert-ordered, chunks (e - start, r)) or split_shuffling
+    (written side: rank-ordered, chunks (r, e)); combine's counts [end - start + 1]."""
+    rank = tl.arange(0, R_PAD)
+    r = rank[:, None]
+    e = tl.arange(0, E_PAD)[None, :]
+    n = tl.load(counts_ptr + r * stride_r + e * stride_e, mask=(r < EP) & (e < E), other=0).to(tl.int64)
+    n = tl.maximum(n, 0)  # (negative counts count as 0)
+    if PADDED:  # rank slabs of T / EP rows
+        slab = T // tl.maximum(EP, 1)
+        rank_start = rank.to(tl.int64) * slab
+        rank_end = tl.minimum(rank_start + slab, T)
+    else:  # ranks back to back
+        totals = tl.sum(n, 1)
+        rank_start = tl.cumsum(totals, 0) - totals
+        rank_end = tl.zeros([R_PAD], dtype=tl.int64) + T
+    src = rank_start[:, None] + tl.cumsum(n, 1) - n  # first row of chunk (r, e) on the rank-ordered side
+    rank_end = rank_end[:, None]
+    kept = (e >= start) & (e < end)
+    size = tl.where(kept, n, 0)
+    per_expert = tl.sum(size, 0)
+    dst = (tl.cumsum(per_expert, 0) - per_expert)[None, :] + tl.cumsum(size, 0) - size  # ... expert-ordered side
+    if SPLIT:  # rank side written: chunks cut to their rank's rows stay in (r, e) order
+        first = tl.minimum(src, rank_end)
+        ends = tl.minimum(src + n, rank_end)
+        last = tl.where(kept, tl.maximum(tl.minimum(ends, src + T - dst), first), first)  # read rows < T
+        offset = dst - src
+        chunk = r * E_PAD + e
+        written = (r >= 0) & (e >= 0)  # all of them
+    else:  # expert side written, cut to T rows
+        first = tl.minimum(dst, T)
+        ends = tl.minimum(dst + size, T)
+        last = tl.minimum(dst + tl.maximum(tl.minimum(size, rank_end - src), 0), T)  # read rows in their rank's
+        offset = src - dst
+        chunk = (e - start) * R_PAD + r
+        written = kept
+        experts = tl.arange(0, E_PAD)
+        kept_expert = (experts >= start) & (experts < end)
+        tl.store(out_counts_ptr + experts - start, per_expert.to(tl.int32), mask=kept_expert)
+        tl.store(out_counts_ptr + end - start, tl.sum(per_expert, 0).to(tl.int32))
+        rest = tl.arange(0, N)  # the table past the kept chunks: ends T, nothing read
+        rest_mask = rest >= (end - start) * R_PAD
+        tl.store(table_ptr + rest, T, mask=rest_mask)
+        for column in tl.static_range(1, 4):
+            tl.store(table_ptr + column * N + rest, 0, mask=rest_mask)
+    offset = tl.where(last > first, offset, 0)  # (in int32 range where used)
+    tl.store(table_ptr + chunk, ends.to(tl.int32), mask=written)
+    tl.store(table_ptr + N + chunk, first.to(tl.int32), mask=written)
+    tl.store(table_ptr + 2 * N + chunk, last.to(tl.int32), mask=written)
+    tl.store(table_ptr + 3 * N + chunk, offset.to(tl.int32), mask=written)
+
+
+@triton.jit
+def _regroup_copy_kernel(
+    in_ptr, out_ptr, table_ptr, T, D, stride_in, stride_in_d, stride_out,
+    N: tl.constexpr, LOG_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Output rows [pid · ROWS, +ROWS): row i is in[i + offset] of the first chunk whose end passes i, if
+    first <= i < last there, else zeros."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    chunk = tl.zeros([ROWS], dtype=tl.int32)
+    for s in tl.static_range(LOG_N):  # chunk = how many ends are <= the row (at most N - 1)
+        probe = chunk + (N >> (s + 1))
+        chunk = tl.where(tl.load(table_ptr + probe - 1) <= rows, probe, chunk)
+    first = tl.load(table_ptr + N + chunk)
+    last = tl.load(table_ptr + 2 * N + chunk)
+    source = (rows + tl.load(table_ptr + 3 * N + chunk)).to(tl.int64)
+    read = ((rows >= first) & (rows < last))[:, None]
+    inside = (rows < T)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + cols
+        x = tl.load(in_ptr + source[:, None] * stride_in + c * stride_in_d, mask=read & (c < D), other=0)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + c, x, mask=inside & (c < D))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as integers of its element size (the copy moves bits, whatever the dtype)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _regroup_supports(tokens, token_counts, *args):
+    reasons = []
+    chunks = launch.next_power_of_2(token_counts.shape[0]) * launch.next_power_of_2(token_counts.shape[1])
+    if chunks > _MAX_TRITON_CHUNKS:
+        reasons.append(f"EP x E = {tuple(token_counts.shape)}: more than {_MAX_TRITON_CHUNKS} chunks (powers of 2)")
+    if tokens.element_size() not in (1, 2, 4, 8):
+        reasons.append(f"{tokens.dtype} tokens ({tokens.element_size()} bytes an element)")
+    if tokens.shape[0] >= 2**31:
+        reasons.append(f"T = {tokens.shape[0]} >= 2^31 rows")
+    return reasons
+
+
+def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, split):
+    """Triton combine_shuffling (split False: (tokens, counts)) or split_shuffling (split True: tokens)."""
+    ranks, experts = token_counts.shape
+    start = 0 if expert_start is None else expert_start
+    end = experts if expert_end is None else expert_end
+    rows, d = tokens.shape
+    r_pad, e_pad = launch.next_power_of_2(ranks), launch.next_power_of_2(experts)
+    n = r_pad * e_pad if split else launch.next_power_of_2((end - start) * r_pad)
+    table = torch.empty(4 * n, dtype=torch.int32, device=tokens.device)
+    counts = torch.empty(0 if split else end - start + 1, dtype=torch.int32, device=tokens.device)
+    launch.fast(_regroup_plan_kernel)[(1,)](
+        token_counts, table, counts, ranks, experts, start, end, rows, *token_counts.stride(), SPLIT=split,
+        PADDED=bool(is_padded), R_PAD=r_pad, E_PAD=e_pad, N=n, num_warps=8 if r_pad * e_pad >= 4096 else 4,
+    )  # fmt: skip
+    out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
+    if rows and d:
+        block_d = min(launch.next_power_of_2(d), 1024)
+        rows_a_program = max(1, 4096 // block_d)
+        launch.fast(_regroup_copy_kernel)[(launch.cdiv(rows, rows_a_program),)](
+            _bits(tokens), _bits(out), table, rows, d, *tokens.stride(), out.stride(0), N=n,
+            LOG_N=n.bit_length() - 1, ROWS=rows_a_program, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out if split else (out, counts)
+
+
+@combine_shuffling_op.backend("triton", available=registry.triton_missing, supports=_regroup_supports)
+def _combine_triton(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False):
+    return _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, split=False)
+
+
+@split_shuffling_op.backend("triton", available=registry.triton_missing, supports=_regroup_supports)
+def _split_triton(tokens, token_counts, expert_start=None, expert_end=None, is_padded=False, init_with_zeros=False):
+    return _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, split=True)
+
+
 def combine_shuffling(
     tokens: torch.Tensor,
     token_counts: torch.Tensor,
