@@ -535,8 +535,10 @@ def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, s
     )  # fmt: skip
     out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
     if rows and d:
-        block_d = min(launch.next_power_of_2(d), 1024)
-        rows_a_program = max(1, 4096 // block_d)
+        # Tiles of about 2048 elements, a row a program from D = 2048 on (H100, the bench shapes: 1-5% faster than
+        # tiles of 4 x 1024 elements; 2-16 rows of 512-2048 elements, 4 or 8 warps, in between).
+        block_d = min(launch.next_power_of_2(d), 2048)
+        rows_a_program = 2048 // block_d
         launch.fast(_regroup_copy_kernel)[(launch.cdiv(rows, rows_a_program),)](
             _bits(tokens), _bits(out), table, rows, d, *tokens.stride(), out.stride(0), N=n,
             LOG_N=n.bit_length() - 1, ROWS=rows_a_program, BLOCK_D=block_d, num_warps=4,
