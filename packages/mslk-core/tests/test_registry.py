@@ -390,6 +390,20 @@ def test_a_required_output_argument_of_none_is_named(fresh_ops):
     assert op(x, output) is output and torch.equal(output, x)
 
 
+def test_check_output():
+    cpu = torch.device("cpu")
+    registry.check_output("op", "out", None, (2, 3), (torch.float32,), cpu)  # none given: nothing to check
+    registry.check_output("op", "out", torch.empty(2, 3, dtype=torch.bfloat16), (2, 3), (torch.bfloat16,), cpu)
+    bad = [
+        (torch.empty(3, 2), r"op: out must be float32 or bfloat16 \(2, 3\) on cpu, got \(3, 2\) torch.float32 on cpu"),
+        (torch.empty(2, 3, dtype=torch.float16), r"got \(2, 3\) torch.float16"),
+        (torch.empty(2, 3, device="meta"), r"on cpu, got \(2, 3\) torch.float32 on meta"),
+    ]
+    for out, message in bad:
+        with pytest.raises(ValueError, match=message):
+            registry.check_output("op", "out", out, (2, 3), (torch.float32, torch.bfloat16, torch.float32), cpu)
+
+
 def test_check_writable():
     for t in (torch.empty(3, 4), torch.empty(3, 4).t(), torch.empty(2, 3, 4).permute(2, 0, 1), torch.empty(5, 1, 0)):
         registry.check_writable("op", "out", t)

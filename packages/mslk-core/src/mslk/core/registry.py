@@ -439,7 +439,12 @@ def check_devices(where: str, **tensors: torch.Tensor | None) -> None:
 
 
 def check_output(
-    where: str, name: str, out: torch.Tensor | None, shape: Sequence[int], dtypes: Sequence[torch.dtype], device
+    where: str,
+    name: str,
+    out: torch.Tensor | None,
+    shape: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
 ) -> None:
     """ValueError unless a caller's output tensor `out` (None skipped) has the shape, one of the dtypes and the
     device that the op writes."""

@@ -510,10 +510,9 @@ def _out_triton(XQ, WQ, x_scale, w_scale, output, bias=None, use_fast_accum=True
 
 def _validate_batched(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
     _validate_rowwise("f8f8bf16_rowwise_batched", XQ, WQ, x_scale, w_scale, bias, batched=True)
-    if output is not None:
-        registry.check_output(
-            "f8f8bf16_rowwise_batched", "output", output, (*XQ.shape[:-1], WQ.shape[1]), (torch.bfloat16,), XQ.device
-        )
+    registry.check_output(
+        "f8f8bf16_rowwise_batched", "output", output, (*XQ.shape[:-1], WQ.shape[1]), (torch.bfloat16,), XQ.device
+    )
 
 
 def _batched_reference(XQ, WQ, x_scale, w_scale, bias=None, use_fast_accum=True, output=None):
