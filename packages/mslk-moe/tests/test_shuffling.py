@@ -139,6 +139,23 @@ def test_triton_copies_any_dtype_strides_and_shapes():
             assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (dtype, ranks, experts, rows)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_plan_fills_its_whole_table(split):
+    """Every entry of the plan table written (poisoned before), its chunk ends in order (the copy's binary search
+    needs them so), and the rows each chunk reads inside its written rows and the first T."""
+    gen = torch.Generator().manual_seed(1)
+    for ranks, experts, (start, end), rows, padded in [(3, 5, (1, 4), 30, False), (5, 7, (0, 7), 41, True),
+                                                       (2, 3, (2, 2), 9, False), (6, 9, (3, 8), 20, True)]:  # fmt: skip
+        counts = torch.randint(-1, 5, (ranks, experts), generator=gen, dtype=torch.int32).to(DEVICE)
+        n = shuffling._table_size(counts, start, end, split)
+        table = testing.poison_(torch.empty(4 * n, dtype=torch.int32, device=DEVICE))
+        shuffling._plan(counts, start, end, rows, padded, split, table)
+        ends, first, last, _ = table.view(4, n).cpu()
+        assert (table != torch.iinfo(torch.int32).max).all(), "an entry left unwritten"
+        assert (ends[1:] >= ends[:-1]).all() and (ends <= rows).all()
+        assert (first >= 0).all() and (first <= last).all() and (last <= ends).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("ranks", "experts", "kept", "rows", "width", "padded"),

@@ -519,20 +519,33 @@ def _regroup_supports(tokens, token_counts, *args):
     return reasons
 
 
-def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, split):
-    """Triton combine_shuffling (split False: (tokens, counts)) or split_shuffling (split True: tokens)."""
+def _table_size(token_counts: torch.Tensor, start: int, end: int, split: bool) -> int:
+    """N, the chunks of the plan table (a power of two)."""
+    r_pad, e_pad = (launch.next_power_of_2(n) for n in token_counts.shape)
+    return r_pad * e_pad if split else launch.next_power_of_2((end - start) * r_pad)
+
+
+def _plan(token_counts, start, end, rows, is_padded, split, table):
+    """Fill the plan table (int32 [4 · N]) for tokens of `rows` rows; combine's counts (split: an empty tensor)."""
     ranks, experts = token_counts.shape
-    start = 0 if expert_start is None else expert_start
-    end = experts if expert_end is None else expert_end
-    rows, d = tokens.shape
     r_pad, e_pad = launch.next_power_of_2(ranks), launch.next_power_of_2(experts)
-    n = r_pad * e_pad if split else launch.next_power_of_2((end - start) * r_pad)
-    table = torch.empty(4 * n, dtype=torch.int32, device=tokens.device)
-    counts = torch.empty(0 if split else end - start + 1, dtype=torch.int32, device=tokens.device)
+    counts = torch.empty(0 if split else end - start + 1, dtype=torch.int32, device=table.device)
     launch.fast(_regroup_plan_kernel)[(1,)](
         token_counts, table, counts, ranks, experts, start, end, rows, *token_counts.stride(), SPLIT=split,
-        PADDED=bool(is_padded), R_PAD=r_pad, E_PAD=e_pad, N=n, num_warps=8 if r_pad * e_pad >= 4096 else 4,
+        PADDED=bool(is_padded), R_PAD=r_pad, E_PAD=e_pad, N=table.numel() // 4,
+        num_warps=8 if r_pad * e_pad >= 4096 else 4,
     )  # fmt: skip
+    return counts
+
+
+def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, split):
+    """Triton combine_shuffling (split False: (tokens, counts)) or split_shuffling (split True: tokens)."""
+    start = 0 if expert_start is None else expert_start
+    end = token_counts.shape[1] if expert_end is None else expert_end
+    rows, d = tokens.shape
+    n = _table_size(token_counts, start, end, split)
+    table = torch.empty(4 * n, dtype=torch.int32, device=tokens.device)
+    counts = _plan(token_counts, start, end, rows, is_padded, split, table)
     out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
     if rows and d:
         # Tiles of about 2048 elements, a row a program from D = 2048 on (H100, the bench shapes: the copy 2-7% faster
