@@ -78,6 +78,13 @@ def register(spec: BenchSpec) -> BenchSpec:
     return spec
 
 
+def copy_buffers(moved_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) for the "copy same bytes" baseline of a data mover: `dst.copy_(src)` reads and writes
+    half of `moved_bytes` each, the bytes the op must move."""
+    half = moved_bytes // 2
+    return torch.empty(half, dtype=torch.uint8, device=device), torch.empty(half, dtype=torch.uint8, device=device)
+
+
 def specs(op_filter: str | None = None) -> list[BenchSpec]:
     """The registered specs (all when `op_filter` is None, else those that `BenchSpec.matches` it)."""
     return [s for s in SPECS.values() if op_filter is None or s.matches(op_filter)]

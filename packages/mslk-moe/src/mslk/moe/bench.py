@@ -58,8 +58,7 @@ def _token_inputs(shape: dict, device: torch.device, moved_bytes: int):
     _, experts, tokens = shuffling.index_shuffling(scores, top_k=k)
     x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
     rows = torch.randn(t * k, d, device=device, dtype=torch.bfloat16)
-    half = moved_bytes // 2
-    return x, scores, experts, tokens, rows, *(torch.empty(half, dtype=torch.uint8, device=device) for _ in "ab")
+    return x, scores, experts, tokens, rows, *bench.copy_buffers(moved_bytes, device)
 
 
 def _gather_bytes(shape: dict) -> int:
@@ -151,8 +150,7 @@ def _regroup_inputs(shape: dict, device: torch.device):
     tokens = torch.randn(t, shape["D"], device=device, dtype=torch.bfloat16)
     counts, args = counts.to(device), (0, shape["EG"], shape["padded"])
     combined, _ = shuffling._combine(tokens, counts, *args)
-    half = _regroup_bytes(shape) // 2
-    return tokens, counts, combined, args, *(torch.empty(half, dtype=torch.uint8, device=device) for _ in "ab")
+    return tokens, counts, combined, args, *bench.copy_buffers(_regroup_bytes(shape), device)
 
 
 for _name, _run, _reference, _rows in (

@@ -33,13 +33,8 @@ def _register(name: str, op: str, run: Callable, eager: Callable, written: Calla
         return int(2 * m * k + written(m, k))  # bf16 read once, outputs written once
 
     def inputs(shape: dict, device: torch.device):
-        half = nbytes(shape) // 2  # the copy baseline reads and writes half of the bytes each
         x = torch.randn(shape["M"], shape["K"], device=device, dtype=torch.bfloat16)
-        return (
-            x,
-            torch.empty(half, dtype=torch.uint8, device=device),
-            torch.empty(half, dtype=torch.uint8, device=device),
-        )
+        return x, *bench.copy_buffers(nbytes(shape), device)
 
     baselines = {
         "copy same bytes": lambda i: i[2].copy_(i[1]),
