@@ -42,6 +42,18 @@ def fewest_waves(programs: int, work: int, slots: int, least: int = 256) -> int:
     return min(range(1, max(1, min(work // least, slots)) + 1), key=time)
 
 
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on device can be launched as dependents of the kernel before them (programmatic dependent
+    launch, `griddepcontrol`: NVIDIA Hopper and later)."""
+    return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] >= 9
+
+
+def dependent_launch_options(dependent: bool) -> dict:
+    """The launch option that makes a launch dependent, where it is (Triton for ROCm knows no `launch_pdl` and
+    raises KeyError on it, False included)."""
+    return {"launch_pdl": True} if dependent else {}
+
+
 def compiled(kernel, *args, **kwargs):
     """The compiled kernel that `kernel[grid](*args, **kwargs)` runs, compiled now if it is new and loaded on the
     current GPU (not launched), for what it takes of an SM (programs_per_sm); None where Triton does not compile

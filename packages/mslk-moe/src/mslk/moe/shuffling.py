@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mslk.core import arch, launch, registry, testing
 from mslk.moe.common import check_valid_token_count, kept_zeros, valid_rows
@@ -426,9 +427,13 @@ _MAX_TRITON_CHUNKS = 1 << 16  # of the counts tile [EP, E] rounded up to powers 
 def _regroup_plan_kernel(
     counts_ptr, table_ptr, out_counts_ptr, EP, E, start, end, T, stride_r, stride_e,
     SPLIT: tl.constexpr, PADDED: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr, N: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """The table for combine_shuffling (written side: expert-ordered, chunks (e - start, r)) or split_shuffling
-    (written side: rank-ordered, chunks (r, e)); combine's counts [end - start + 1]."""
+    (written side: rank-ordered, chunks (r, e)); combine's counts [end - start + 1]. DEPENDENT: the copy kernel
+    is launched as this one's dependent, and may take its places at once (it waits for the table on the GPU)."""
+    if DEPENDENT:
+        gdc_launch_dependents()
     rank = tl.arange(0, R_PAD)
     r = rank[:, None]
     e = tl.arange(0, E_PAD)[None, :]
@@ -481,10 +486,12 @@ def _regroup_plan_kernel(
 @triton.jit
 def _regroup_copy_kernel(
     in_ptr, out_ptr, table_ptr, T, D, stride_in, stride_in_d, stride_out,
-    N: tl.constexpr, LOG_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, LOG_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """Output rows [pid · ROWS, +ROWS): row i is in[i + offset] of the first chunk whose end passes i, if
-    first <= i < last there, else zeros."""
+    first <= i < last there, else zeros. DEPENDENT (launched as the plan kernel's dependent): wait for its table."""
+    if DEPENDENT:
+        gdc_wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     chunk = tl.zeros([ROWS], dtype=tl.int32)
     for s in tl.static_range(LOG_N):  # chunk = how many ends are <= the row (at most N - 1)
@@ -525,14 +532,15 @@ def _table_size(token_counts: torch.Tensor, start: int, end: int, split: bool) -
     return r_pad * e_pad if split else launch.next_power_of_2((end - start) * r_pad)
 
 
-def _plan(token_counts, start, end, rows, is_padded, split, table):
-    """Fill the plan table (int32 [4 · N]) for tokens of `rows` rows; combine's counts (split: an empty tensor)."""
+def _plan(token_counts, start, end, rows, is_padded, split, table, dependent=False):
+    """Fill the plan table (int32 [4 · N]) for tokens of `rows` rows; combine's counts (split: an empty tensor).
+    dependent: the next launch is the copy kernel's, as a dependent."""
     ranks, experts = token_counts.shape
     r_pad, e_pad = launch.next_power_of_2(ranks), launch.next_power_of_2(experts)
     counts = torch.empty(0 if split else end - start + 1, dtype=torch.int32, device=table.device)
     launch.fast(_regroup_plan_kernel)[(1,)](
         token_counts, table, counts, ranks, experts, start, end, rows, *token_counts.stride(), SPLIT=split,
-        PADDED=bool(is_padded), R_PAD=r_pad, E_PAD=e_pad, N=table.numel() // 4,
+        PADDED=bool(is_padded), R_PAD=r_pad, E_PAD=e_pad, N=table.numel() // 4, DEPENDENT=dependent,
         num_warps=8 if r_pad * e_pad >= 4096 else 4,
     )  # fmt: skip
     return counts
@@ -545,7 +553,9 @@ def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, s
     rows, d = tokens.shape
     n = _table_size(token_counts, start, end, split)
     table = torch.empty(4 * n, dtype=torch.int32, device=tokens.device)
-    counts = _plan(token_counts, start, end, rows, is_padded, split, table)
+    # Where the GPU has dependent launches, the copy kernel's programs take their places while the plan runs.
+    dependent = bool(rows and d) and launch.dependent_launch(tokens.device)
+    counts = _plan(token_counts, start, end, rows, is_padded, split, table, dependent)
     out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
     if rows and d:
         # Tiles of about 2048 elements, a row a program from D = 2048 on (H100, the bench shapes: the copy 2-7% faster
@@ -554,7 +564,8 @@ def _regroup_triton(tokens, token_counts, expert_start, expert_end, is_padded, s
         rows_a_program = 2048 // block_d
         launch.fast(_regroup_copy_kernel)[(launch.cdiv(rows, rows_a_program),)](
             _bits(tokens), _bits(out), table, rows, d, *tokens.stride(), out.stride(0), N=n,
-            LOG_N=n.bit_length() - 1, ROWS=rows_a_program, BLOCK_D=block_d, num_warps=4,
+            LOG_N=n.bit_length() - 1, ROWS=rows_a_program, BLOCK_D=block_d, DEPENDENT=dependent, num_warps=4,
+            **launch.dependent_launch_options(dependent),
         )  # fmt: skip
     return out if split else (out, counts)
 

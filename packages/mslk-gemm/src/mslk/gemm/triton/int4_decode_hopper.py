@@ -61,7 +61,7 @@ from mslk.core import arch, launch
 from mslk.core.gluon import ring_barriers
 from mslk.gemm.triton.fp8_gemm import tma_ready
 from mslk.gemm.triton.int4_ptx import WORD_PAIRS_PTX
-from mslk.gemm.triton.split_k import dependent_launch, dependent_launch_options, splitk_reduce
+from mslk.gemm.triton.split_k import splitk_reduce
 
 MAX_M = 16  # activation rows served (mma.sync's N: 8 or 16)
 BLOCK_N = 64  # weight rows of a program: 16 per multiplying warp
@@ -431,11 +431,11 @@ def relabelled_activations(
         grid = (runs + 1, launch.cdiv(rows, block))  # (one more run: the work list's program)
     xp = torch.empty((runs, rows, RUN), dtype=torch.bfloat16, device=X.device)
     sums = torch.empty((runs // stage_runs, rows, stage_runs), dtype=torch.float32, device=X.device)
-    dependent = dependent_launch(X.device)
+    dependent = launch.dependent_launch(X.device)
     launch.fast(_activations_kernel)[grid](
         X, xp, sums, sizes, items, m, k, rows, groups, 0 if items is None else items.shape[0], *X.stride(), BM=block,
         SHUFFLED=shuffled, DEPENDENT=dependent, CHUNK=chunk, G_BLOCK=triton.next_power_of_2(max(groups, 1)),
-        num_warps=4, **dependent_launch_options(dependent),
+        num_warps=4, **launch.dependent_launch_options(dependent),
     )  # fmt: skip
     return xp, sums
 
@@ -466,11 +466,12 @@ def multiply(xp, sums, W, scale, zero, out, group_size: int, items=None, chunk: 
     per_split = launch.cdiv(total_stages, splits)
     splits = launch.cdiv(total_stages, per_split)
     c = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
-    dependent = dependent_launch(out.device)
+    dependent = launch.dependent_launch(out.device)
     launch.fast(_int4_decode_kernel)[(tiles, splits, work)](
         *descs, c, items, m, n, groups, c.stride(0) if splits > 1 else 0, c.stride(-2), per_split, total_stages,
         GROUP_SIZE=group_size, SLOTS=STAGES, SPLIT=splits > 1, NUM_WARPS=NUM_WARPS, MMA_REGISTERS=MMA_REGISTERS,
-        LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS, **dependent_launch_options(dependent),
+        LOAD_REGISTERS=LOAD_REGISTERS, DEPENDENT=dependent, num_warps=NUM_WARPS,
+        **launch.dependent_launch_options(dependent),
     )  # fmt: skip
     if splits > 1:
         splitk_reduce(c, out)

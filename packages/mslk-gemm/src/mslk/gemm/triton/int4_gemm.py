@@ -47,7 +47,7 @@ from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton import int4_decode_hopper, int4_hopper
 from mslk.gemm.triton.fp8_gemm import k_contiguous, quantize_rows, row_tiles, tile_coordinates, tma_ready
 from mslk.gemm.triton.int4_ptx import BIASED_BYTES_PTX, DEQUANT_BYTES_PTX, DEQUANT_PTX
-from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, dependent_launch_options, splitk_reduce
+from mslk.gemm.triton.split_k import begin_as_dependent, splitk_reduce
 
 K_STEP = 128  # k per K-loop step: one run of the preshuffled layout, 64 bytes of each weight row
 _K_STEP = tl.constexpr(K_STEP)  # the same, for the kernels
@@ -665,7 +665,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
     c = torch.empty((splits, batches, m, n), dtype=torch.float32, device=X.device) if split else out
     c_strides = (c.stride(0), c.stride(1), c.stride(2)) if split else (0, out.stride(0), out.stride(1))
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits, batches)
-    dependent = dependent_launch(X.device)
+    dependent = launch.dependent_launch(X.device)
     launch.fast(_int4_gemm_kernel)[grid](
         X, w, x_desc, w_desc, scale, zero, c, x_scale, w_scale, m, n, k, groups, per_split,
         X.stride(0), X.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(-3 if table else -2),
@@ -673,7 +673,7 @@ def _run_int4(X, W, scale, zero, out, *, shuffled, table=False, x_scale=None, w_
         SPLIT=split, MASK_ROWS=m < cfg["BLOCK_M"], EVEN_K=k % K_STEP == 0, GROUP_SIZE=size,
         KSUB=_sub_block(size, shuffled), SCALES_AHEAD=_scales_ahead(shuffled, cfg["num_warps"]),
         WGMMA_WAIT=_wgmma_wait(X.device, cfg["num_warps"]), POST_SCALE=_post_scale(scales_after, cfg),
-        DEPENDENT_LAUNCH=dependent, **dependent_launch_options(dependent),
+        DEPENDENT_LAUNCH=dependent, **launch.dependent_launch_options(dependent),
         **_device_flags(X), **cfg,
     )  # fmt: skip
     if split:

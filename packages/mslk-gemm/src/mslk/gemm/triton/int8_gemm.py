@@ -20,7 +20,7 @@ import triton.language as tl
 
 from mslk.core import arch, formats, launch, registry, testing
 from mslk.gemm.triton.fp8_gemm import k_contiguous, load_k_step, tile_coordinates
-from mslk.gemm.triton.split_k import begin_as_dependent, dependent_launch, dependent_launch_options, splitk_reduce
+from mslk.gemm.triton.split_k import begin_as_dependent, splitk_reduce
 
 
 def _validate(where: str, XQ, WQ, split_k) -> None:
@@ -112,11 +112,11 @@ def _run(XQ, WQ, scale: float, scale_tensor, split_k: int) -> torch.Tensor:
     split = splits > 1
     c = torch.empty((splits, m, n), dtype=torch.int32, device=XQ.device) if split else out
     grid = (launch.cdiv(m, cfg["BLOCK_M"]) * launch.cdiv(n, cfg["BLOCK_N"]), splits)
-    dependent = dependent_launch(XQ.device)
+    dependent = launch.dependent_launch(XQ.device)
     launch.fast(_i8_gemm_kernel)[grid](
         a, b, c, scale_tensor, scale, m, n, k, per_split, a.stride(0), b.stride(0), c.stride(0) if split else 0,
         c.stride(-2), SCALE_PTR=scale_tensor is not None, SPLIT=split, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        DEPENDENT_LAUNCH=dependent, **dependent_launch_options(dependent), **cfg,
+        DEPENDENT_LAUNCH=dependent, **launch.dependent_launch_options(dependent), **cfg,
     )  # fmt: skip
     if split:
         splitk_reduce(c, out, scalar=scale, scalar_tensor=scale_tensor)

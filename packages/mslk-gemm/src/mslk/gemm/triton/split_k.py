@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mslk.core import arch, launch
+from mslk.core import launch
 
 
 @triton.jit
@@ -56,11 +56,11 @@ def splitk_reduce(ws, out, row_scale=None, col_scale=None, scalar=1.0, scalar_te
     it do the same."""
     splits, r, n = ws.shape
     block = 512
-    dependent = dependent_launch(ws.device)
+    dependent = launch.dependent_launch(ws.device)
     launch.fast(splitk_reduce_kernel)[(launch.cdiv(r * n, block),)](
         ws, out, row_scale, col_scale, scalar_tensor, scalar, r, n, SPLITS=splits, ROW_SCALE=row_scale is not None,
         COL_SCALE=col_scale is not None, SCALAR_PTR=scalar_tensor is not None, DEPENDENT=dependent, BLOCK=block,
-        num_warps=4, **dependent_launch_options(dependent),
+        num_warps=4, **launch.dependent_launch_options(dependent),
     )  # fmt: skip
     return out
 
@@ -71,15 +71,3 @@ def begin_as_dependent():
     the one after it (a split-K reduction) launch."""
     gdc_wait()
     gdc_launch_dependents()
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on device can be launched as dependents of the kernel before them (programmatic dependent
-    launch, `griddepcontrol`: NVIDIA Hopper and later)."""
-    return device.type == "cuda" and torch.version.hip is None and arch.capability(device)[0] >= 9
-
-
-def dependent_launch_options(dependent: bool) -> dict:
-    """The launch option that makes a launch dependent, where it is (Triton for ROCm knows no `launch_pdl` and
-    raises KeyError on it, False included)."""
-    return {"launch_pdl": True} if dependent else {}
