@@ -190,6 +190,52 @@ def test_pack_and_split_round_trip():
         (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4.0, [2]), TypeError, "padding must be an integer"),
         (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([], -1, []), ValueError, "padding=-1"),
         (lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [0, 4], [2.0]), TypeError, "kv_seqlen must be"),
+        # windows that are no integers: refused (the reference path floored them, the Triton kernel crashed)
+        (lambda: ab.LocalAttentionFromBottomRightMask(0.5, 1), TypeError, "window_left must be an integer, got 0.5"),
+        (lambda: ab.BlockDiagonalMask.from_seqlens([4]).make_local_attention(2.7), TypeError, "window_size must be"),
+        (
+            lambda: ab.BlockDiagonalCausalLocalAttentionPaddedKeysMask.from_seqlens_local([2], 4, [3], True),
+            TypeError,
+            "window_size must be an integer, got True",
+        ),
+        # materialize's shape is the mask's rows (a larger one was padded with rows and columns of −inf)
+        (
+            lambda: ab.BlockDiagonalCausalMask.from_seqlens([2, 3]).materialize((7, 7)),
+            ValueError,
+            r"shape must be \[\.\.\., 5, 5\] .*got \(7, 7\)",
+        ),
+        (
+            lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 4, [2, 3]).materialize((3, 10)),
+            ValueError,
+            r"shape must be \[\.\.\., 2, 8\]",
+        ),
+        (
+            lambda: ab.BlockDiagonalGappyKeysMask.from_seqlens([1], [2, 9], [3]).materialize((1, 8)),
+            ValueError,
+            r"\[\.\.\., 1, 9\]",
+        ),
+        (
+            lambda: ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(
+                [1], [3], torch.tensor([[2, 0]], dtype=torch.int32), 2, device="cpu"
+            ).materialize((2, 6)),
+            ValueError,
+            r"shape must be \[\.\.\., 1, >= 6\]",
+        ),
+        # v tensors that do not match k's (the totals alike): refused, not attended with the wrong rows
+        (
+            lambda: ab.BlockDiagonalMask.from_tensor_lists_qkv(
+                [torch.zeros(1, 3, 1, 4)] * 2,
+                [torch.zeros(1, 4, 1, 4), torch.zeros(1, 2, 1, 4)],
+                [torch.zeros(1, 2, 1, 4), torch.zeros(1, 4, 1, 4)],
+            ),
+            ValueError,
+            r"each v tensor must have its k tensor's batch size and length",
+        ),
+        (
+            lambda: ab.BlockDiagonalMask.from_tensor_lists_qkv([torch.zeros(1, 3, 1, 4)] * 2, [torch.ones(1, 3, 1, 4)]),
+            ValueError,
+            "same batch sizes",
+        ),
     ],
 )
 def test_errors(call, error, message):
@@ -412,3 +458,31 @@ def test_in_place_updates_keep_the_tensors():
     with pytest.raises(ValueError, match="gappy keys is not supported"):
         gappy.k_seqinfo.from_seqlens_inplace([2, 2])
     assert mask.k_seqinfo.seqstart.tolist() == [0, 8, 16] and gappy.k_seqinfo.seqstart.tolist() == [0, 10, 16]
+
+
+def test_equal_lengths_share_one_info():
+    """As upstream's: q and k of equal lengths share one _SeqLenInfo, so that an in-place update (CUDA graphs) moves
+    both (separate ones left the keys' blocks behind)."""
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")
+    assert mask.q_seqinfo is mask.k_seqinfo
+    mask.q_seqinfo.from_seqlens_inplace([2, 4])
+    assert mask.k_seqinfo.seqstart_py == [0, 2, 6]
+    assert ab.BlockDiagonalMask.from_seqlens([3, 5], [3, 4], device="cpu").k_seqinfo.seqstart_py == [0, 3, 7]
+    tensors = [torch.randn(1, 3, 1, 4), torch.randn(2, 2, 1, 4)]
+    mask, *_ = ab.BlockDiagonalMask.from_tensor_lists_qkv(tensors, tensors, tensors)
+    assert mask.q_seqinfo is mask.k_seqinfo
+
+
+def test_windows_become_ints():
+    window = ab.LocalAttentionFromBottomRightMask(torch.tensor(2), numpy.int64(1))
+    assert (window.window_left, window.window_right) == (2, 1) and type(window.window_left) is int
+
+
+def test_default_device_is_cuda_then_mtia_then_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.mtia, "is_available", lambda: True)
+    assert ab._default_device() == torch.device("mtia")
+    monkeypatch.setattr(torch.mtia, "is_available", lambda: False)
+    assert ab._default_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ab._default_device() == torch.device("cuda")

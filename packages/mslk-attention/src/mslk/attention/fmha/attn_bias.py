@@ -23,7 +23,13 @@ import torch
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """Where masks put their metadata unless told: cuda, else mtia, else cpu (spec §3)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mtia = getattr(torch, "mtia", None)
+    if mtia is not None and mtia.is_available():
+        return torch.device("mtia")
+    return torch.device("cpu")
 
 
 def _int(name: str, value) -> int:
@@ -88,9 +94,12 @@ class AttentionBias:
         return self
 
 
-def _check_window(name: str, value: int, minimum: int) -> None:
+def _check_window(name: str, value: int, minimum: int) -> int:
+    """value as a Python int >= minimum (a float or a bool is refused, not truncated: the kernels take ints)."""
+    value = _int(name, value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def _local(i, j, shift: int, left: int, right: int) -> torch.Tensor:
@@ -139,7 +148,7 @@ class _WindowFromBottomRight(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_window("window_size", self._window_size, 1)
+        self._window_size = _check_window("window_size", self._window_size, 1)
 
     def _allowed(self, i, j, nq, nk):
         return _local(i, j, nk - nq, self._window_size - 1, 0)
@@ -153,11 +162,28 @@ class _LocalFromBottomRight(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_window("window_left", self.window_left, 0)
-        _check_window("window_right", self.window_right, 0)
+        self.window_left = _check_window("window_left", self.window_left, 0)
+        self.window_right = _check_window("window_right", self.window_right, 0)
 
     def _allowed(self, i, j, nq, nk):
         return _local(i, j, nk - nq, self.window_left, self.window_right)
+
+
+def _check_materialized_shape(mask, shape, queries: int, keys: int, keys_at_least: bool = False) -> None:
+    """A varlen mask materializes to [..., its query rows, its key rows] (paged: at least the pool rows its page
+    table reaches)."""
+    if len(shape) < 2 or shape[-2] != queries or (shape[-1] < keys if keys_at_least else shape[-1] != keys):
+        keys_text = f">= {keys}" if keys_at_least else str(keys)
+        raise ValueError(
+            f"{type(mask).__name__}.materialize: shape must be [..., {queries}, {keys_text}] (the mask's query and key "
+            f"rows), got {tuple(shape)}"
+        )
+
+
+def _shared_if_equal(q: _SeqLenInfo, k: _SeqLenInfo) -> _SeqLenInfo:
+    """k, or q when their lengths are equal: one info for both, as upstream's, so that an in-place update (CUDA
+    graphs) moves queries and keys together."""
+    return q if k.seqstart_py == q.seqstart_py else k
 
 
 # ----------------------------------------------------------------------------------------- B01-B05
@@ -385,6 +411,10 @@ class _BlockDiagonal(AttentionBias):
     def _allowed(self, i, j, nq, nk):
         return torch.ones_like(i + j, dtype=torch.bool)
 
+    def materialize(self, shape, dtype=torch.float32, device="cpu"):
+        _check_materialized_shape(self, shape, self.q_seqinfo.seqstart_py[-1], self.k_seqinfo.seqstart_py[-1])
+        return super().materialize(shape, dtype, device)
+
     def _blocks(self, mq, mk):
         for (q0, q1), (k0, k1) in zip(self.q_seqinfo.intervals(), self.k_seqinfo.intervals(), strict=True):
             yield q0, q1, k0, k1
@@ -425,7 +455,7 @@ class BlockDiagonalMask(_BlockDiagonal):
         """Blocks of q_seqlen queries and kv_seqlen keys (the same lengths when kv_seqlen is None)."""
         q = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
         k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device=device)
-        return cls(q_seqinfo=q, k_seqinfo=k)
+        return cls(q_seqinfo=q, k_seqinfo=_shared_if_equal(q, k))
 
     @classmethod
     def from_tensor_list(cls, tensors: Sequence[torch.Tensor]) -> tuple[BlockDiagonalMask, torch.Tensor]:
@@ -442,12 +472,17 @@ class BlockDiagonalMask(_BlockDiagonal):
     @classmethod
     def from_tensor_lists_qkv(cls, tensors_q, tensors_k, tensors_v=None):
         """(mask, q, k, v) packed from per-input lists (v None when tensors_v is None)."""
-        if [t.shape[0] for t in tensors_q] != [t.shape[0] for t in tensors_k]:
+        if len(tensors_q) != len(tensors_k) or [t.shape[0] for t in tensors_q] != [t.shape[0] for t in tensors_k]:
             raise ValueError("from_tensor_lists_qkv: q and k tensors must have the same batch sizes")
+        if tensors_v is not None and [t.shape[:2] for t in tensors_v] != [t.shape[:2] for t in tensors_k]:
+            raise ValueError(
+                f"from_tensor_lists_qkv: each v tensor must have its k tensor's batch size and length, got v "
+                f"{[tuple(t.shape[:2]) for t in tensors_v]} and k {[tuple(t.shape[:2]) for t in tensors_k]}"
+            )
         mask_q, q = cls.from_tensor_list(tensors_q)
         mask_k, k = cls.from_tensor_list(tensors_k)
         v = None if tensors_v is None else cls.from_tensor_list(tensors_v)[1]
-        return cls(mask_q.q_seqinfo, mask_k.q_seqinfo, mask_q._batch_sizes), q, k, v
+        return cls(mask_q.q_seqinfo, _shared_if_equal(mask_q.q_seqinfo, mask_k.q_seqinfo), mask_q._batch_sizes), q, k, v
 
     def _split(self, t: torch.Tensor, info: _SeqLenInfo) -> list[torch.Tensor]:
         parts = super()._split(t, info)
@@ -508,7 +543,7 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_window("window_size", self._window_size, 1)
+        self._window_size = _check_window("window_size", self._window_size, 1)
         for nq, nk in zip(self.q_seqinfo.lengths(), self.k_seqinfo.lengths(), strict=True):
             if nq - self._window_size >= nk:
                 raise RuntimeError(
@@ -705,6 +740,8 @@ class _Paged(AttentionBias):
         """[..., Mq, pool rows]: the unpaged mask's logical key columns moved to their physical rows (a row that
         several lanes share is allowed where any of them allows it). A page that one lane uses twice counts once
         here: attention over the logical keys (the reference backend's) counts it twice."""
+        pool = int(self.pool_rows("cpu").max()) + 1 if self.block_tables.numel() else 0
+        _check_materialized_shape(self, shape, self.q_seqinfo.seqstart_py[-1], pool, keys_at_least=True)
         lanes, pages = self.block_tables.shape
         logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
         out = torch.full((shape[-2], shape[-1]), -math.inf, dtype=dtype, device=device)
@@ -762,7 +799,8 @@ class PagedBlockDiagonalCausalLocalPaddedKeysMask(PagedBlockDiagonalPaddedKeysMa
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_window("window_size", self._window_size, 1)  # (B14's check: a kernel would read 0 as no window)
+        # (B14's check: a kernel would read 0 as no window)
+        self._window_size = _check_window("window_size", self._window_size, 1)
 
     @classmethod
     def from_seqlens_local(cls, q_seqlen, kv_seqlen, block_tables, page_size, window_size, *, device=None):
