@@ -241,6 +241,13 @@ def test_strided_and_empty_inputs():
     testing.assert_rel_close(fmha.memory_efficient_attention(q_s, k_s, v_s), attention_reference(q, k, v)[0])
     assert fmha.memory_efficient_attention(q[:, :0], k, v).shape == (2, 0, 3, 16)
     assert fmha.memory_efficient_attention(q[:0], k[:0], v[:0]).shape == (0, 5, 3, 16)
+    # BMK without queries or value columns: the backward (its BMK -> BMHK view crashed on empty tensors)
+    for mq, kv in ((0, 8), (4, 0)):
+        q3, k3, v3 = testing.randn(2, mq, 8), testing.randn(2, 5, 8), testing.randn(2, 5, kv)
+        out, lse = fmha.memory_efficient_attention_forward_requires_grad(q3, k3, v3)
+        dq, dk, dv = fmha.memory_efficient_attention_backward(testing.randn(*out.shape), out, lse, q3, k3, v3)
+        assert (dq.shape, dk.shape, dv.shape) == (q3.shape, k3.shape, v3.shape)
+        assert not dk.any() and not dv.any()
 
 
 # ---------------------------------------------------------------------- lower-level API and partial
@@ -438,6 +445,18 @@ def test_pinned_operator_error_text():
     )
     out = fmha.memory_efficient_attention(q, k, v, op=fmha.MemoryEfficientAttentionReferenceOp)
     testing.assert_rel_close(out, attention_reference(q, k, v)[0])
+    # An op of the wrong form: a TypeError that says which (they crashed inside: a tuple has no
+    # not_supported_reasons, a class does not unpack).
+    fw, bw = fmha.MemoryEfficientAttentionReferenceOp
+    with pytest.raises(TypeError, match=r"op must be a pair \(FwOp, BwOp\) or None"):
+        fmha.memory_efficient_attention(q, k, v, op=fw)
+    with pytest.raises(TypeError, match="op: expected a forward operator class"):
+        fmha.memory_efficient_attention_forward(q, k, v, op=(fw, bw))
+    with pytest.raises(TypeError, match="op: expected a backward operator class"):
+        fmha.memory_efficient_attention(q.clone().requires_grad_(), k, v, op=(fw, fw))
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v)
+    with pytest.raises(TypeError, match="op: expected a backward operator class"):
+        fmha.memory_efficient_attention_backward(out, out, lse, q, k, v, op=fw)
 
 
 # ------------------------------------------------------------------------------- fp8 scaled tensors

@@ -287,8 +287,13 @@ def reference_dispatcher(monkeypatch):
     alone, whatever the state of the dispatcher)."""
     from mslk.attention import fmha
 
+    def backward(ctx, inp, grad, op=None):
+        dq, dk, dv = reference_backward(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, inp.attn_bias,
+                                        scale=inp.scale)  # fmt: skip
+        return fmha.Gradients(dq, dk, dv)
+
     monkeypatch.setattr(fmha, "memory_efficient_attention_partial", reference_partial, raising=False)
-    monkeypatch.setattr(fmha, "memory_efficient_attention_backward", reference_backward, raising=False)
+    monkeypatch.setattr(fmha, "_memory_efficient_attention_backward", backward, raising=False)
 
 
 def check_partials_gradients(dtype, tol, rows=slice(None), device="cpu"):
@@ -328,6 +333,28 @@ def test_merge_training_single_partial_and_errors():
     testing.assert_rel_close(out, attention_reference(q, k, v)[0], 1e-12)
     with pytest.raises(ValueError, match="no partials"):
         mt.merge_attentions_autograd()
+    # Merged twice, its backward would get the sum of the merges' outputs and LSEs: refused.
+    with pytest.raises(ValueError, match="a Partial is merged once"):
+        mt.merge_attentions_autograd(partial)
+    other = mt.memory_efficient_attention_partial_autograd(q, k, v)
+    with pytest.raises(ValueError, match="a Partial is merged once"):
+        mt.merge_attentions_autograd(other, other)
+
+
+def test_merge_training_bias_gradient():
+    """A tensor bias of the partials gets its gradient (it was dropped: None), equal to attention's over all keys."""
+    q, k, v = (t.requires_grad_() for t in qkv("BMHK", mq=3, mk=6, dtype=torch.float64))
+    bias = testing.randn(2, 3, 3, 6, dtype=torch.float64).requires_grad_()
+    partials = [
+        mt.memory_efficient_attention_partial_autograd(q, k[:, a:b], v[:, a:b], bias[..., a:b])
+        for a, b in ((0, 2), (2, 6))
+    ]
+    out = mt.merge_attentions_autograd(*partials)
+    grad = testing.randn(*out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, bias), grad)
+    ref = torch.autograd.grad(attention_reference(q, k, v, bias)[0], (q, k, v, bias), grad)
+    for g, r, name in zip(got, ref, ("dq", "dk", "dv", "dbias"), strict=True):
+        testing.assert_rel_close(g, r, 1e-6, what=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -139,8 +139,18 @@ def _fw_op(inp: Inputs, op: type[AttentionFwOpBase] | None, needs_gradient: bool
     """The dispatched forward operator, or the pinned one after checking that it fits (ValueError if not)."""
     if op is None:
         return _dispatch_fw(inp, needs_gradient)
+    _check_op_class("a forward", op, AttentionFwOpBase)
     _ensure_op_supports_or_raise(ValueError, "memory_efficient_attention", op, inp)
     return op
+
+
+def _check_op_class(what: str, op, base: type) -> None:
+    """A pinned operator is an operator class of its kind; memory_efficient_attention pins (forward, backward)."""
+    if not (isinstance(op, type) and issubclass(op, base)):
+        raise TypeError(
+            f"op: expected {what} operator class ({base.__name__}, e.g. fmha.cutlass.FwOp / BwOp) or None, got "
+            f"{op!r}; memory_efficient_attention takes op=(FwOp, BwOp), the forward-only calls an FwOp"
+        )
 
 
 def _apply_fw(op: type[AttentionFwOpBase], inp: Inputs, needs_gradient: bool) -> tuple[torch.Tensor, Context | None]:
@@ -208,6 +218,7 @@ def _backward_normalized(
     if op is None:
         op = _dispatch_bw(inp, packed)
     else:
+        _check_op_class("a backward", op, AttentionBwOpBase)
         _ensure_op_supports_or_raise(ValueError, "memory_efficient_attention_backward", op, inp)
         if packed is not None and op.VARLEN_LSE_PACKED is not None and op.VARLEN_LSE_PACKED != packed:
             raise ValueError(
@@ -221,6 +232,8 @@ def _backward_op(
     inp: Inputs, op_fw: type[AttentionFwOpBase], op_bw: type[AttentionBwOpBase] | None, ctx: Context
 ) -> type[AttentionBwOpBase]:
     """The backward operator, chosen in the forward (strides are only inspectable there)."""
+    if op_bw is not None:
+        _check_op_class("a backward", op_bw, AttentionBwOpBase)
     if ctx.op_bw is not None:  # the forward's dropout randomness only its own backward replays
         if op_bw is not None and op_bw is not ctx.op_bw:
             raise ValueError(
@@ -390,6 +403,8 @@ def memory_efficient_attention(
 
 def _memory_efficient_attention(inp: Inputs, op: AttentionOp | None = None) -> torch.Tensor:
     """memory_efficient_attention on Inputs: forward only (no LSE) unless autograd needs the backward."""
+    if op is not None and not (isinstance(op, tuple) and len(op) == 2):
+        raise TypeError(f"memory_efficient_attention: op must be a pair (FwOp, BwOp) or None, got {op!r}")
     if not _requires_grad(inp):
         return _memory_efficient_attention_forward(inp, op[0] if op is not None else None)
     return _with_autograd(inp, op)[0]

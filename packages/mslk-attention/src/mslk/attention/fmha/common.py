@@ -464,7 +464,8 @@ def bmk2bmhk(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[B·H, M, K] (heads folded into the batch) -> [B, M, H, K]; BMHK and BMGHK tensors pass through."""
     if tensor.dim() != 3:
         return tensor
-    return tensor.reshape(-1, num_heads, tensor.shape[1], tensor.shape[2]).permute(0, 2, 1, 3)
+    batch, m, k = tensor.shape  # (no -1 in the reshape: ambiguous for an empty M or K)
+    return tensor.reshape(batch // num_heads, num_heads, m, k).permute(0, 2, 1, 3)
 
 
 def check_lastdim_alignment_stride1(reasons: list[str], name: str, x: torch.Tensor, alignment: int) -> None:

@@ -8,8 +8,9 @@ How the gradients flow: the gradient of the merged attention with respect to chu
 is exactly the attention backward of chunk i run with the *merged* output and LSE (the softmax weights
 exp(S − LSE) and the row sums ⟨dO, O⟩ of the backward are then those of the whole attention). So the merge's
 backward hands each partial, as the gradients of its LSE and of a placeholder shaped like its output, the merged
-LSE and output; the partial's backward runs `memory_efficient_attention_backward` with them. This holds when the
-partials' outputs and LSEs are used by one merge only (through `Partial.apply` at most), which this API ensures.
+LSE and output; the partial's backward runs the attention backward with them (a tensor bias gets its gradient too).
+This holds when each of a partial's rows is merged once: a Partial may be merged once (two merges of it would sum
+their outputs and LSEs as gradients: wrong), and the partials `Partial.apply` makes of it, of disjoint rows, once each.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ class _PartialAttention(torch.autograd.Function):
     """(attn, lse, placeholder) of memory_efficient_attention_partial; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_bias, p, scale, op, output_dtype):
+    def forward(ctx, query, key, value, mask, dense_bias, p, scale, op, output_dtype):
+        # The bias as (mask, its tensor) inputs (fmha._bias_inputs), so that autograd sees the tensor of a tensor bias
+        # and of a LowerTriangularMaskWithTensorBias alike: it gets the bias gradient.
         from mslk.attention import fmha  # imported here: fmha/__init__ imports this module
 
+        attn_bias = dense_bias if mask is None else mask
         attn, lse = fmha.memory_efficient_attention_partial(
             query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype
         )
@@ -45,11 +49,11 @@ class _PartialAttention(torch.autograd.Function):
         query, key, value = ctx.saved_tensors
         # Backward kernels take dO and O in the query's dtype; partial outputs may be fp32.
         grad_attn, merged_out = grad_attn.to(query.dtype), merged_out.to(query.dtype)
-        grads = fmha.memory_efficient_attention_backward(
-            grad_attn, merged_out, merged_lse.contiguous(), query, key, value, ctx.attn_bias, ctx.p, ctx.scale,
-            op=ctx.op_bw,
+        grads = fmha._memory_efficient_attention_backward(
+            fmha.Context(out=merged_out, lse=merged_lse.contiguous()),
+            fmha.Inputs(query, key, value, ctx.attn_bias, ctx.p, ctx.scale), grad_attn, ctx.op_bw,
         )  # fmt: skip
-        return *grads, None, None, None, None, None
+        return grads.dq, grads.dk, grads.dv, None, grads.db, None, None, None, None
 
 
 class _MergePartials(torch.autograd.Function):
@@ -81,6 +85,7 @@ class Partial:
 
     def __init__(self, attn: torch.Tensor, lse: torch.Tensor, placeholder: torch.Tensor) -> None:
         self._attn, self._lse, self._placeholder = attn, lse, placeholder
+        self._merged = False
 
     def is_bmghk(self) -> bool:
         return self._attn.dim() == 5
@@ -110,7 +115,10 @@ def memory_efficient_attention_partial_autograd(
     """memory_efficient_attention_partial (same arguments) with autograd (spec A-07): the attention of the
     queries over one chunk of keys, to be merged by merge_attentions_autograd. `op` may be a (forward, backward)
     pair; the backward op runs with the merged output and LSE."""
-    return Partial(*_PartialAttention.apply(query, key, value, attn_bias, p, scale, op, output_dtype))
+    from mslk.attention import fmha
+
+    mask, dense_bias = fmha._bias_inputs(attn_bias)
+    return Partial(*_PartialAttention.apply(query, key, value, mask, dense_bias, p, scale, op, output_dtype))
 
 
 def merge_attentions_autograd(*partials: Partial) -> torch.Tensor:
@@ -118,4 +126,11 @@ def merge_attentions_autograd(*partials: Partial) -> torch.Tensor:
     gives its own output."""
     if not partials:
         raise ValueError("merge_attentions_autograd: no partials to merge")
+    if any(partial._merged for partial in partials) or len(set(map(id, partials))) < len(partials):
+        raise ValueError(
+            "merge_attentions_autograd: a Partial is merged once (its backward takes the merged output and LSE as "
+            "the gradients of its own: two merges would add them up); for several merges, compute the partial again"
+        )
+    for partial in partials:
+        partial._merged = True
     return _MergePartials.apply(*(t for partial in partials for t in partial._tensors()))
