@@ -2,7 +2,9 @@
 per-expert loop in float64; parameter layouts, initialisation, sharding and argument errors.
 test_layers_distributed.py runs the expert- and tensor-parallel paths on several ranks."""
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -195,6 +197,17 @@ def test_expert_weights_have_the_spec_layout():
     assert torch.equal(model.router_DE, full["router_DE"])
     assert isinstance(routed.w13, ScaledParameter) and not routed.w13.is_scaled and routed.w13.scales is None
     assert not routed.is_fp8_rowwise and not routed.w13.requires_grad
+
+
+@pytest.mark.parametrize("scale", [None, torch.rand(3)], ids=["unscaled", "scaled"])
+def test_scaled_parameter_copies_and_pickles(scale):
+    """Copies and pickles are ScaledParameters with the same weights and scales (Parameter's own rebuild put
+    requires_grad in the scale, or gave a plain Parameter back)."""
+    param = ScaledParameter(testing.randn(3, 4), scale)
+    for copied in (copy.deepcopy(param), pickle.loads(pickle.dumps(param))):
+        assert type(copied) is ScaledParameter and not copied.requires_grad
+        assert torch.equal(copied.weights, param.weights) and copied.is_scaled == param.is_scaled
+        assert scale is None or (torch.equal(copied.scales, scale) and copied.scales is not scale)
 
 
 def test_fp8_weights_are_rowwise_quantized_and_travel_with_the_module():

@@ -127,6 +127,8 @@ def test_triton_copies_any_dtype_strides_and_shapes():
         (torch.int16, 4, 9, (0, 9), 40, 130, True),
         (torch.float8_e4m3fn, 3, 12, (5, 5), 0, 16, True),
         (torch.int64, 1, 1, (0, 1), 9, 16, False),
+        (torch.float8_e5m2, 5, 6, (1, 5), 33, 40, False),  # (the reference's split took no fp8 on the CPU)
+        (torch.uint16, 2, 3, (0, 3), 21, 64, True),
     ]
     for dtype, ranks, experts, (start, end), rows, width, padded in cases:
         args = (torch.randint(-1, 6, (ranks, experts), generator=gen).to(DEVICE), start, end, padded)
@@ -200,3 +202,13 @@ def test_bad_input():
         scatter_add_padded_tokens(torch.rand(0, 4, 8), torch.ones(3).int(), torch.zeros(4).int(), torch.rand(4, 8))
     with pytest.raises(ValueError, match="tokens on cpu, token_counts on meta"):
         shuffling.split_shuffling(torch.rand(4, 8), torch.ones(2, 3, dtype=torch.int32, device="meta"))
+
+
+def test_split_takes_its_flags_by_keyword():
+    """With a backend pinned through the Op (registry), is_padded and init_with_zeros by keyword (the validation
+    took them positionally only: TypeError)."""
+    tokens = testing.randn(12, 5)
+    counts = torch.tensor([[2, 1, 0], [1, 0, 3]], dtype=torch.int32)
+    want = shuffling._split(tokens, counts, 0, 2, True)
+    got = shuffling.split_shuffling_op(tokens, counts, 0, 2, is_padded=True, init_with_zeros=True, backend="reference")
+    assert torch.equal(got, want)

@@ -28,6 +28,7 @@ nothing the caller must reduce afterwards.
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from abc import ABC, abstractmethod
@@ -171,6 +172,16 @@ class ScaledParameter(torch.nn.Parameter):
     @property
     def is_scaled(self) -> bool:
         return self._scale is not None
+
+    # Parameter's own copy and pickling rebuild `type(self)(data, requires_grad)` (the flag landed in `scale`) or a
+    # plain Parameter: a ScaledParameter is rebuilt from its weights and scales.
+    def __deepcopy__(self, memo: dict) -> ScaledParameter:
+        if id(self) not in memo:
+            memo[id(self)] = ScaledParameter(copy.deepcopy(self.data, memo), copy.deepcopy(self._scale, memo))
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):
+        return ScaledParameter, (self.data, self._scale)
 
 
 def _check_init_methods(init_methods: InitMethods) -> None:

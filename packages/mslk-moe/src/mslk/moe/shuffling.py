@@ -306,6 +306,11 @@ def index_shuffling(
 # rank · T/EP when is_padded, else right after the previous rank's.
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as integers of its element size (the copy moves bits, whatever the dtype)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _chunks(tokens, token_counts, expert_start, expert_end, is_padded):
     """For the chunks (expert e in [start, end), rank r), in that order: (their sizes, their first row in the
     rank-ordered layout, the end of the rows their rank may use there, the number of kept experts). The
@@ -371,7 +376,8 @@ def _split(tokens, token_counts, expert_start=None, expert_end=None, is_padded=F
     out = tokens.new_zeros(rows + 1, tokens.shape[1])  # row `rows` takes the rows in no chunk
     if sizes.numel():
         rank_row, used = _expert_side(tokens, sizes, rank_rows, limits)  # each input row back to its rank-ordered row
-        out.index_copy_(0, torch.where(used, rank_row, rows), tokens)
+        # (through integers of the element's size: index_copy_ has no CPU kernel for fp8 or uint16)
+        _bits(out).index_copy_(0, torch.where(used, rank_row, rows), _bits(tokens))
     return out[:rows]
 
 
@@ -407,8 +413,8 @@ split_shuffling_op = registry.Op(
     reference=_split,
     fake=lambda tokens, *args, **kwargs: tokens.new_empty(tokens.shape),
     samples=_shuffle_samples,
-    validate=lambda tokens, token_counts, expert_start=None, expert_end=None, *args: _validate_shuffle(
-        "split_shuffling", tokens, token_counts, expert_start, expert_end
+    validate=lambda tokens, token_counts, expert_start=None, expert_end=None, is_padded=False, init_with_zeros=False: (
+        _validate_shuffle("split_shuffling", tokens, token_counts, expert_start, expert_end)
     ),
     reference_devices=("cpu", "cuda"),
 )
@@ -507,11 +513,6 @@ def _regroup_copy_kernel(
         c = d0 + cols
         x = tl.load(in_ptr + source[:, None] * stride_in + c * stride_in_d, mask=read & (c < D), other=0)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + c, x, mask=inside & (c < D))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t viewed as integers of its element size (the copy moves bits, whatever the dtype)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _regroup_supports(tokens, token_counts, *args):
