@@ -273,6 +273,10 @@ def test_forward_requires_grad_and_backward_api():
     testing.assert_rel_close(dq2, dq, 1e-12)
     with pytest.raises(ValueError, match="Wrong LSE shape"):
         fmha.memory_efficient_attention_backward(grad, out, lse[:, :, :5], q, k, v, mask)
+    with pytest.raises(ValueError, match=r"must be floating point, got lse torch\.int64"):
+        fmha.memory_efficient_attention_backward(grad, out, lse.long(), q, k, v, mask)
+    with pytest.raises(ValueError, match=r"must be floating point, got lse torch\.float32, grad torch\.int32"):
+        fmha.memory_efficient_attention_backward(grad.int(), out, lse, q, k, v, mask)
     with pytest.raises(NotImplementedError, match="dropout is not supported on the non-autograd API"):
         fmha.memory_efficient_attention_forward_requires_grad(q, k, v, p=0.1)
 

@@ -341,20 +341,27 @@ def test_merge_training_single_partial_and_errors():
         mt.merge_attentions_autograd(other, other)
 
 
-def test_merge_training_bias_gradient():
-    """A tensor bias of the partials gets its gradient (it was dropped: None), equal to attention's over all keys."""
-    q, k, v = (t.requires_grad_() for t in qkv("BMHK", mq=3, mk=6, dtype=torch.float64))
-    bias = testing.randn(2, 3, 3, 6, dtype=torch.float64).requires_grad_()
+@pytest.mark.parametrize(
+    ("device", "dtype", "tol"),
+    [("cpu", torch.float64, 1e-6), pytest.param("cuda", torch.float32, 1e-4, marks=pytest.mark.gpu)],
+    ids=["cpu", "cuda"],
+)
+def test_merge_training_bias_gradient(device, dtype, tol):
+    """A tensor bias of the partials gets its gradient (it was dropped: None), equal to attention's over all keys
+    (float64 reference)."""
+    q, k, v = (t.requires_grad_() for t in qkv("BMHK", mq=3, mk=6, dtype=dtype, device=device))
+    bias = testing.randn(2, 3, 3, 6, dtype=dtype, device=device).requires_grad_()
     partials = [
         mt.memory_efficient_attention_partial_autograd(q, k[:, a:b], v[:, a:b], bias[..., a:b])
         for a, b in ((0, 2), (2, 6))
     ]
     out = mt.merge_attentions_autograd(*partials)
-    grad = testing.randn(*out.shape, dtype=torch.float64)
+    grad = testing.randn(*out.shape, dtype=out.dtype, device=device)
     got = torch.autograd.grad(out, (q, k, v, bias), grad)
-    ref = torch.autograd.grad(attention_reference(q, k, v, bias)[0], (q, k, v, bias), grad)
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref = torch.autograd.grad(attention_reference(*inputs)[0], inputs, grad.double())
     for g, r, name in zip(got, ref, ("dq", "dk", "dv", "dbias"), strict=True):
-        testing.assert_rel_close(g, r, 1e-6, what=name)
+        testing.assert_rel_close(g, r, tol, what=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

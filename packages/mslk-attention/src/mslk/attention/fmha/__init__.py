@@ -197,6 +197,11 @@ def _memory_efficient_attention_backward(
             f"  grad.shape : {grad.shape}\n  out.shape  : {ctx.out.shape}\n  query.shape: {inp.query.shape}"
         )
     registry.check_devices("memory_efficient_attention_backward", query=inp.query, grad=grad, out=ctx.out, lse=ctx.lse)
+    if not all(t.is_floating_point() for t in (ctx.lse, grad, ctx.out)):
+        raise ValueError(
+            f"memory_efficient_attention_backward: lse (the forward's, float32), grad and out must be floating "
+            f"point, got lse {ctx.lse.dtype}, grad {grad.dtype}, out {ctx.out.dtype}"
+        )
     out_shape = (*inp.query.shape[:-1], inp.value.shape[-1])
     for name, t in (("grad", grad), ("out", ctx.out)):
         if t.shape != out_shape:
