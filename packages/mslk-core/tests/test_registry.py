@@ -85,6 +85,26 @@ def test_pin_by_argument_and_by_env(fresh_ops, monkeypatch):
     assert op.select((x, s), {}).name == "reference"
 
 
+def test_pinned_backend_takes_the_schemas_names(fresh_ops):
+    """A pinned backend gets keyword arguments as torch.ops passes them, by position (its parameters may be named
+    otherwise: `x, scale` here, `a, b` in the backend), defaults filled in up to the last one given."""
+    op = registry.Op(
+        "mslk_selftest::scaled_by_name(Tensor x, Tensor scale, float factor=2.0, bool twice=False) -> Tensor",
+        domain="selftest",
+        reference=lambda a, b, f=2.0, t=False: a * b[:, None] * f * (2 if t else 1),
+        fake=lambda x, scale, factor=2.0, twice=False: torch.empty_like(x),
+    )
+    x, s = testing.randn(4, 6), testing.randn(4)
+    want = x * s[:, None] * 4.0
+    assert torch.equal(op(x=x, scale=s, twice=True, backend="reference"), want)
+    assert torch.equal(op(x, scale=s, factor=4.0, backend="reference"), want)
+    assert torch.equal(op(x, s, backend="reference"), x * s[:, None] * 2.0)
+    with pytest.raises(TypeError, match=r"unexpected or repeated keyword arguments \['x'\]"):
+        op(x, x=x, scale=s, backend="reference")
+    with pytest.raises(TypeError, match="missing required argument 'scale'"):
+        op(x=x, factor=1.0, backend="reference")
+
+
 def test_pinned_backend_that_cannot_serve_raises_value_error(fresh_ops, monkeypatch):
     op = fresh_ops(devices=("cpu",))
     monkeypatch.setenv("MSLK_BACKEND", "triton")

@@ -282,7 +282,27 @@ class Op:
         """Call through torch.ops (autograd, compile, export); `backend=` runs that backend directly."""
         if backend is None:
             return self.torch_op(*args, **kwargs)
-        return self.select(args, kwargs, pinned=backend).impl(*args, **kwargs)
+        args = self._positional(args, kwargs)  # (as torch.ops hands them to a backend: names may differ)
+        return self.select(args, {}, pinned=backend).impl(*args)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """args and kwargs as the schema's positional arguments, defaults filled in up to the last one given."""
+        if not kwargs:
+            return args
+        arguments = self.torch_op.default._schema.arguments
+        unknown = sorted(set(kwargs) - {a.name for a in arguments[len(args) :]})
+        if unknown:
+            raise TypeError(f"{self.name}() got unexpected or repeated keyword arguments {unknown}")
+        last = max(i for i, a in enumerate(arguments) if a.name in kwargs)
+        values = list(args)
+        for argument in arguments[len(args) : last + 1]:
+            if argument.name in kwargs:
+                values.append(kwargs[argument.name])
+            elif argument.has_default_value():
+                values.append(argument.default_value)
+            else:
+                raise TypeError(f"{self.name}() missing required argument {argument.name!r}")
+        return tuple(values)
 
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         return self.select(args, kwargs).impl(*args, **kwargs)

@@ -7,6 +7,7 @@ and work on unittest classes and pytest functions alike.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import unittest
@@ -281,6 +282,18 @@ def check_against_reference(op: Op, sample: Sample) -> list[str]:
     return problems + _fake_problems(op, sample, results)
 
 
+def keyword_problems(op: Op, sample: Sample) -> list[str]:
+    """The op with its reference pinned (`op(..., backend="reference")`) and every argument given by its schema
+    name, on CPU copies, against the reference called by position: a pinned backend takes the schema's names, as
+    torch.ops does (the backends' own parameter names may differ). Returns what went wrong."""
+    keywords = dict(zip(op.arg_names, _copy(sample.args, "cpu"), strict=False)) | _copy(sample.kwargs, "cpu")
+    try:
+        results, written = _outputs(op, functools.partial(op, backend="reference"), (), keywords)
+    except Exception as exc:  # (any failure is the finding)
+        return [f"{op.name}(<arguments by name>, backend='reference'): {type(exc).__name__}: {exc}"]
+    return _compare(op, results + written, _reference_outputs(op, sample))
+
+
 def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
     """Where the fake kernel's outputs differ from the real ones in shape, dtype or strides (torch.compile lays out
     the code around an op by its fake kernel)."""
@@ -448,8 +461,8 @@ def domain_conformance(domain: str):
     """The conformance tests every domain package runs (T0, and T2 on a GPU), as two pytest functions:
     the domain is loaded by `import mslk`, and each of its ops passes opcheck, matches its reference on its
     samples (on the GPU when there is one), also with its tensors in other layouts (its Triton kernels too, under
-    the interpreter on CPU), and rejects a tensor on another device with a clear ValueError. Use in a domain's
-    tests:
+    the interpreter on CPU) and with its arguments by name to a pinned backend, and rejects a tensor on another
+    device with a clear ValueError. Use in a domain's tests:
 
         test_domain_loaded, test_op_conformance = domain_conformance("gemm")
     """
@@ -470,6 +483,7 @@ def domain_conformance(domain: str):
         run_opcheck(op, device)
         samples = list(op.samples(device))
         problems = [p for sample in samples for p in check_against_reference(op, sample) + layout_problems(op, sample)]
+        problems += keyword_problems(op, samples[0])
         other = "cpu" if device.type == "cuda" else "meta"
         problems += [p for sample in samples for p in device_mixing_problems(op, sample, other)]
         if device.type == "cpu":  # the kernels under the interpreter (on a GPU, torch.ops above ran them)
