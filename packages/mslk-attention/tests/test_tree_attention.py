@@ -288,12 +288,28 @@ def bad_inputs(**changes):
         ({"spec_attn_bias": torch.zeros(5, 5)}, r"spec_attn_bias must be a tensor \[tree_q, tree_kv\] = \[3, 5\]"),
         ({"prefix_attn_bias": None}, "prefix_attn_bias must be a varlen mask"),
         ({"prefix_attn_bias": ab.BlockDiagonalPaddedKeysMask.from_seqlens([2, 4], 6, [2, 6])}, "starting at"),
+        # a mask padding the lanes to 4 keys over a cache of 6: lane 1's keys read from lane 0's rows (silently)
+        (
+            {"prefix_attn_bias": ab.BlockDiagonalPaddedKeysMask.from_seqlens([3, 3], 4, [2, 4])},
+            "pads each lane's keys to 4 rows, cache_k has Mk=6",
+        ),
     ],
 )
 def test_bad_inputs_raise(changes, match):
     inputs = bad_inputs(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in changes.items()})
     with pytest.raises(ValueError, match=match):
         tree_attention(**inputs)
+
+
+def test_cache_sliced_from_a_larger_buffer():
+    """A cache [:, :Mk] of a preallocated buffer (lanes not back to back: it crashed in a view) gives what its
+    contiguous copy gives."""
+    inputs = bad_inputs()
+    buffers = [testing.randn(2, 10, 3, 16, device=DEVICE) for _ in range(2)]
+    sliced = {"cache_k": buffers[0][:, :6], "cache_v": buffers[1][:, :6]}
+    out = tree_attention(**{**inputs, **sliced})
+    want = tree_attention(**{**inputs, **{name: c.contiguous() for name, c in sliced.items()}})
+    testing.assert_rel_close(out, want, 1e-6)
 
 
 def test_quantized_caches_are_refused():

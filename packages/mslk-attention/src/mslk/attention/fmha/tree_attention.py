@@ -321,7 +321,8 @@ def tree_attention(
     splitk = SplitKAutotune if autotune else triton_splitk.FwOp
     # The prefix runs on the batch packed into one varlen sequence, as its mask describes.
     q_packed = q.reshape(1, B * tree_q, *heads, D)
-    cache_k_packed, cache_v_packed = (c.view(1, -1, *c.shape[2:]) for c in (cache_k, cache_v))
+    # (a copy where the cache's lanes are not back to back: a slice [:, :Mk] of a larger buffer)
+    cache_k_packed, cache_v_packed = (c.reshape(1, -1, *c.shape[2:]) for c in (cache_k, cache_v))
     inputs = Inputs(q_packed, cache_k_packed, cache_v_packed, prefix_attn_bias, is_partial=True)
     groups = heads[0] if len(heads) == 2 else 1
     default = select_prefix_op(B, groups, spec_k.shape[1], autotune, prefix_attn_bias, cache_k.dtype)
@@ -388,4 +389,11 @@ def _check_tree_attention_inputs(q, spec_k, spec_v, cache_k, cache_v, spec_attn_
         raise ValueError(
             f"tree_attention: prefix_attn_bias must be a varlen mask (e.g. BlockDiagonalPaddedKeysMask) of B={B} "
             f"query blocks of tree_q={tree_q} each, got {got}"
+        )
+    padding = getattr(prefix_attn_bias.k_seqinfo, "padding", None)
+    if not paged and padding is not None and padding != cache_k.shape[1]:
+        # The cache's lanes are packed back to back: lane b's keys start at row b · Mk, where the mask reads them.
+        raise ValueError(
+            f"tree_attention: prefix_attn_bias pads each lane's keys to {padding} rows, cache_k has Mk="
+            f"{cache_k.shape[1]}: they must agree ({shapes})"
         )
