@@ -341,6 +341,18 @@ def test_main_runs_prints_and_writes_json(gpu, timings, capsys, tmp_path):
     ]
 
 
+def test_main_refuses_what_it_cannot_do_before_running(gpu, timings, capsys, tmp_path):
+    """A --json path it cannot write, or a --shape no shape matches: exit 2 and why, nothing run (the path failed
+    with a traceback after the whole run; the shape gave an empty table and exit 0)."""
+    ran = []
+    bench.register(make_spec("main_guarded", run=lambda i: ran.append(1)))
+    assert bench.main("main_guarded", str(tmp_path / "missing" / "out.json")) == 2
+    assert bench.main("main_guarded", str(tmp_path)) == 2
+    assert "cannot write --json" in capsys.readouterr().err and not ran
+    assert bench.main("main_guarded", None, shape_filter=["M=12345"]) == 2
+    assert "no shape of main_guarded matches --shape ['M=12345']" in capsys.readouterr().err
+
+
 def test_main_exit_code_1_on_an_error_row(gpu, timings, capsys):
     bench.register(make_spec("main_fails", run=lambda i: 1 / 0))
     bench.register(make_spec("main_fine"))

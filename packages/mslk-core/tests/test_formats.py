@@ -109,6 +109,24 @@ def test_mx_constructor_rejects_nonsense():
         MX(32, layout="blocked")  # type: ignore[arg-type]
 
 
+def test_bad_group_sizes_and_non_tensors_are_scale_format_errors():
+    """Not ZeroDivisionError, a negative scale shape, IndexError or AttributeError from inside (0-dim data, None)."""
+    for make in (Groupwise, formats.Int4Groupwise):
+        for size in (0, -32, 1.5, True):
+            with pytest.raises(ScaleFormatError, match=f"positive integer group size, got {size!r}"):
+                make(size)
+    assert Groupwise(torch.tensor(32)).group_size == 32 and type(Groupwise(torch.tensor(32)).group_size) is int
+    for fmt in (MX(32, "plain"), NVFP4(), formats.Int4Groupwise(128)):
+        with pytest.raises(ScaleFormatError, match="got shape"):
+            fmt.check(torch.zeros((), dtype=torch.uint8), torch.zeros(1))
+    with pytest.raises(ScaleFormatError, match=r"got scale None \(expected a tensor\)"):
+        Rowwise().check(f32(4, 8), None)
+    with pytest.raises(ScaleFormatError, match="got None"):
+        NVFP4.check_global_scale(None)
+    with pytest.raises(ScaleFormatError, match="got None"):
+        formats.check_fp8_data(None, role="xq", producer="quantize_fp8_row")
+
+
 def test_nvfp4():
     data = torch.empty(3, 64, dtype=torch.uint8)  # K = 128 -> 8 scales of 16 -> padded to 8
     NVFP4().check(data, torch.empty(128, 8, dtype=torch.float8_e4m3fn))

@@ -5,6 +5,7 @@ import gc
 import weakref
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 import triton
@@ -24,6 +25,12 @@ def test_cdiv(a, b):
 def test_next_power_of_2(n):
     p = launch.next_power_of_2(n)
     assert p == triton.next_power_of_2(n) and p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+
+
+def test_numpy_integers():
+    """Sizes computed with NumPy: an unsigned -a wrapped (cdiv(uint8 200, 16) was 253), int64 had no bit_length."""
+    assert launch.cdiv(numpy.uint8(200), 16) == 13 and launch.cdiv(numpy.uint32(100), 16) == 7
+    assert launch.next_power_of_2(numpy.int64(17)) == 32 and launch.next_power_of_2(numpy.uint16(1)) == 1
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -284,11 +285,17 @@ def main(
     --json serve A/B runs of two source trees (one process each, PYTHONPATH picking the tree), MSLK's rows alone.
 
     Exit code: 0 when every row ran (also with no GPU or no specs), 1 when a row has an error, 2 when
-    `op_filter` matches no spec.
+    `op_filter` matches no spec, `shape_filter` no shape of them, or `json_path` cannot be written (said before
+    anything runs).
     """
     if not arch.has_gpu():
         print(NO_GPU_MESSAGE)
         return 0
+    if json_path is not None and (
+        os.path.isdir(json_path) or not os.access(os.path.dirname(os.path.abspath(json_path)), os.W_OK)
+    ):
+        print(f"mslk bench: cannot write --json {json_path!r} (its folder is missing or read-only)", file=sys.stderr)
+        return 2
     selected = specs(op_filter)
     if not selected:
         out = sys.stdout if op_filter is None else sys.stderr
@@ -300,6 +307,12 @@ def main(
                 print(f"  {spec.name}  ({spec.op}{', ' + spec.domain if spec.domain else ''})", file=out)
         return 0 if op_filter is None else 2
     rows = run(selected, shape_filter=shape_filter, baselines=baselines, rounds=rounds)
+    if not rows:
+        print(
+            f"mslk bench: no shape of {', '.join(s.name for s in selected)} matches --shape {list(shape_filter)}",
+            file=sys.stderr,
+        )
+        return 2
     info = environment()
     print(
         f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "

@@ -9,6 +9,7 @@ naming the expected granularity, the quantizer that produces it, and the granula
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -57,6 +58,9 @@ class ScaleFormat:
 
     def problems(self, data: torch.Tensor, scale: torch.Tensor) -> list[str]:
         """What is wrong with `scale` as this format's scale of `data` (empty: nothing)."""
+        for name, value in (("data", data), ("scale", scale)):
+            if not isinstance(value, torch.Tensor):
+                return [f"{name} {value!r} (expected a tensor)"]
         try:
             expected = self.expected_shape(self.logical_shape(data))
         except ScaleFormatError as exc:
@@ -177,6 +181,9 @@ class Groupwise(ScaleFormat):
     group_size: int
     k_major: bool = False
 
+    def __post_init__(self):
+        _set_group_size(self, "groupwise")
+
     @property
     def name(self) -> str:
         return f"groupwise({self.group_size}{', k_major=True' if self.k_major else ''})"
@@ -192,6 +199,17 @@ class Groupwise(ScaleFormat):
         if k % self.group_size:
             raise ScaleFormatError(f"{self.name} needs K divisible by {self.group_size}, got K={k}")
         return (m, k // self.group_size) if self.k_major else (k // self.group_size, m)
+
+
+def _set_group_size(fmt: ScaleFormat, name: str) -> None:
+    """fmt.group_size as a Python int (a NumPy integer or a one-element tensor given), positive."""
+    try:
+        size = None if isinstance(fmt.group_size, bool) else operator.index(fmt.group_size)
+    except TypeError:
+        size = None
+    if size is None or size < 1:
+        raise ScaleFormatError(f"{name} scales need a positive integer group size, got {fmt.group_size!r}")
+    object.__setattr__(fmt, "group_size", size)  # (a frozen dataclass)
 
 
 def int4_group_size(k: int, groups: int) -> int | None:
@@ -221,6 +239,9 @@ class Int4Groupwise(ScaleFormat):
     group_size: int
     table: bool = False
 
+    def __post_init__(self):
+        _set_group_size(self, "int4 groupwise")
+
     @property
     def scale_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float8_e4m3fn,) if self.table else INT4_SCALE_DTYPES
@@ -236,7 +257,7 @@ class Int4Groupwise(ScaleFormat):
         return f'int4_row_quantize_zp(w, {self.group_size}) or quantize_int4_preshuffle(w, {self.group_size}, "bf16")'
 
     def logical_shape(self, data):
-        return (*data.shape[:-1], 2 * data.shape[-1])
+        return (*data.shape[:-1], 2 * data.shape[-1]) if data.dim() else ()
 
     def expected_shape(self, data_shape):
         if len(data_shape) < 2:
@@ -301,7 +322,7 @@ class _BlockScaled(ScaleFormat):
 
     def logical_shape(self, data):
         shape = tuple(data.shape)
-        return (*shape[:-1], round(shape[-1] * _ELEMENTS_PER_BYTE[self.element]))
+        return (*shape[:-1], round(shape[-1] * _ELEMENTS_PER_BYTE[self.element])) if shape else ()
 
     def expected_shape(self, data_shape):
         if len(data_shape) < 2:
@@ -369,6 +390,8 @@ class NVFP4(_BlockScaled):
 
     @staticmethod
     def check_global_scale(global_scale: torch.Tensor, *, role: str = "global_scale") -> None:
+        if not isinstance(global_scale, torch.Tensor):
+            raise ScaleFormatError(f"{role}: expected one fp32 value in a tensor, got {global_scale!r}")
         if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
             raise ScaleFormatError(
                 f"{role}: expected one fp32 value (1 / (gs_x · gs_w), see global_scale_nvfp4), got shape "
@@ -398,6 +421,8 @@ def identify(data: torch.Tensor, scale: torch.Tensor) -> ScaleFormat | None:
 
 def check_fp8_data(data: torch.Tensor, *, role: str, producer: str) -> None:
     """Raise unless `data` holds this platform's FP8 flavour (e4m3fn on CUDA/gfx950, e4m3fnuz on gfx942)."""
+    if not isinstance(data, torch.Tensor):
+        raise ScaleFormatError(f"{role}: expected FP8 data in a tensor, got {data!r}")
     expected = arch.fp8_dtype(data.device)
     if data.dtype != expected:
         raise ScaleFormatError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
@@ -19,12 +20,13 @@ log = logging.getLogger("mslk.launch")
 
 
 def cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉ for non-negative a and positive b."""
-    return -(-a // b)
+    """⌈a / b⌉ for non-negative a and positive b (Python ints: an unsigned NumPy integer would wrap in −a)."""
+    return -(-operator.index(a) // b)
 
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
+    n = operator.index(n)  # (a NumPy integer has no bit_length)
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
