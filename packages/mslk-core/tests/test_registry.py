@@ -431,3 +431,15 @@ def test_check_writable():
     for t in (torch.empty(3).expand(2, 3), torch.empty(8).as_strided((3, 3), (2, 1))):
         with pytest.raises(ValueError, match="op: out is written, but its elements overlap"):
             registry.check_writable("op", "out", t)
+
+
+def test_the_fake_refuses_an_overlapping_output_as_the_real_call_does(fresh_add_into_op):
+    """torch.compile traces the fake: an expanded output it accepted, the real call refused."""
+    op = fresh_add_into_op(1.0)
+    out, x = torch.zeros(4).expand(3, 4), testing.randn(3, 4)
+    with pytest.raises(ValueError, match="out is written, but its elements overlap"):
+        op(out, x)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake_out, fake_x = mode.from_tensor(out), mode.from_tensor(x)
+        with pytest.raises(ValueError, match="out is written, but its elements overlap"):
+            op(fake_out, fake_x)

@@ -308,11 +308,22 @@ class Op:
         return self.select(args, kwargs).impl(*args, **kwargs)
 
     def _validated(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """fn (the fake kernel) after the checks a real call makes first (torch.compile then refuses alike)."""
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            self.validate(*args, **kwargs)
+            self._check_inputs(args, kwargs)
             return fn(*args, **kwargs)
 
-        return fn if self.validate is None else functools.wraps(fn)(run)
+        return fn if self.validate is None and not self.mutated_args else functools.wraps(fn)(run)
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        """The op's validation, then the tensors it writes into may be written (no element twice)."""
+        if self.validate is not None:
+            self.validate(*args, **kwargs)
+        if self.mutated_args:
+            values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+            for name in self.mutated_args:
+                check_writable(self.name, name, values.get(name))
 
     def get_backend(self, name: str) -> Backend:
         for b in self.backends:
@@ -325,12 +336,7 @@ class Op:
     def select(self, args: tuple, kwargs: dict, pinned: str | None = None) -> Backend:
         """The backend that serves these inputs: the pinned one, else the first that supports them.
         Bad input (the op's `validate`) raises before any backend is considered."""
-        if self.validate is not None:
-            self.validate(*args, **kwargs)
-        if self.mutated_args:
-            values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
-            for name in self.mutated_args:
-                check_writable(self.name, name, values.get(name))
+        self._check_inputs(args, kwargs)
         pinned = pinned or self._pinned_by_env()
         device_type = _device_type(args, kwargs)
         if pinned is not None:
