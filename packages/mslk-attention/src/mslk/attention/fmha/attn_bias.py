@@ -169,14 +169,14 @@ class _LocalFromBottomRight(_Checked):
         return _local(i, j, nk - nq, self.window_left, self.window_right)
 
 
-def _check_materialized_shape(mask, shape, queries: int, keys: int, keys_at_least: bool = False) -> None:
-    """A varlen mask materializes to [..., its query rows, its key rows] (paged: at least the pool rows its page
-    table reaches)."""
-    if len(shape) < 2 or shape[-2] != queries or (shape[-1] < keys if keys_at_least else shape[-1] != keys):
-        keys_text = f">= {keys}" if keys_at_least else str(keys)
+def _check_materialized_shape(mask, shape, queries: int, keys: int) -> None:
+    """A varlen mask materializes to [..., at least its query rows, at least its key rows (paged: the pool rows its
+    page table reaches)]: rows and columns past them are −inf (tensors may hold more rows than the lengths, as
+    after an in-place update under a CUDA graph); fewer cannot hold the mask."""
+    if len(shape) < 2 or shape[-2] < queries or shape[-1] < keys:
         raise ValueError(
-            f"{type(mask).__name__}.materialize: shape must be [..., {queries}, {keys_text}] (the mask's query and key "
-            f"rows), got {tuple(shape)}"
+            f"{type(mask).__name__}.materialize: shape must be [..., >= {queries}, >= {keys}] (the mask's query and "
+            f"key rows), got {tuple(shape)}"
         )
 
 
@@ -741,7 +741,7 @@ class _Paged(AttentionBias):
         several lanes share is allowed where any of them allows it). A page that one lane uses twice counts once
         here: attention over the logical keys (the reference backend's) counts it twice."""
         pool = int(self.pool_rows("cpu").max()) + 1 if self.block_tables.numel() else 0
-        _check_materialized_shape(self, shape, self.q_seqinfo.seqstart_py[-1], pool, keys_at_least=True)
+        _check_materialized_shape(self, shape, self.q_seqinfo.seqstart_py[-1], pool)
         lanes, pages = self.block_tables.shape
         logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
         out = torch.full((shape[-2], shape[-1]), -math.inf, dtype=dtype, device=device)
