@@ -433,3 +433,16 @@ def test_merging_differentiable_partials_points_to_merge_training():
     attn, _ = fmha.memory_efficient_attention_partial(q, k, v, _allow_backward=True)
     attn.sum().backward()
     assert q.grad is not None
+
+    # Compiled, the backward gets zeros for an unused LSE and could not tell: the partial refuses to be traced (the
+    # LSE's gradient was dropped, dq 0.67 off). Whole graphs raise; otherwise that frame runs eagerly, as above.
+    def merged(q, k, v):
+        parts = [fmha.memory_efficient_attention_partial(q, k[:, s], v[:, s], _allow_backward=True)
+                 for s in (slice(0, 3), slice(3, 6))]  # fmt: skip
+        return merge_attentions([p[0] for p in parts], [p[1] for p in parts])[0]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="partial_autograd"):
+        torch.compile(merged, fullgraph=True, backend="aot_eager")(q, k, v)
+    with pytest.raises(NotImplementedError, match="merge_training"):
+        torch.compile(merged, backend="aot_eager")(q, k, v).sum().backward()

@@ -290,7 +290,8 @@ class _fMHA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, grad_lse):
-        # (torch.compile traces the backward with zero gradients for every output, so it cannot tell.)
+        # (torch.compile traces the backward with zero gradients for every output, so it cannot tell: the partial
+        # with a backward is refused there, and a full attention's LSE is no output of the public API.)
         if grad_lse is not None and not torch.compiler.is_compiling():
             raise NotImplementedError(
                 "memory_efficient_attention_partial: the LSE of a partial got a gradient (from merge_attentions?), "
@@ -504,6 +505,14 @@ def memory_efficient_attention_partial(
         return out, ctx.lse
     if query.dim() == 5:
         raise ValueError("gradients not supported for 5D tensors")
+    if torch.compiler.is_compiling():
+        # A compiled backward gets a gradient for every output, zeros for those unused: it could not tell an LSE that
+        # merge_attentions differentiates (which the backends cannot take) from an unused one, and would drop it.
+        raise NotImplementedError(
+            "memory_efficient_attention_partial(_allow_backward=True) under torch.compile: its backward cannot tell "
+            "whether the LSE gets a gradient; use fmha.merge_training (memory_efficient_attention_partial_autograd "
+            "and merge_attentions_autograd) to train through partials"
+        )
     return _with_autograd(inp, (op_fw, op_bw))
 
 
