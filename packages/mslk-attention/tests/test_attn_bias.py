@@ -460,17 +460,17 @@ def test_in_place_updates_keep_the_tensors():
     assert mask.k_seqinfo.seqstart.tolist() == [0, 8, 16] and gappy.k_seqinfo.seqstart.tolist() == [0, 10, 16]
 
 
-def test_equal_lengths_share_one_info():
-    """As upstream's: q and k of equal lengths share one _SeqLenInfo, so that an in-place update (CUDA graphs) moves
-    both (separate ones left the keys' blocks behind)."""
-    mask = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")
-    assert mask.q_seqinfo is mask.k_seqinfo
-    mask.q_seqinfo.from_seqlens_inplace([2, 4])
-    assert mask.k_seqinfo.seqstart_py == [0, 2, 6]
-    assert ab.BlockDiagonalMask.from_seqlens([3, 5], [3, 4], device="cpu").k_seqinfo.seqstart_py == [0, 3, 7]
-    tensors = [torch.randn(1, 3, 1, 4), torch.randn(2, 2, 1, 4)]
-    mask, *_ = ab.BlockDiagonalMask.from_tensor_lists_qkv(tensors, tensors, tensors)
-    assert mask.q_seqinfo is mask.k_seqinfo
+def test_kv_seqlen_none_shares_one_info():
+    """Without kv_seqlen, queries and keys share one info that in-place updates (CUDA graphs) move together; equal
+    lengths given are the keys' own, which updates may make unequal (flash declines those while capturing)."""
+    shared = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], device="cpu")
+    assert shared.q_seqinfo is shared.k_seqinfo
+    shared.q_seqinfo.from_seqlens_inplace([2, 4])
+    assert shared.k_seqinfo.seqstart_py == [0, 2, 6]
+    separate = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")
+    separate.q_seqinfo.from_seqlens_inplace([2, 4])
+    separate.k_seqinfo.from_seqlens_inplace([1, 5])
+    assert (separate.q_seqinfo.seqstart_py, separate.k_seqinfo.seqstart_py) == ([0, 2, 6], [0, 1, 6])
 
 
 def test_windows_become_ints():

@@ -284,10 +284,8 @@ def test_flash_declines_causal_varlen_metadata_that_may_diverge_while_capturing(
     BlockDiagonalCausalMask whose equal query and key lengths in-place updates made unequal (top-left: silently
     wrong). While capturing it declines the mask unless queries and keys share one metadata, so that the dispatcher
     picks a kernel that serves any lengths."""
-    lengths = ab._SeqLenInfo.from_seqlens([3, 5], device="cpu")
-    separate = ab.BlockDiagonalCausalMask(lengths, ab._SeqLenInfo.from_seqlens([3, 5], device="cpu"))
-    shared = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")  # (equal lengths: one info)
-    assert shared.q_seqinfo is shared.k_seqinfo
+    separate = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], [3, 5], device="cpu")
+    shared = ab.BlockDiagonalCausalMask.from_seqlens([3, 5], device="cpu")
     with fake_gpu(monkeypatch):
         q, k, v = cuda_qkv(b=1, mq=8, mk=8)
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -298,8 +296,8 @@ def test_flash_declines_causal_varlen_metadata_that_may_diverge_while_capturing(
                 assert reasons == (
                     [
                         "BlockDiagonalCausalMask in a CUDA graph capture: its query and key lengths, equal now, are "
-                        "separate metadata that in-place updates may make unequal (from_seqlens builds equal lengths "
-                        "sharing one)"
+                        "separate metadata that in-place updates may make unequal (build it with kv_seqlen=None to "
+                        "share one)"
                     ]
                     if declined
                     else []

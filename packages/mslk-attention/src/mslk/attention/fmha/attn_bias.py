@@ -180,12 +180,6 @@ def _check_materialized_shape(mask, shape, queries: int, keys: int) -> None:
         )
 
 
-def _shared_if_equal(q: _SeqLenInfo, k: _SeqLenInfo) -> _SeqLenInfo:
-    """k, or q when their lengths are equal: one info for both, as upstream's, so that an in-place update (CUDA
-    graphs) moves queries and keys together."""
-    return q if k.seqstart_py == q.seqstart_py else k
-
-
 # ----------------------------------------------------------------------------------------- B01-B05
 
 
@@ -454,8 +448,10 @@ class BlockDiagonalMask(_BlockDiagonal):
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None, *, device=None):
         """Blocks of q_seqlen queries and kv_seqlen keys (the same lengths when kv_seqlen is None)."""
         q = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
+        # kv_seqlen None: one info for queries and keys, which in-place updates (CUDA graphs) move together; given,
+        # even equal, the keys' own, which updates may make unequal.
         k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device=device)
-        return cls(q_seqinfo=q, k_seqinfo=_shared_if_equal(q, k))
+        return cls(q_seqinfo=q, k_seqinfo=k)
 
     @classmethod
     def from_tensor_list(cls, tensors: Sequence[torch.Tensor]) -> tuple[BlockDiagonalMask, torch.Tensor]:
@@ -482,7 +478,7 @@ class BlockDiagonalMask(_BlockDiagonal):
         mask_q, q = cls.from_tensor_list(tensors_q)
         mask_k, k = cls.from_tensor_list(tensors_k)
         v = None if tensors_v is None else cls.from_tensor_list(tensors_v)[1]
-        return cls(mask_q.q_seqinfo, _shared_if_equal(mask_q.q_seqinfo, mask_k.q_seqinfo), mask_q._batch_sizes), q, k, v
+        return cls(mask_q.q_seqinfo, mask_k.q_seqinfo, mask_q._batch_sizes), q, k, v
 
     def _split(self, t: torch.Tensor, info: _SeqLenInfo) -> list[torch.Tensor]:
         parts = super()._split(t, info)

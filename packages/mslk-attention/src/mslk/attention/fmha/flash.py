@@ -69,7 +69,7 @@ def _kernel_reasons(d: Inputs, reasons: list[str], one_head_a_group: bool) -> li
             # A replay after in-place updates that make the lengths differ would run bottom-right causality.
             reasons.append(
                 "BlockDiagonalCausalMask in a CUDA graph capture: its query and key lengths, equal now, are separate "
-                "metadata that in-place updates may make unequal (from_seqlens builds equal lengths sharing one)"
+                "metadata that in-place updates may make unequal (build it with kv_seqlen=None to share one)"
             )
     elif isinstance(bias, ab.LowerTriangularMask) and d.query.shape[1] != d.key.shape[1]:
         reasons.append("Only support LowerTriangularMask if equal number of keys and queries")
