@@ -113,8 +113,10 @@ def test_bad_group_sizes_and_non_tensors_are_scale_format_errors():
     """Not ZeroDivisionError, a negative scale shape, IndexError or AttributeError from inside (0-dim data, None)."""
     for make in (Groupwise, formats.Int4Groupwise):
         for size in (0, -32, 1.5, True):
-            with pytest.raises(ScaleFormatError, match=f"positive integer group size, got {size!r}"):
+            with pytest.raises(ScaleFormatError, match=f"positive integer group_size, got {size!r}"):
                 make(size)
+    with pytest.raises(ScaleFormatError, match=r"blockwise scales need a positive integer block_m, got 1\.5"):
+        Blockwise(1.5, 128)  # (was accepted: (3.0, 1) scale shapes)
     assert Groupwise(torch.tensor(32)).group_size == 32 and type(Groupwise(torch.tensor(32)).group_size) is int
     for fmt in (MX(32, "plain"), NVFP4(), formats.Int4Groupwise(128)):
         with pytest.raises(ScaleFormatError, match="got shape"):

@@ -121,7 +121,7 @@ def test_tensor_reference():
         (lambda: quantize_fp8_block(torch.ones(4, 4), 0, 128), "block_m and block_k must be positive"),
         (
             lambda: dequantize_fp8_block(torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(1, 1), 4, 0),
-            "blockwise scales need positive block sizes, got 4 x 0",
+            "blockwise scales need a positive integer block_k, got 0",
         ),
         (lambda: quantize_fp8_block(torch.ones(4, 4), scale_ub=torch.ones(3)), "scale_ub must be one float32"),
         (lambda: quantize_fp8_tensor(torch.ones(4, dtype=torch.int32)), "a must be float32, float16 or bfloat16"),

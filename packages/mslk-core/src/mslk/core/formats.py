@@ -97,7 +97,7 @@ class ScaleFormat:
 
 @dataclass(frozen=True)
 class Tensorwise(ScaleFormat):
-    """One scale for the whole tensor: a 0-dim (or one-element) fp32 tensor."""
+    """One scale for the whole tensor: a 0-dim or [1] fp32 tensor."""
 
     @property
     def name(self) -> str:
@@ -152,8 +152,8 @@ class Blockwise(ScaleFormat):
     k_major: bool = True
 
     def __post_init__(self):
-        if self.block_m < 1 or self.block_k < 1:
-            raise ScaleFormatError(f"blockwise scales need positive block sizes, got {self.block_m} x {self.block_k}")
+        _set_positive_int(self, "block_m", "blockwise")
+        _set_positive_int(self, "block_k", "blockwise")
 
     @property
     def name(self) -> str:
@@ -182,7 +182,7 @@ class Groupwise(ScaleFormat):
     k_major: bool = False
 
     def __post_init__(self):
-        _set_group_size(self, "groupwise")
+        _set_positive_int(self, "group_size", "groupwise")
 
     @property
     def name(self) -> str:
@@ -201,15 +201,17 @@ class Groupwise(ScaleFormat):
         return (m, k // self.group_size) if self.k_major else (k // self.group_size, m)
 
 
-def _set_group_size(fmt: ScaleFormat, name: str) -> None:
-    """fmt.group_size as a Python int (a NumPy integer or a one-element tensor given), positive."""
+def _set_positive_int(fmt: ScaleFormat, field: str, name: str) -> None:
+    """fmt's size `field` as a Python int (a NumPy integer or a one-element tensor given), positive: a float is
+    refused, not truncated."""
+    value = getattr(fmt, field)
     try:
-        size = None if isinstance(fmt.group_size, bool) else operator.index(fmt.group_size)
+        size = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         size = None
     if size is None or size < 1:
-        raise ScaleFormatError(f"{name} scales need a positive integer group size, got {fmt.group_size!r}")
-    object.__setattr__(fmt, "group_size", size)  # (a frozen dataclass)
+        raise ScaleFormatError(f"{name} scales need a positive integer {field}, got {value!r}")
+    object.__setattr__(fmt, field, size)  # (a frozen dataclass)
 
 
 def int4_group_size(k: int, groups: int) -> int | None:
@@ -240,7 +242,7 @@ class Int4Groupwise(ScaleFormat):
     table: bool = False
 
     def __post_init__(self):
-        _set_group_size(self, "int4 groupwise")
+        _set_positive_int(self, "group_size", "int4 groupwise")
 
     @property
     def scale_dtypes(self) -> tuple[torch.dtype, ...]:
