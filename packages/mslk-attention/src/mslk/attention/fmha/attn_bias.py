@@ -736,12 +736,12 @@ class _Paged(AttentionBias):
         """[..., Mq, pool rows]: the unpaged mask's logical key columns moved to their physical rows (a row that
         several lanes share is allowed where any of them allows it). A page that one lane uses twice counts once
         here: attention over the logical keys (the reference backend's) counts it twice."""
-        pool = int(self.pool_rows("cpu").max()) + 1 if self.block_tables.numel() else 0
+        rows = self.pool_rows(device)
+        pool = int(rows.max()) + 1 if rows.numel() else 0
         _check_materialized_shape(self, shape, self.q_seqinfo.seqstart_py[-1], pool)
-        lanes, pages = self.block_tables.shape
-        logical = self._unpaged().materialize((shape[-2], lanes * pages * self.page_size), dtype, device)
+        logical = self._unpaged().materialize((shape[-2], rows.numel()), dtype, device)
         out = torch.full((shape[-2], shape[-1]), -math.inf, dtype=dtype, device=device)
-        out.scatter_reduce_(1, self.pool_rows(device).reshape(1, -1).expand(shape[-2], -1), logical, "amax")
+        out.scatter_reduce_(1, rows.reshape(1, -1).expand(shape[-2], -1), logical, "amax")
         return out.expand(*shape)
 
     def to(self, device):

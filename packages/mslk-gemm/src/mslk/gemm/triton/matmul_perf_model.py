@@ -39,16 +39,17 @@ def _operand_class(dtype: torch.dtype) -> int:
 def _device_peaks(device: torch.device, dtype: torch.dtype) -> tuple[int, float, float]:
     """(SMs, dense tensor-core TFLOP/s of dtype operands, DRAM GB/s) of the GPU."""
     from triton.runtime import driver
+    from triton.testing import get_dram_gbps
 
-    properties = driver.active.utils.get_device_properties(device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else 0
+    properties = driver.active.utils.get_device_properties(index)
     sms = properties["multiprocessor_count"]
     if torch.version.hip is not None:
         rate = _ROCM_FLOPS_A_CU_A_CLOCK
     else:
         rate = _FLOPS_AN_SM_A_CLOCK.get(arch.capability(device), _FLOPS_AN_SM_A_CLOCK[(8, 0)])
     tflops = sms * properties["sm_clock_rate"] * 1e3 * rate[_operand_class(dtype)] * 1e-12  # (clock in kHz)
-    dram_gbps = properties["mem_clock_rate"] * 1e3 * 2 * properties["mem_bus_width"] / 8 / 1e9  # (double data rate)
-    return sms, tflops, dram_gbps
+    return sms, tflops, get_dram_gbps(index)
 
 
 def estimate_matmul_time(
@@ -58,14 +59,14 @@ def estimate_matmul_time(
     num_warps a program (num_stages and BLOCK_K do not enter the model). The other keyword arguments (the rest of
     the kernel's) are ignored."""
     sms, peak_tflops, dram_gbps = _device_peaks(A.device, A.dtype)
-    programs = launch.cdiv(M, BLOCK_M) * launch.cdiv(N, BLOCK_N) * SPLIT_K
+    row_tiles, col_tiles = launch.cdiv(M, BLOCK_M), launch.cdiv(N, BLOCK_N)
+    programs = row_tiles * col_tiles * SPLIT_K
     rows, cols = max(M, BLOCK_M), max(N, BLOCK_N)  # (a tile computes whole, whatever it keeps)
     warps = programs * min(num_warps, 4)  # a program's warps fill at most an SM's 4 sub-partitions
     tflops = peak_tflops * min(warps, 4 * sms) / (4 * sms)
     compute_ms = 2 * rows * cols * K / (tflops * 1e9)
 
     bandwidth = dram_gbps * (0.95 * min(1, programs / 32) + 0.05 * max(min(1, (programs - 32) / max(sms - 32, 1)), 0))
-    row_tiles, col_tiles = launch.cdiv(M, BLOCK_M), launch.cdiv(N, BLOCK_N)
     a_bytes, b_bytes = rows * K * A.element_size(), cols * K * B.element_size()
     dram = a_bytes * (1 + 0.2 * (col_tiles - 1)) + b_bytes * (1 + 0.2 * (row_tiles - 1))
     l2 = 0.8 * (a_bytes * (col_tiles - 1) + b_bytes * (row_tiles - 1))
