@@ -443,3 +443,70 @@ def test_the_fake_refuses_an_overlapping_output_as_the_real_call_does(fresh_add_
         fake_out, fake_x = mode.from_tensor(out), mode.from_tensor(x)
         with pytest.raises(ValueError, match="out is written, but its elements overlap"):
             op(fake_out, fake_x)
+
+
+def test_an_op_without_a_backward_refuses_to_differentiate_eagerly_and_compiled(fresh_ops):
+    """Its inputs' gradients were None: silently compiled, with torch's warning eagerly (and on CPU, gradients of
+    the reference's torch ops, which no GPU kernel gives)."""
+    op = fresh_ops()
+    x, scale = _inputs()
+    expected = op(x, scale)
+    refusal = f"{op.qualname} has no backward, and an input of it requires grad"
+    for needing in ((x,), (scale,), (x, scale)):
+        args = [t.clone().requires_grad_(any(t is n for n in needing)) for t in (x, scale)]
+        for name, call in (("eager", op.torch_op), ("compiled", torch.compile(op.torch_op, backend="aot_eager"))):
+            torch._dynamo.reset()
+            result = call(*args)
+            assert torch.equal(result, expected) and result.requires_grad, name
+            with pytest.raises(RuntimeError, match=refusal):
+                result.float().sum().backward()
+    with torch.no_grad():
+        assert not op(x.requires_grad_(), scale).requires_grad
+
+
+def test_gradient_problems_catch_an_op_whose_backward_runs(fresh_ops, monkeypatch):
+    monkeypatch.setattr(registry, "_register_no_backward", lambda *args: None)
+    op = fresh_ops()
+    sample = next(iter(op.samples(torch.device("cpu"))))
+    with pytest.warns(UserWarning, match="an autograd kernel was not registered"):
+        assert testing.gradient_problems(op, sample) == [f"{op.name}: its backward ran"]
+
+
+def test_an_op_that_writes_refuses_inputs_that_require_grad(fresh_add_into_op):
+    op = fresh_add_into_op(1.0)
+    out, x = testing.randn(3, 4), testing.randn(3, 4)
+    with pytest.raises(RuntimeError, match=f"{op.qualname} writes into out and has no backward, but x requires grad"):
+        op(out, x.clone().requires_grad_())
+    with torch.no_grad():
+        op(out, x.clone().requires_grad_())
+    for sample in op.samples(torch.device("cpu")):
+        assert testing.gradient_problems(op, sample) == []
+
+
+def test_a_declared_backward(fresh_ops):
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale[:, None], None
+
+    op = registry.Op(
+        f"mslk_selftest::scale_rows_differentiable_{id(backward)}(Tensor x, Tensor scale) -> Tensor",
+        domain="selftest",
+        reference=lambda x, scale: x * scale[:, None],
+        fake=lambda x, scale: torch.empty_like(x),
+        backward=backward,
+        setup_context=setup_context,
+    )
+    x, scale = testing.randn(4, 6, dtype=torch.float64).requires_grad_(), testing.randn(4, dtype=torch.float64)
+    op(x, scale).sum().backward()
+    assert op.differentiable and torch.equal(x.grad, scale[:, None].expand(4, 6))
+    with pytest.raises(ValueError, match="an op with out_arg has no backward"):
+        registry.Op(
+            f"mslk_selftest::scale_rows_into_{id(backward)}(Tensor x, Tensor(a!)? out=None) -> Tensor",
+            domain="selftest",
+            reference=lambda x, out=None: x,
+            out_arg="out",
+            backward=backward,
+        )

@@ -157,6 +157,8 @@ class Op:
         next_step: str | None = None,
         tolerance: float | None = None,
         out_arg: str | None = None,
+        backward: Callable[..., Any] | None = None,
+        setup_context: Callable[..., Any] | None = None,
     ):
         parsed = torch._C.parse_schema(schema)
         self.qualname: str = parsed.name  # "mslk::name"
@@ -165,6 +167,8 @@ class Op:
         if self.qualname in OPS:
             raise ValueError(f"op {self.qualname} is defined twice")
         self.namespace, self.name = self.qualname.split("::")
+        if out_arg is not None and backward is not None:
+            raise ValueError(f"{self.qualname}: an op with out_arg has no backward")
         self.arg_names: list[str] = [arg.name for arg in parsed.arguments]
         # The arguments the op writes into (`Tensor(a!)`): outputs to check as much as the returned ones.
         self.mutated_args: list[str] = [
@@ -178,6 +182,7 @@ class Op:
         self.validate = _refusing_none(self.name, required, validate) if required else validate
         self.next_step = next_step
         self.tolerance = tolerance  # relative error `mslk check` accepts; None: by output dtype
+        self.differentiable = backward is not None
         self.backends: list[Backend] = [Backend(REFERENCE, reference, frozenset(reference_devices))]
 
         lib = _library(self.namespace)
@@ -194,6 +199,10 @@ class Op:
             lib.impl(self.name, self._dispatch, "CompositeExplicitAutograd")
         if fake is not None:
             torch.library.register_fake(self.qualname, self._validated(fake), lib=lib)
+        if backward is not None:
+            torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=lib)
+        elif not self.mutated_args:
+            _register_no_backward(lib, self.qualname, self.qualname)
         OPS[self.qualname] = self
 
     def _define_with_output(self, lib, schema: str, parsed, out_arg: str, fake: Callable[..., Any] | None) -> None:
@@ -249,6 +258,8 @@ class Op:
                 lib.impl(name, served(self._dispatch, writes), key)
             if fake is not None:
                 torch.library.register_fake(f"{self.namespace}::{name}", served(self._validated(fake), writes), lib=lib)
+        if optional:
+            _register_no_backward(lib, f"{self.namespace}::{functional}", self.qualname)
 
     # -- declaring backends -------------------------------------------------------------------------
     def backend(
@@ -317,13 +328,22 @@ class Op:
         return fn if self.validate is None and not self.mutated_args else functools.wraps(fn)(run)
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
-        """The op's validation, then the tensors it writes into may be written (no element twice)."""
+        """The op's validation, then the tensors it writes into may be written (no element twice), and no input
+        requires grad where it writes (the write has no backward)."""
         if self.validate is not None:
             self.validate(*args, **kwargs)
         if self.mutated_args:
             values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
-            for name in self.mutated_args:
-                check_writable(self.name, name, values.get(name))
+            written = [name for name in self.mutated_args if values.get(name) is not None]
+            for name in written:
+                check_writable(self.name, name, values[name])
+            if written and torch.is_grad_enabled():
+                needing = [name for name, value in values.items() if _requires_grad(value)]
+                if needing:
+                    raise RuntimeError(
+                        f"{self.qualname} writes into {', '.join(written)} and has no backward, but "
+                        f"{', '.join(needing)} requires grad: call it under torch.no_grad() or on detached tensors"
+                    )
 
     def get_backend(self, name: str) -> Backend:
         for b in self.backends:
@@ -389,6 +409,60 @@ class Op:
     def usable_backends(self, device_type: str) -> list[Backend]:
         """Backends that could run on this device type here (inputs aside)."""
         return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_requires_grad(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+# -- the backward of an op without one ---------------------------------------------------------------
+# Its inputs' gradients come from `mslk::_no_backward`, which raises when it runs: in eager backward, and in a compiled
+# backward graph (where it traces to an empty tensor, so that a compiled forward still traces).
+_library("mslk").define("_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str op) -> Tensor")
+
+
+def _refuse_backward(grad: torch.Tensor, size: list[int], dtype: torch.dtype, op: str) -> torch.Tensor:
+    raise RuntimeError(
+        f"{op} has no backward, and an input of it requires grad: gradients cannot flow through it. Call it "
+        "under torch.no_grad() or on detached tensors (of MSLK's ops, attention's are differentiable)"
+    )
+
+
+_library("mslk").impl("_no_backward", _refuse_backward, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "mslk::_no_backward", lambda grad, size, dtype, op: grad.new_empty(size, dtype=dtype), lib=_library("mslk")
+)
+
+
+def _input_layout(value: Any) -> Any:
+    """(shape, dtype) of a tensor input, a list of them for a tensor list, None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return [_input_layout(v) for v in value]
+    return None
+
+
+def _register_no_backward(lib: torch.library.Library, qualname: str, name: str) -> None:
+    """qualname's backward: what `mslk::_no_backward` gives (the error names the op `name`)."""
+
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None) -> None:
+        ctx.layouts = [_input_layout(value) for value in inputs]
+
+    def backward(ctx, *grads):
+        grad = _first_tensor(grads, {})  # (autograd gives zeros for the outputs the loss leaves out)
+
+        def refused(layout: Any, needed: Any) -> Any:
+            if isinstance(layout, list):
+                return [refused(lay, need) for lay, need in zip(layout, needed, strict=True)]
+            return torch.ops.mslk._no_backward(grad, layout[0], layout[1], name) if needed else None
+
+        # (needs_input_grad leaves out the trailing arguments the dispatcher dropped as equal to their defaults)
+        return tuple(refused(lay, need) for lay, need in zip(ctx.layouts, ctx.needs_input_grad, strict=False))
+
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=lib)
 
 
 def _refusing_none(

@@ -294,6 +294,35 @@ def keyword_problems(op: Op, sample: Sample) -> list[str]:
     return _compare(op, results + written, _reference_outputs(op, sample))
 
 
+def gradient_problems(op: Op, sample: Sample) -> list[str]:
+    """An op without a backward, on copies of the sample whose floating-point tensors require grad: the results are
+    those of a call without, and differentiating them raises a RuntimeError naming the op; an op that writes into an
+    argument refuses such inputs in its forward. Returns what went wrong."""
+    args, kwargs = _replaced(sample)
+    tensors = [t for t in _flat([args, list(kwargs.values())]) if isinstance(t, torch.Tensor)]
+    floating = [t for t in tensors if t.is_floating_point()]
+    if op.differentiable or not floating:
+        return []
+    written = [name for name in op.mutated_args if op.inputs(tuple(args), kwargs).get(name) is not None]
+    expected_args, expected_kwargs = _replaced(sample)
+    expected = None if written else _flat(op.torch_op(*expected_args, **expected_kwargs))
+    for t in floating:
+        t.requires_grad_()
+    refusal = f"{op.qualname} writes into" if written else f"{op.qualname} has no backward"
+    try:
+        results = _flat(op.torch_op(*args, **kwargs))
+        if written:
+            return [f"{op.name} wrote into {', '.join(written)} with inputs that require grad"]
+        problems = _compare(op, results, expected)
+        differentiable = [r for r in results if isinstance(r, torch.Tensor) and r.requires_grad]
+        if differentiable:
+            sum(r.float().sum() for r in differentiable).backward()
+            problems.append(f"{op.name}: its backward ran")
+        return problems
+    except RuntimeError as exc:
+        return [] if refusal in str(exc) else [f"{op.name}: {exc}, not the refusal {refusal!r}"]
+
+
 def _fake_problems(op: Op, sample: Sample, real: list[Any]) -> list[str]:
     """Where the fake kernel's outputs differ from the real ones in shape, dtype or strides (torch.compile lays out
     the code around an op by its fake kernel)."""
@@ -483,7 +512,7 @@ def domain_conformance(domain: str):
         run_opcheck(op, device)
         samples = list(op.samples(device))
         problems = [p for sample in samples for p in check_against_reference(op, sample) + layout_problems(op, sample)]
-        problems += keyword_problems(op, samples[0])
+        problems += keyword_problems(op, samples[0]) + gradient_problems(op, samples[0])
         other = "cpu" if device.type == "cuda" else "meta"
         problems += [p for sample in samples for p in device_mixing_problems(op, sample, other)]
         if device.type == "cpu":  # the kernels under the interpreter (on a GPU, torch.ops above ran them)

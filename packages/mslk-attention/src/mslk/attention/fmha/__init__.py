@@ -570,12 +570,13 @@ def _register_torch_op(schema: str, with_bias: bool) -> registry.Op:
         samples=lambda device: _torch_op_samples(device, with_bias),
         validate=_torch_op_validate,
         reference_devices=("cpu", "cuda"),
+        backward=_torch_op_backward,
+        setup_context=_torch_op_setup,
     )
     op.backend("fmha", devices=("cuda",))(_torch_op_dispatched)
     # MSLK's Triton kernel alone, to pin (`backend="triton"`), and what the conformance tests run under the
     # Triton interpreter on CPU (the fmha dispatcher runs the reference there).
     op.backend("triton", available=registry.triton_missing, supports=_torch_op_triton_supports)(_torch_op_triton)
-    torch.library.register_autograd(op.qualname, _torch_op_backward, setup_context=_torch_op_setup)
     return op
 
 

@@ -208,42 +208,6 @@ def _backward_samples(device):
     yield registry.Sample((attn, lse, out, merged_lse, *grads))
 
 
-# ----------------------------------------------------------------------------------------------- ops
-
-merge_attentions_varargs_op = registry.Op(
-    "mslk::fmha_merge_attentions_varargs(Tensor[] attn_split, Tensor[] lse_split, bool write_lse, "
-    "ScalarType? output_dtype, int B, int M, int G, int H, int Kq) -> Tensor[]",
-    domain="attention",
-    reference=_merge_varargs_reference,
-    fake=_varargs_outputs,
-    samples=_varargs_samples,
-    validate=_validate_varargs,
-    reference_devices=("cpu", "cuda"),
-)
-
-merge_attentions_stacked_op = registry.Op(
-    "mslk::fmha_merge_attentions_stacked(Tensor attn_split, Tensor lse_split, bool write_lse, "
-    "ScalarType? output_dtype) -> Tensor[]",
-    domain="attention",
-    reference=_merge_reference,
-    fake=_stacked_outputs,
-    samples=_stacked_samples,
-    validate=_validate_stacked,
-    reference_devices=("cpu", "cuda"),
-)
-
-merge_attentions_varargs_backward_op = registry.Op(
-    "mslk::merge_attentions_varargs_backward(Tensor[] attn_split, Tensor[] lse_split, Tensor attn_out, "
-    "Tensor lse_out, Tensor grad_attn, Tensor grad_lse) -> (Tensor[], Tensor[])",
-    domain="attention",
-    reference=_merge_backward_reference,
-    fake=_backward_outputs,
-    samples=_backward_samples,
-    validate=_validate_backward,
-    reference_devices=("cpu", "cuda"),
-)
-
-
 # -------------------------------------------------------------------------------------------- autograd
 
 
@@ -282,8 +246,44 @@ def _stacked_backward(ctx, grads):
     return torch.stack(d_attn).movedim(-2, -4), torch.stack(d_lse), None, None
 
 
-torch.library.register_autograd(merge_attentions_varargs_op.qualname, _varargs_backward, setup_context=_setup_varargs)
-torch.library.register_autograd(merge_attentions_stacked_op.qualname, _stacked_backward, setup_context=_setup_stacked)
+# ----------------------------------------------------------------------------------------------- ops
+
+merge_attentions_varargs_op = registry.Op(
+    "mslk::fmha_merge_attentions_varargs(Tensor[] attn_split, Tensor[] lse_split, bool write_lse, "
+    "ScalarType? output_dtype, int B, int M, int G, int H, int Kq) -> Tensor[]",
+    domain="attention",
+    reference=_merge_varargs_reference,
+    fake=_varargs_outputs,
+    samples=_varargs_samples,
+    validate=_validate_varargs,
+    reference_devices=("cpu", "cuda"),
+    backward=_varargs_backward,
+    setup_context=_setup_varargs,
+)
+
+merge_attentions_stacked_op = registry.Op(
+    "mslk::fmha_merge_attentions_stacked(Tensor attn_split, Tensor lse_split, bool write_lse, "
+    "ScalarType? output_dtype) -> Tensor[]",
+    domain="attention",
+    reference=_merge_reference,
+    fake=_stacked_outputs,
+    samples=_stacked_samples,
+    validate=_validate_stacked,
+    reference_devices=("cpu", "cuda"),
+    backward=_stacked_backward,
+    setup_context=_setup_stacked,
+)
+
+merge_attentions_varargs_backward_op = registry.Op(
+    "mslk::merge_attentions_varargs_backward(Tensor[] attn_split, Tensor[] lse_split, Tensor attn_out, "
+    "Tensor lse_out, Tensor grad_attn, Tensor grad_lse) -> (Tensor[], Tensor[])",
+    domain="attention",
+    reference=_merge_backward_reference,
+    fake=_backward_outputs,
+    samples=_backward_samples,
+    validate=_validate_backward,
+    reference_devices=("cpu", "cuda"),
+)
 
 
 # ---------------------------------------------------------------------------------------------- Triton
