@@ -182,6 +182,31 @@ def test_no_comm_and_static_paths_do_not_sync_gpu(precision):
         testing.assert_rel_close(out.view(x.shape), expected, 1e-2)
 
 
+def check_compiled(cls, precision: str, device: str, static: bool) -> None:
+    """The layer compiled whole (fullgraph) gives the eager output (building a ScaledParameter from the weights
+    in the forward made Dynamo break the graph)."""
+    args = MoEArgs(precision, D, HIDDEN, 4, 2)
+    model = build(cls, args, full_weights(args, device), device)
+    x = testing.randn(2, 7, D, dtype=torch.bfloat16, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        testing.assert_rel_close(compiled(x, use_static_shape=static), model(x, use_static_shape=static), 1e-2)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
+def test_baseline_compiles_whole(precision):
+    check_compiled(BaselineMoE, precision, "cpu", static=False)
+
+
+@pytest.mark.gpu
+@testing.skipUnlessCuda()
+@pytest.mark.parametrize("cls", [BaselineMoE, MetaShufflingMoE])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_rowwise"])
+def test_layers_compile_whole_gpu(cls, precision):
+    check_compiled(cls, precision, "cuda", static=True)
+
+
 # ---------------------------------------------------------------------------------------- parameters
 
 

@@ -291,11 +291,15 @@ class Experts(torch.nn.Module, ABC):
             setattr(self, f"{name}_scale", scale)
         return self
 
-    def _scaled(self, name: str) -> ScaledParameter:
+    def _built(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weights, scales or None) of w13 or w2."""
         weight = getattr(self, f"{name}_weight")
         if weight is None:
             raise RuntimeError(f"{type(self).__name__}: the parameters are not built yet; call build() first")
-        return ScaledParameter(weight, getattr(self, f"{name}_scale"))
+        return weight, getattr(self, f"{name}_scale")
+
+    def _scaled(self, name: str) -> ScaledParameter:
+        return ScaledParameter(*self._built(name))
 
     @property
     def w13(self) -> ScaledParameter:
@@ -313,9 +317,9 @@ class Experts(torch.nn.Module, ABC):
         """(w13 [G, 2·hidden_dim, dim], its scales [G, 2·hidden_dim] or None, w2 [G, dim, hidden_dim], its scales
         [G, dim] or None), G experts (1 for the shared expert)."""
         parts = []
-        for p in (self.w13, self.w2):
-            lead = (slice(None),) if p.dim() == 3 else (None,)
-            parts += [p.weights[lead], None if p.scales is None else p.scales[lead]]
+        for weight, scale in (self._built("w13"), self._built("w2")):  # (not the properties: torch.compile
+            lead = (slice(None),) if weight.dim() == 3 else (None,)  # cannot trace building a ScaledParameter)
+            parts += [weight[lead], None if scale is None else scale[lead]]
         return tuple(parts)
 
 
