@@ -392,6 +392,24 @@ def test_gpu(bias_id, dtype, sizes, shared_heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("bias_id", ["None", "B12", "B16", "B21"])
+def test_gpu_compiled_whole(bias_id, backend):
+    """Decoding (the mask an input: padded keys, paged) compiled with fullgraph, as serving stacks compile a model's
+    step: split-K's launch is a torch op, the dispatch around it traced; twice, the second on other values."""
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v, bias: fmha.memory_efficient_attention_forward(q, k, v, bias, op=triton_splitk.FwOp),
+        fullgraph=True,
+        backend=backend,
+    )
+    for _ in range(2):
+        q, k, v, bias = _inputs(bias_id, (4, 1, 300, 1, 8, 128), torch.bfloat16, True)
+        ref, _ = attention_reference(q.double(), k, v, bias)
+        testing.assert_rel_close(compiled(q, k, v, bias), ref, TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("bias_id", ["None", "B16"])
