@@ -86,8 +86,9 @@ def test_pin_by_argument_and_by_env(fresh_ops, monkeypatch):
 
 
 def test_pinned_backend_takes_the_schemas_names(fresh_ops):
-    """A pinned backend gets keyword arguments as torch.ops passes them, by position (its parameters may be named
-    otherwise: `x, scale` here, `a, b` in the backend), defaults filled in up to the last one given."""
+    """A pinned call goes through torch.ops, so its backend gets keyword arguments as torch.ops passes them, by
+    position (its parameters may be named otherwise: `x, scale` here, `a, b` in the backend), and a bad call gets
+    torch's error."""
     op = registry.Op(
         "mslk_selftest::scaled_by_name(Tensor x, Tensor scale, float factor=2.0, bool twice=False) -> Tensor",
         domain="selftest",
@@ -99,10 +100,29 @@ def test_pinned_backend_takes_the_schemas_names(fresh_ops):
     assert torch.equal(op(x=x, scale=s, twice=True, backend="reference"), want)
     assert torch.equal(op(x, scale=s, factor=4.0, backend="reference"), want)
     assert torch.equal(op(x, s, backend="reference"), x * s[:, None] * 2.0)
-    with pytest.raises(TypeError, match=r"unexpected or repeated keyword arguments \['x'\]"):
+    with pytest.raises(RuntimeError, match="Argument 'x' specified both as positional and keyword argument"):
         op(x, x=x, scale=s, backend="reference")
-    with pytest.raises(TypeError, match="missing required argument 'scale'"):
+    with pytest.raises(RuntimeError, match="missing value for argument 'scale'"):
         op(x=x, factor=1.0, backend="reference")
+
+
+def test_a_pinned_call_pins_that_op_alone_and_refuses_gradients_as_others(fresh_ops):
+    """`op(..., backend=NAME)` ran the backend outside torch.ops: gradients of the reference's torch ops flowed where
+    the op has no backward. Ops that the pinned backend calls are dispatched as usual."""
+    inner = fresh_ops()
+    outer = registry.Op(
+        f"mslk_selftest::calls_another_{id(inner)}(Tensor x, Tensor scale) -> Tensor",
+        domain="selftest",
+        reference=lambda x, scale: inner(x, scale),
+        fake=lambda x, scale: torch.empty_like(x),
+    )
+    outer.backend("cpu_kernel", devices=("cpu",))(lambda x, scale: inner(x, scale) * 2)
+    x, scale = _inputs()
+    assert torch.equal(outer(x, scale, backend="cpu_kernel"), inner(x, scale) * 2)  # inner: not pinned to cpu_kernel
+    assert torch.equal(outer(x, scale, backend="reference"), inner(x, scale))
+    result = inner(x.clone().requires_grad_(), scale, backend="reference")
+    with pytest.raises(RuntimeError, match=f"{inner.qualname} has no backward"):
+        result.float().sum().backward()
 
 
 def test_pinned_backend_that_cannot_serve_raises_value_error(fresh_ops, monkeypatch):
@@ -462,6 +482,10 @@ def test_an_op_without_a_backward_refuses_to_differentiate_eagerly_and_compiled(
                 result.float().sum().backward()
     with torch.no_grad():
         assert not op(x.requires_grad_(), scale).requires_grad
+    # On meta tensors too (a dry run of a training step): the fake kernel, which traces, is not what they run.
+    meta = [t.to("meta") for t in _inputs()]
+    with pytest.raises(RuntimeError, match=refusal):
+        op(meta[0].requires_grad_(), meta[1]).float().sum().backward()
 
 
 def test_gradient_problems_catch_an_op_whose_backward_runs(fresh_ops, monkeypatch):

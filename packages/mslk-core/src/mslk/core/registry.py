@@ -33,6 +33,7 @@ Example (a domain module)::
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -121,6 +122,9 @@ native_libraries: dict[str, str | None] = {}
 def record_native(name: str, error: str | None) -> None:
     native_libraries[name] = error
 
+
+# (qualname, backend) of an `op(..., backend=NAME)` call in progress: its torch.ops call reaches `_dispatch` pinned.
+_pinned_call: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("mslk_pinned_call", default=None)
 
 _libraries: dict[str, torch.library.Library] = {}  # kept alive: a collected Library unregisters its ops
 OPS: dict[str, Op] = {}
@@ -290,33 +294,19 @@ class Op:
         return getattr(getattr(torch.ops, self.namespace), self.name)
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
-        """Call through torch.ops (autograd, compile, export); `backend=` runs that backend directly."""
+        """Call through torch.ops (autograd, compile, export); `backend=` pins that backend for this call."""
         if backend is None:
             return self.torch_op(*args, **kwargs)
-        args = self._positional(args, kwargs)  # (as torch.ops hands them to a backend: names may differ)
-        return self.select(args, {}, pinned=backend).impl(*args)
-
-    def _positional(self, args: tuple, kwargs: dict) -> tuple:
-        """args and kwargs as the schema's positional arguments, defaults filled in up to the last one given."""
-        if not kwargs:
-            return args
-        arguments = self.torch_op.default._schema.arguments
-        unknown = sorted(set(kwargs) - {a.name for a in arguments[len(args) :]})
-        if unknown:
-            raise TypeError(f"{self.name}() got unexpected or repeated keyword arguments {unknown}")
-        last = max(i for i, a in enumerate(arguments) if a.name in kwargs)
-        values = list(args)
-        for argument in arguments[len(args) : last + 1]:
-            if argument.name in kwargs:
-                values.append(kwargs[argument.name])
-            elif argument.has_default_value():
-                values.append(argument.default_value)
-            else:
-                raise TypeError(f"{self.name}() missing required argument {argument.name!r}")
-        return tuple(values)
+        token = _pinned_call.set((self.qualname, backend))
+        try:
+            return self.torch_op(*args, **kwargs)
+        finally:
+            _pinned_call.reset(token)
 
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        return self.select(args, kwargs).impl(*args, **kwargs)
+        pin = _pinned_call.get()
+        pinned = pin[1] if pin is not None and pin[0] == self.qualname else None
+        return self.select(args, kwargs, pinned=pinned).impl(*args, **kwargs)
 
     def _validated(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """fn (the fake kernel) after the checks a real call makes first (torch.compile then refuses alike)."""
@@ -418,28 +408,31 @@ def _requires_grad(value: Any) -> bool:
 
 
 # -- the backward of an op without one ---------------------------------------------------------------
-# Its inputs' gradients come from `mslk::_no_backward`, which raises when it runs: in eager backward, and in a compiled
-# backward graph (where it traces to an empty tensor, so that a compiled forward still traces).
-_library("mslk").define("_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, str op) -> Tensor")
+# Its inputs' gradients come from `mslk::_no_backward`, which raises when it runs: in eager backward (on meta tensors
+# too), and in a compiled backward graph (where it traces to an empty tensor, so that a compiled forward still traces).
+_library("mslk").define("_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, Device device, str op) -> Tensor")
 
 
-def _refuse_backward(grad: torch.Tensor, size: list[int], dtype: torch.dtype, op: str) -> torch.Tensor:
+def _refuse_backward(grad: torch.Tensor, size: list[int], dtype: torch.dtype, device: torch.device, op: str):
     raise RuntimeError(
         f"{op} has no backward, and an input of it requires grad: gradients cannot flow through it. Call it "
         "under torch.no_grad() or on detached tensors (of MSLK's ops, attention's are differentiable)"
     )
 
 
-_library("mslk").impl("_no_backward", _refuse_backward, "CompositeExplicitAutograd")
 torch.library.register_fake(
-    "mslk::_no_backward", lambda grad, size, dtype, op: grad.new_empty(size, dtype=dtype), lib=_library("mslk")
+    "mslk::_no_backward",
+    lambda grad, size, dtype, device, op: torch.empty(size, dtype=dtype, device=device),
+    lib=_library("mslk"),
 )
+for _key in ("CompositeExplicitAutograd", "Meta"):  # (after the fake, which would serve meta tensors)
+    _library("mslk").impl("_no_backward", _refuse_backward, _key)
 
 
 def _input_layout(value: Any) -> Any:
-    """(shape, dtype) of a tensor input, a list of them for a tensor list, None for anything else."""
+    """(shape, dtype, device) of a tensor input, a list of them for a tensor list, None for anything else."""
     if isinstance(value, torch.Tensor):
-        return value.shape, value.dtype
+        return value.shape, value.dtype, value.device
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
         return [_input_layout(v) for v in value]
     return None
@@ -457,7 +450,7 @@ def _register_no_backward(lib: torch.library.Library, qualname: str, name: str) 
         def refused(layout: Any, needed: Any) -> Any:
             if isinstance(layout, list):
                 return [refused(lay, need) for lay, need in zip(layout, needed, strict=True)]
-            return torch.ops.mslk._no_backward(grad, layout[0], layout[1], name) if needed else None
+            return torch.ops.mslk._no_backward(grad, *layout, name) if needed else None
 
         # (needs_input_grad leaves out the trailing arguments the dispatcher dropped as equal to their defaults)
         return tuple(refused(lay, need) for lay, need in zip(ctx.layouts, ctx.needs_input_grad, strict=False))
