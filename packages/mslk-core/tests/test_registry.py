@@ -534,3 +534,15 @@ def test_a_declared_backward(fresh_ops):
             out_arg="out",
             backward=backward,
         )
+
+
+def test_a_dual_tensor_is_refused(fresh_ops):
+    """Forward-mode AD: the kernels ran on the primal and the result came back without a tangent, silently."""
+    import torch.autograd.forward_ad as forward_ad
+
+    op = fresh_ops()
+    x, scale = _inputs()
+    with forward_ad.dual_level():
+        with pytest.raises(RuntimeError, match=f"{op.qualname} has no forward-mode derivative"):
+            op(forward_ad.make_dual(x, testing.randn(*x.shape, dtype=x.dtype)), scale)
+        assert torch.equal(op(x, scale), (x.float() * scale[:, None]).to(x.dtype))  # plain tensors, as before

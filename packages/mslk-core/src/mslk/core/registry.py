@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from mslk.core import env
 
@@ -319,9 +320,14 @@ class Op:
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         """The op's validation, then the tensors it writes into may be written (no element twice), and no input
-        requires grad where it writes (the write has no backward)."""
+        requires grad where it writes (the write has no backward), and none carries a forward-mode tangent."""
         if self.validate is not None:
             self.validate(*args, **kwargs)
+        if forward_ad._current_level >= 0 and _has_tangent((*args, *kwargs.values())):  # (the kernels drop it)
+            raise RuntimeError(
+                f"{self.qualname} has no forward-mode derivative, and an input of it is a dual tensor "
+                "(torch.autograd.forward_ad): unpack it, or use reverse mode where the op has a backward"
+            )
         if self.mutated_args:
             values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
             written = [name for name in self.mutated_args if values.get(name) is not None]
@@ -399,6 +405,12 @@ class Op:
     def usable_backends(self, device_type: str) -> list[Backend]:
         """Backends that could run on this device type here (inputs aside)."""
         return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
+
+
+def _has_tangent(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_tangent(v) for v in value)
+    return isinstance(value, torch.Tensor) and forward_ad.unpack_dual(value).tangent is not None
 
 
 def _requires_grad(value: Any) -> bool:
