@@ -533,6 +533,46 @@ def test_torch_compile_fullgraph():
     testing.assert_rel_close(q.grad, causal_grads[0], GRAD_TOL)
 
 
+class _MasksBuiltInForward(torch.nn.Module):
+    """Masks made from Python ints inside forward, and (`paged`) a paged mask over a block table given as an input."""
+
+    def __init__(self, paged: bool):
+        super().__init__()
+        self.paged = paged
+
+    def forward(self, q, k, v, pool, table):
+        varlen = ab.BlockDiagonalMask.from_seqlens([3, 5], [4, 6])
+        local = ab.LocalAttentionFromBottomRightMask(2, 1)
+        padded = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], 3, [1, 3, 2])
+        outs = [
+            fmha.memory_efficient_attention(q, k, v, varlen),
+            fmha.memory_efficient_attention(q, k, v, local),
+            fmha.memory_efficient_attention(q[:, :3], k[:, :9], v[:, :9], padded),
+        ]
+        if self.paged:
+            paged = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1, 1], [3, 8, 5], table, 4)
+            outs.append(fmha.memory_efficient_attention(q[:, :3], pool, pool, paged))
+        return outs
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_masks_built_in_forward(strict):
+    """Varlen masks' starts were summed through a tensor (export then met unknown values), strict export could not
+    trace the MTIA check of the default device nor `getattr(super(), "__post_init__")`, and a paged mask's bounds
+    check read the table's values. (Strict export still cannot build a paged mask: Dynamo takes no
+    `dataclasses.fields` of a class.)"""
+    module = _MasksBuiltInForward(paged=not strict)
+    q, k, v = testing.randn(1, 8, 2, 16), testing.randn(1, 10, 2, 16), testing.randn(1, 10, 2, 16)
+    pool = testing.randn(1, 32, 2, 16)
+    table = torch.tensor([[0, 1], [2, 3], [5, 4]], dtype=torch.int32)
+    program = torch.export.export(module, (q, k, v, pool, table), strict=strict)
+    args = [testing.randn(*t.shape) for t in (q, k, v, pool)] + [table.flip(0)]
+    outs = program.module()(*args)
+    assert len(outs) == 3 + module.paged
+    for got, want in zip(outs, module(*args), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_torch_compile_gqa_gradients():
     """K/V expanded over the heads inside a compiled function: autograd takes a head's slice (Dynamo cannot look
     at what K/V are views of), gradients as in eager mode."""

@@ -179,6 +179,23 @@ def test_torch_compile_fullgraph_with_backward():
         testing.assert_rel_close(g, e, 1e-6)
 
 
+class _MergeList(torch.nn.Module):
+    def forward(self, a0, a1, l0, l1):
+        return merge_attentions([a0, a1], [l0, l1])
+
+
+def test_torch_export_with_dynamic_batch_and_queries():
+    """The list form's op takes the sizes B, M, G, H, Kq: as `int`s, export fixed them (a named Dim was refused,
+    Dim.AUTO specialized and the program then refused other sizes); as SymInts they follow the inputs."""
+    batch, queries = torch.export.Dim("batch"), torch.export.Dim("queries")
+    attn_dims, lse_dims = {0: batch, 1: queries}, {0: batch, 2: queries}
+    args = [testing.randn(2, 5, 2, 8), testing.randn(2, 5, 2, 8), testing.randn(2, 2, 5), testing.randn(2, 2, 5)]
+    program = torch.export.export(_MergeList(), tuple(args), dynamic_shapes=(attn_dims, attn_dims, lse_dims, lse_dims))
+    other = [testing.randn(3, 4, 2, 8), testing.randn(3, 4, 2, 8), testing.randn(3, 2, 4), testing.randn(3, 2, 4)]
+    for got, want in zip(program.module()(*other), _MergeList()(*other), strict=True):
+        assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------------ T1 (CPU, interpreter) / T2 (GPU)
 
 

@@ -13,6 +13,7 @@ lives in physical page block_tables[b, j // page_size] of a shared pool.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -26,8 +27,8 @@ def _default_device() -> torch.device:
     """Where masks put their metadata unless told: cuda, else mtia, else cpu (spec §3)."""
     if torch.cuda.is_available():
         return torch.device("cuda")
-    mtia = getattr(torch, "mtia", None)
-    if mtia is not None and mtia.is_available():
+    mtia = getattr(torch, "mtia", None)  # (which Dynamo cannot ask: compiled, a host without CUDA gets cpu)
+    if mtia is not None and not torch.compiler.is_compiling() and mtia.is_available():
         return torch.device("mtia")
     return torch.device("cpu")
 
@@ -129,9 +130,11 @@ class _Checked:
     """Runs the parents' __post_init__ (dataclass masks chain their checks)."""
 
     def __post_init__(self) -> None:
-        parent = getattr(super(), "__post_init__", None)
+        # The next class after _Checked that defines one (Dynamo cannot trace `getattr(super(), ...)`).
+        mro = type(self).__mro__
+        parent = next((c for c in mro[mro.index(_Checked) + 1 :] if "__post_init__" in vars(c)), None)
         if parent is not None:
-            parent()
+            parent.__post_init__(self)
 
 
 class _CausalFromBottomRight:
@@ -248,7 +251,7 @@ class _SeqLenInfo:
         lengths = _ints("sequence lengths", seqlens)
         if any(n < 0 for n in lengths):
             raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
-        starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+        starts = [0, *itertools.accumulate(lengths)]  # (Python ints: torch.export traces no tensor here)
         return cls(_int_tensor(starts, device), max(lengths, default=0), min(lengths, default=0), starts)
 
     def intervals(self) -> Iterable[tuple[int, int]]:
@@ -270,7 +273,7 @@ class _SeqLenInfo:
     def from_seqlens_inplace(self, seqlens: Iterable[int]) -> None:
         """Packed sequences of new lengths (at most the captured max_seqlen) in this metadata's tensors."""
         lengths = _ints("sequence lengths", seqlens)
-        starts = [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()]
+        starts = [0, *itertools.accumulate(lengths)]  # (Python ints: torch.export traces no tensor here)
         self._update(lengths, starts, self.max_seqlen, "max_seqlen")
 
     def lengths(self) -> list[int]:

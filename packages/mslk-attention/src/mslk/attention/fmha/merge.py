@@ -250,7 +250,7 @@ def _stacked_backward(ctx, grads):
 
 merge_attentions_varargs_op = registry.Op(
     "mslk::fmha_merge_attentions_varargs(Tensor[] attn_split, Tensor[] lse_split, bool write_lse, "
-    "ScalarType? output_dtype, int B, int M, int G, int H, int Kq) -> Tensor[]",
+    "ScalarType? output_dtype, SymInt B, SymInt M, SymInt G, SymInt H, SymInt Kq) -> Tensor[]",
     domain="attention",
     reference=_merge_varargs_reference,
     fake=_varargs_outputs,

@@ -28,7 +28,10 @@ def logical_keys(key: torch.Tensor, value: torch.Tensor, attn_bias) -> tuple:
     if not isinstance(attn_bias, _Paged):
         return key, value, attn_bias, None
     rows = attn_bias.pool_rows(key.device)
-    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < key.shape[1]:
+    # (Values of a tensor, which torch.compile and torch.export cannot branch on: a page past the pool then fails
+    # in the indexing below.)
+    checked = rows.numel() and not torch.compiler.is_compiling()
+    if checked and not 0 <= int(rows.min()) <= int(rows.max()) < key.shape[1]:
         raise ValueError(
             f"{type(attn_bias).__name__}: block_tables must hold pages of the pool of {key.shape[1]} rows "
             f"({key.shape[1] // attn_bias.page_size} pages of {attn_bias.page_size})"
