@@ -420,8 +420,8 @@ def _requires_grad(value: Any) -> bool:
 
 
 # -- the backward of an op without one ---------------------------------------------------------------
-# Its inputs' gradients come from `mslk::_no_backward`, which raises when it runs: in eager backward (on meta tensors
-# too), and in a compiled backward graph (where it traces to an empty tensor, so that a compiled forward still traces).
+# Its inputs' gradients come from `mslk::_no_backward`, which raises when it runs: in eager backward, and in a compiled
+# backward graph (where it traces to an empty tensor, so that a compiled forward still traces).
 _library("mslk").define("_no_backward(Tensor grad, SymInt[] size, ScalarType dtype, Device device, str op) -> Tensor")
 
 
@@ -437,8 +437,7 @@ torch.library.register_fake(
     lambda grad, size, dtype, device, op: torch.empty(size, dtype=dtype, device=device),
     lib=_library("mslk"),
 )
-for _key in ("CompositeExplicitAutograd", "Meta"):  # (after the fake, which would serve meta tensors)
-    _library("mslk").impl("_no_backward", _refuse_backward, _key)
+_library("mslk").impl("_no_backward", _refuse_backward, "CompositeExplicitAutograd")
 
 
 def _input_layout(value: Any) -> Any:
