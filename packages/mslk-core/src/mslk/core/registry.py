@@ -323,7 +323,8 @@ class Op:
         requires grad where it writes (the write has no backward), and none carries a forward-mode tangent."""
         if self.validate is not None:
             self.validate(*args, **kwargs)
-        if forward_ad._current_level >= 0 and _has_tangent((*args, *kwargs.values())):  # (the kernels drop it)
+        # (A tangent the kernels would drop.)
+        if forward_ad._current_level >= 0 and _any_tensor((*args, *kwargs.values()), _has_tangent):
             raise RuntimeError(
                 f"{self.qualname} has no forward-mode derivative, and an input of it is a dual tensor "
                 "(torch.autograd.forward_ad): unpack it, or use reverse mode where the op has a backward"
@@ -334,7 +335,7 @@ class Op:
             for name in written:
                 check_writable(self.name, name, values[name])
             if written and torch.is_grad_enabled():
-                needing = [name for name, value in values.items() if _requires_grad(value)]
+                needing = [name for name, value in values.items() if _any_tensor(value, lambda t: t.requires_grad)]
                 if needing:
                     raise RuntimeError(
                         f"{self.qualname} writes into {', '.join(written)} and has no backward, but "
@@ -407,16 +408,15 @@ class Op:
         return [b for b in self.backends if device_type in b.devices and b.unavailable_reason is None]
 
 
-def _has_tangent(value: Any) -> bool:
+def _any_tensor(value: Any, test: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether a tensor in value (a tensor, or a list or tuple of them, nested) passes test."""
     if isinstance(value, (list, tuple)):
-        return any(_has_tangent(v) for v in value)
-    return isinstance(value, torch.Tensor) and forward_ad.unpack_dual(value).tangent is not None
+        return any(_any_tensor(v, test) for v in value)
+    return isinstance(value, torch.Tensor) and test(value)
 
 
-def _requires_grad(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_requires_grad(v) for v in value)
-    return isinstance(value, torch.Tensor) and value.requires_grad
+def _has_tangent(t: torch.Tensor) -> bool:
+    return forward_ad.unpack_dual(t).tangent is not None
 
 
 # -- the backward of an op without one ---------------------------------------------------------------
